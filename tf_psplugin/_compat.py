@@ -1,0 +1,66 @@
+"""Version gate: which TensorFlow and which Keras the plugin runs on.
+
+Why this module exists: ParameterServerStrategy only works with Keras 2
+(tf.keras 2.15, or the `tf-keras` package on TF >= 2.16 with
+`TF_USE_LEGACY_KERAS=1`). Keras 3 has no ParameterServerStrategy support at
+all, and the failure it produces deep inside `model.fit` is unreadable. So we
+check once, at import, and raise an ImportError that says what to install.
+
+Everything else in the package imports Keras from here (`keras`), never
+`tf.keras` directly, so the resolution happens in exactly one place.
+"""
+
+import os
+import sys
+
+import tensorflow as tf
+
+TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
+
+_KERAS3_HELP = (
+    "tf_psplugin needs Keras 2: ParameterServerStrategy is not supported by Keras 3, "
+    "which is what tf.keras resolves to on TensorFlow {tf} here. Fix: either install "
+    "TensorFlow 2.15 (`pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`), or keep TF "
+    "{tf} and `pip install tf-keras~={major}.{minor}` and set the environment variable "
+    "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported."
+)
+
+
+def _resolve_keras():
+    """Returns the Keras 2 module behind `tf.keras`, or raises ImportError."""
+    if TF_VERSION < (2, 15):
+        raise ImportError(
+            f"tf_psplugin supports TensorFlow 2.15 to 2.21; found {tf.__version__}. "
+            "Fix: `pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`."
+        )
+    if TF_VERSION >= (2, 16) and os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() not in (
+        "1",
+        "true",
+    ):
+        raise ImportError(
+            _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
+            + " (TF_USE_LEGACY_KERAS is not set.)"
+        )
+    try:
+        keras_module = tf.keras
+        # tf.keras is a lazy loader without __version__; ask the package that
+        # actually implements its layers (keras on 2.15, tf_keras with legacy).
+        root = keras_module.layers.Layer.__module__.split(".")[0]
+        version = getattr(sys.modules.get(root), "__version__", "")
+    except ImportError as e:  # tf-keras missing with TF_USE_LEGACY_KERAS=1.
+        raise ImportError(
+            _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
+            + f" ({e})"
+        ) from e
+    if str(version).startswith("3"):
+        raise ImportError(
+            _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
+            + f" (tf.keras is Keras {version}.)"
+        )
+    return keras_module
+
+
+keras = _resolve_keras()
+KERAS_PACKAGE = keras.layers.Layer.__module__.split(".")[0]
+KERAS_VERSION = getattr(sys.modules.get(KERAS_PACKAGE), "__version__", "unknown")
+HAS_ESTIMATOR = TF_VERSION <= (2, 15)
