@@ -1,0 +1,195 @@
+"""The placement rule: which variables are embedding tables and where they go.
+
+This is the one decision the whole product rests on, so it lives in one place
+and both front-ends (the Keras strategy and the Estimator run config) ask it:
+
+* an **embedding table** is sharded across every PS task, in host memory;
+* everything else is **dense** and gets one replica per worker, kept in sync by
+  collective all-reduce (or, with ``dense_placement="ps"``, lives on a PS as in
+  stock ParameterServerStrategy).
+
+A variable is a table when any of these holds:
+
+1. it was created inside :func:`embedding_table_scope`;
+2. its base name is one that embedding layers use: ``embeddings``
+   (``tf.keras.layers.Embedding`` and the plugin's own layer) or
+   ``embedding_weights`` (``tf.feature_column.embedding_column``,
+   canned estimators), and it is 2-D;
+3. it is larger than ``PlacementPolicy.min_table_bytes``.
+
+Rules 1 and 2 mean unchanged user code gets the right placement; rule 3 keeps
+a huge variable of any other kind off the workers.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterable, Optional, Sequence, Tuple
+
+SHARDING_INTERLEAVED = "interleaved"
+SHARDING_CONTIGUOUS = "contiguous"
+SHARDING_SCHEMES = (SHARDING_INTERLEAVED, SHARDING_CONTIGUOUS)
+
+KIND_TABLE = "table"
+KIND_DENSE = "dense"
+
+_scope_state = threading.local()
+
+
+@contextlib.contextmanager
+def embedding_table_scope():
+    """Places every variable created inside this scope on the PS, sharded.
+
+    Example:
+
+    ```python
+    with strategy.scope(), tf_psplugin.embedding_table_scope():
+        user_vectors = tf.Variable(tf.zeros([10_000_000, 32]))
+    ```
+
+    Yields:
+        None.
+    """
+    depth = getattr(_scope_state, "depth", 0)
+    _scope_state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope_state.depth = depth
+
+
+def in_embedding_table_scope() -> bool:
+    """Returns True inside :func:`embedding_table_scope` on this thread."""
+    return getattr(_scope_state, "depth", 0) > 0
+
+
+def base_name(name: Optional[str]) -> str:
+    """Returns the last path component of a variable name, without ``:0``.
+
+    Feature columns name their variables ``input_layer/C1_embedding/
+    embedding_weights/part_0:0``; Keras passes just ``embeddings``. Both reduce
+    to the name the embedding code chose.
+
+    Args:
+        name: A variable name, possibly scoped, partitioned or with an output
+            index; may be None.
+
+    Returns:
+        The base name, e.g. ``embedding_weights``.
+    """
+    if not name:
+        return ""
+    parts = [p for p in str(name).split(":")[0].split("/") if p]
+    while parts and parts[-1].startswith("part_"):
+        parts.pop()
+    return parts[-1] if parts else ""
+
+
+def num_bytes(shape: Sequence[Optional[int]], dtype_size: int) -> int:
+    """Returns the size in bytes of a fully defined shape, or 0 if unknown."""
+    total = dtype_size
+    for dim in shape:
+        if dim is None:
+            return 0
+        total *= int(dim)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPolicy:
+    """Decides whether a variable is an embedding table.
+
+    Attributes:
+        table_names: Base variable names that mark a 2-D variable as a table.
+        min_table_bytes: Any variable at least this large is a table, whatever
+            its name. 0 disables the size rule.
+        sharding: How table rows are spread over PS tasks: ``"interleaved"``
+            (row ``i`` on shard ``i mod num_ps``; balances Zipf-hot ids) or
+            ``"contiguous"`` (row ranges, TF's default layout).
+    """
+
+    table_names: Tuple[str, ...] = ("embeddings", "embedding_weights")
+    min_table_bytes: int = 64 << 20
+    sharding: str = SHARDING_INTERLEAVED
+
+    def __post_init__(self):
+        if self.sharding not in SHARDING_SCHEMES:
+            raise ValueError(
+                f"PlacementPolicy.sharding: unknown scheme {self.sharding!r}. "
+                f"Fix: use one of {', '.join(SHARDING_SCHEMES)}."
+            )
+        if self.min_table_bytes < 0:
+            raise ValueError(
+                "PlacementPolicy.min_table_bytes: must be >= 0 (0 disables the size rule)."
+            )
+        object.__setattr__(self, "table_names", tuple(self.table_names))
+
+    def is_table(self, name: Optional[str], shape: Iterable[Optional[int]], dtype_size: int) -> bool:
+        """Returns True if a variable with this name and shape is a table.
+
+        Args:
+            name: The variable's name as given to the variable creator.
+            shape: Its shape (dimensions may be None when unknown).
+            dtype_size: Bytes per element.
+
+        Returns:
+            Whether the variable belongs sharded on the PS tasks.
+        """
+        shape = tuple(shape)
+        if in_embedding_table_scope():
+            return True
+        if len(shape) == 2 and base_name(name) in self.table_names:
+            return True
+        size = num_bytes(shape, dtype_size)
+        return bool(self.min_table_bytes) and size >= self.min_table_bytes
+
+    def kind(self, name: Optional[str], shape: Iterable[Optional[int]], dtype_size: int) -> str:
+        """Returns :data:`KIND_TABLE` or :data:`KIND_DENSE` for a variable."""
+        return KIND_TABLE if self.is_table(name, shape, dtype_size) else KIND_DENSE
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementRecord:
+    """Where one variable was placed, for the start-up report.
+
+    Attributes:
+        name: Variable name.
+        kind: ``"table"``, ``"dense"``, or ``"slot"`` suffixed kinds.
+        shape: Full (logical) shape.
+        dtype: dtype name.
+        num_bytes: Size of the full variable.
+        devices: Devices holding it (shards or replicas).
+    """
+
+    name: str
+    kind: str
+    shape: Tuple[int, ...]
+    dtype: str
+    num_bytes: int
+    devices: Tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        """Returns a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def format_report(records: Sequence[PlacementRecord]) -> str:
+    """Formats placement records as a table for logs.
+
+    Args:
+        records: What was placed.
+
+    Returns:
+        A multi-line human-readable report.
+    """
+    lines = ["tf_psplugin placement:"]
+    for r in records:
+        devices = sorted({d.replace("/replica:0", "").replace("/device:CPU:0", "") for d in r.devices})
+        lines.append(
+            f"  {r.kind:6s} {r.name:40s} {str(list(r.shape)):18s} {r.dtype:8s} "
+            f"{r.num_bytes / 2**20:9.2f} MiB  on {', '.join(devices)}"
+        )
+    tables = sum(r.num_bytes for r in records if r.kind.startswith(KIND_TABLE))
+    dense = sum(r.num_bytes for r in records if r.kind.startswith(KIND_DENSE))
+    lines.append(f"  total: tables {tables / 2**20:.2f} MiB on PS, dense {dense / 2**20:.2f} MiB per worker")
+    return "\n".join(lines)
