@@ -111,11 +111,12 @@ class _Names:
         )
 
     def set_hosts(self, job: str, what: str = "host:port") -> str:
+        more = "" if job in ("chief", "evaluator") else ", ..."
         if self.source == "TF_CONFIG":
-            return f'set "{job}": ["{what}", ...] in TF_CONFIG.cluster'
+            return f'set "{job}": ["{what}"{more}] in TF_CONFIG.cluster'
         if self.source == "flags":
-            return f"pass --{job}_hosts={what}[,{what}...]"
-        return f'set cluster["{job}"] = ("{what}", ...)'
+            return f"pass --{job}_hosts={what}" + ("" if not more else f"[,{what}...]")
+        return f'set cluster["{job}"] = ("{what}"{more})'
 
     def set_task(self, task_type: str, index: int) -> str:
         if self.source == "TF_CONFIG":
@@ -595,6 +596,7 @@ def from_flags(flag_values: Optional[flags.FlagValues] = None) -> ClusterConfig:
         hosts = _split_hosts(_flag(fv, name), name)
         if hosts:
             cluster[name[: -len("_hosts")]] = hosts
+    _validate_cluster(cluster, names)  # Address errors first: they explain count errors.
     index = _flag(fv, "task_index")
     if isinstance(index, str):
         if not index.strip().lstrip("-").isdigit():
@@ -616,6 +618,9 @@ def _parse(fv: flags.FlagValues, argv: Sequence[str], known_only: bool) -> List[
     """Parses argv into fv, turning absl's errors into ConfigError."""
     try:
         return fv(list(argv), known_only=known_only)
+    except flags.CantOpenFlagFileError as e:
+        raise ConfigError("--flagfile", str(e).replace("ERROR:: ", ""),
+                          "pass the path of an existing flags file") from None
     except flags.Error as e:
         name = getattr(e, "flagname", None)
         match = re.search(r"--?([A-Za-z0-9_]+)", str(e))
