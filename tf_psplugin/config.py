@@ -744,19 +744,36 @@ flags:
 """
 
 
+def is_help(argv: Sequence[str]) -> bool:
+    """True if a command line (program name first) asks for help."""
+    return any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull") for arg in argv[1:])
+
+
+def resolve_strict(argv: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> ClusterConfig:
+    """Like `resolve()`, for command lines that hold only the plugin's flags.
+
+    Used by the `python -m tf_psplugin.config` and `python -m tf_psplugin.server`
+    command lines: unknown flags and positional arguments are errors here.
+
+    Raises:
+      ConfigError: on any invalid input, including unknown flags.
+    """
+    FLAGS.unparse_flags()
+    extra = _parse(FLAGS, argv, known_only=False)[1:]
+    if extra:
+        raise ConfigError("argv", f"unexpected argument {extra[0]!r}",
+                          "pass only --flag=value arguments (or none, to use TF_CONFIG)")
+    return _resolve_parsed(FLAGS, os.environ if environ is None else environ)
+
+
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 invalid configuration)."""
     argv = list(sys.argv if argv is None else argv)
-    if any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull") for arg in argv[1:]):
+    if is_help(argv):
         sys.stdout.write(_USAGE)
         return 0
     try:
-        FLAGS.unparse_flags()
-        extra = _parse(FLAGS, argv, known_only=False)[1:]
-        if extra:
-            raise ConfigError("argv", f"unexpected argument {extra[0]!r}",
-                              "pass only --flag=value arguments (or none, to use TF_CONFIG)")
-        config = _resolve_parsed(FLAGS, os.environ if environ is None else environ)
+        config = resolve_strict(argv, environ)
     except ConfigError as e:
         sys.stderr.write(f"tf_psplugin.config: error: {e}\n")
         return 2
