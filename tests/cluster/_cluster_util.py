@@ -1,0 +1,271 @@
+"""Shared helpers for cluster tests: real processes on loopback, never leaked.
+
+Why this module exists: every cluster test starts TF servers and scripts as
+subprocesses, and a test that fails halfway must not leave servers running
+(they hold ports and the 2 CPU cores every other test needs). These helpers
+make that the default. Reuse them instead of writing your own Popen code.
+
+The pieces, from the bottom up:
+
+* `free_port(host)`, `wait_for_port(host, port, timeout)`: loopback ports.
+* `python_script(tmp_path, code, name)`: writes a dedented script file, with
+  the repo on `sys.path`, and returns its path (run it with `PYTHON`).
+* `ProcessTracker` (fixture `procs` in conftest.py): starts subprocesses in
+  their own process groups, tags each with a unique
+  `TF_PSPLUGIN_LAUNCH_ID` environment value, and at teardown kills every
+  group it started *and* every process on the machine carrying its tag
+  (which catches grandchildren and restarted servers too).
+  `procs.run(cmd, timeout)` runs to completion, killing the group on
+  timeout; `procs.popen(cmd)` starts in the background.
+* `make_cluster` fixture (conftest.py): builds `tf_psplugin.launch.LocalCluster`
+  objects tagged the same way and stops them at teardown.
+* `pid_alive(pid)`, `tagged_pids(tag)`, `wait_until(predicate, timeout)`:
+  assertions about what is still running.
+
+Typical use in a test module (fixtures come from tests/cluster/conftest.py):
+
+    import pytest
+    from tests.cluster import _cluster_util as cu
+
+    @pytest.mark.cluster
+    @pytest.mark.timeout(60)
+    def test_something(tmp_path, make_cluster):
+        script = cu.python_script(tmp_path, '''
+            from tf_psplugin import server
+            config = server.start()
+            print("RESULT", config.task_type)
+        ''')
+        cluster = make_cluster(num_workers=1, num_ps=1)
+        cluster.start_servers()
+        result = cluster.run_chief([cu.PYTHON, script], timeout=45)
+        assert result.returncode == 0, result.stdout
+        assert cu.result_line(result.stdout) == "chief"
+
+Keep clusters small (1-2 workers, 1-2 PS): the box has 2 cores and each
+TF process takes seconds just to import TensorFlow.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from typing import Callable, Dict, List, Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON = sys.executable
+LAUNCH_ID_ENV = "TF_PSPLUGIN_LAUNCH_ID"  # Same name as tf_psplugin.launch.LAUNCH_ID_ENV.
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port that is free on `host` right now (racy, like all such)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 30.0) -> bool:
+    """True once something accepts TCP connections on host:port; False on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Polls `predicate` until it is true; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def python_script(tmp_path, code: str, name: str = "script.py") -> str:
+    """Writes `code` (dedented) to `tmp_path/name` and returns the path.
+
+    The repo root is put on `sys.path` first, so the script imports this
+    checkout's `tf_psplugin` and `tests` even without an editable install.
+    """
+    header = f"import sys\nsys.path.insert(0, {REPO_ROOT!r})\n"
+    path = os.path.join(str(tmp_path), name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header + textwrap.dedent(code).lstrip("\n"))
+    return path
+
+
+def result_line(output: str, marker: str = "RESULT") -> Optional[str]:
+    """The text after the last `marker ` in a (role-prefixed) log, or None.
+
+    Test scripts print e.g. `RESULT {"devices": [...]}`; the launcher turns it
+    into `[chief] RESULT {...}`. Use json.loads on what this returns.
+    """
+    found = None
+    for line in output.splitlines():
+        head, sep, tail = line.partition(marker + " ")
+        if sep and (not head or head.startswith("[")):
+            found = tail.strip()
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie (zombies are dead, just unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def tagged_pids(tag: str) -> List[int]:
+    """Live pids whose environment holds `TF_PSPLUGIN_LAUNCH_ID=<tag>` (Linux /proc)."""
+    needle = f"{LAUNCH_ID_ENV}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # Gone, or not ours to read.
+            continue
+        if needle in env and pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signals a process group, ignoring groups that are already gone."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ProcessTracker:
+    """Starts tagged subprocesses and kills all of them (and their kin) on cleanup.
+
+    Attributes:
+      tag: unique value of `TF_PSPLUGIN_LAUNCH_ID` for everything started
+        here; `tf_psplugin.launch` passes an inherited value on to its
+        children, so launcher-started tasks carry it too.
+    """
+
+    def __init__(self):
+        self.tag = f"test-{uuid.uuid4().hex}"
+        self._procs: List[subprocess.Popen] = []
+
+    def env(self, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        """os.environ + quiet TF logs + the tag + `extra`, TF_CONFIG removed."""
+        env = dict(os.environ)
+        env.pop("TF_CONFIG", None)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+        env[LAUNCH_ID_ENV] = self.tag
+        env.update(extra or {})
+        return env
+
+    def popen(self, cmd: Sequence[str], env: Optional[Dict[str, str]] = None,
+              **kwargs) -> subprocess.Popen:
+        """Starts `cmd` in its own process group with stdout+stderr merged (text)."""
+        proc = subprocess.Popen(
+            list(cmd), env=self.env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Runs `cmd` to completion; on timeout kills its group and fails the test.
+
+        Returns:
+          CompletedProcess with merged output in `stdout`.
+        """
+        proc = self.popen(cmd, env=env, **kwargs)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            out, _ = proc.communicate()
+            raise AssertionError(f"{cmd} did not finish in {timeout} s; output:\n{out}") from None
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, stdout=out)
+
+    def cleanup(self) -> List[int]:
+        """Kills everything started here or tagged; returns pids that were still alive."""
+        leftovers = []
+        for proc in self._procs:
+            if proc.poll() is None:
+                leftovers.append(proc.pid)
+            kill_group(proc.pid)
+        for pid in tagged_pids(self.tag):
+            leftovers.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+        return sorted(set(leftovers))
+
+
+class LineReader:
+    """Collects a background process's text output, line by line, in a thread.
+
+    Use with `procs.popen(...)` when a test must react to output while the
+    process still runs (e.g. send SIGINT once servers are up):
+
+        proc = procs.popen([cu.PYTHON, "-m", "tf_psplugin.launch", ...])
+        reader = cu.LineReader(proc)
+        assert reader.wait_for("serving at", count=2, timeout=40), reader.text()
+    """
+
+    def __init__(self, proc: subprocess.Popen):
+        self._lines: List[str] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            with self._lock:
+                self._lines.append(line)
+
+    def lines(self) -> List[str]:
+        with self._lock:
+            return list(self._lines)
+
+    def text(self) -> str:
+        return "".join(self.lines())
+
+    def wait_for(self, text: str, timeout: float, count: int = 1) -> bool:
+        """True once `count` lines contain `text`; False on timeout."""
+        return wait_until(lambda: sum(text in ln for ln in self.lines()) >= count, timeout)
+
+    def join(self, timeout: float = 10.0) -> str:
+        """Waits for end of output (process exited); returns all text."""
+        self._thread.join(timeout)
+        return self.text()
+
+
+def read_pid_file(path: str) -> Dict:
+    """Reads a `tf_psplugin.launch --pid-file` JSON ({} if it does not exist yet)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return {}
