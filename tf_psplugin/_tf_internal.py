@@ -1,0 +1,56 @@
+"""The one place where tf_psplugin touches private TensorFlow APIs.
+
+The public `tf.distribute` surface has no hooks for "some variables on PS,
+others replicated on workers, kept in sync by collectives", so the strategy
+subclasses ParameterServerStrategy internals. Every private symbol the
+plugin uses is imported here, with the reason, so that a TF upgrade has one
+file to audit. Checked against TF 2.15.1 and the 2.16-2.21 line (same module
+paths).
+"""
+
+# ParameterServerStrategyV2 and its Extended: we subclass both (there is no
+# public extension point for variable creation or reduction).
+from tensorflow.python.distribute import parameter_server_strategy_v2  # noqa: F401
+
+# PerWorkerVariable is TF's "one copy per worker" variable; our replicated
+# dense variable extends it (public API exposes only `per_worker_variable=True`,
+# which is not trainable and does not sync with the coordinator's copy).
+from tensorflow.python.distribute import ps_values  # noqa: F401
+
+# ShardedVariable: TF's sharded table type; placement and checkpoint code must
+# recognise it (it is exported only as tf.__internal__).
+from tensorflow.python.distribute import sharded_variable  # noqa: F401
+
+# Cluster coordinator internals: our coordinator subclasses ClusterCoordinator
+# and dispatches one closure to every worker (the public `schedule` sends a
+# function to exactly one worker). RemoteValueImpl is the only RemoteValue
+# implementation; coordinator_context tells a function which worker runs it.
+from tensorflow.python.distribute.coordinator import cluster_coordinator  # noqa: F401
+from tensorflow.python.distribute.coordinator import coordinator_context  # noqa: F401
+from tensorflow.python.distribute.coordinator import values as coordinator_values  # noqa: F401
+
+# The eager context: collective ops need `configure_collective_ops` before the
+# cluster is connected, and connecting needs device filters that let workers
+# see each other (stock PSS hides workers from one another).
+from tensorflow.python.eager import context  # noqa: F401
+from tensorflow.python.eager import remote  # noqa: F401
+from tensorflow.python.training import server_lib  # noqa: F401
+
+# Collective ops v2: all-reduce / all-gather among the workers of the AllReduce
+# group. `tf.raw_ops.CollectiveReduceV2` is public but lacks the Python
+# wrapper's ordering-token and key handling.
+from tensorflow.python.ops import collective_ops  # noqa: F401
+
+# Resource variable helpers used by the replicated variable type.
+from tensorflow.python.ops import resource_variable_ops  # noqa: F401
+
+# Merge-call and update contexts for the strategy's Extended overrides.
+from tensorflow.python.distribute import distribute_lib  # noqa: F401
+from tensorflow.python.distribute import values as distribute_values  # noqa: F401
+
+# input_util builds distributed datasets; our strategy builds them with one
+# replica per worker (no re-batching) while num_replicas_in_sync = workers.
+from tensorflow.python.distribute import input_util  # noqa: F401
+
+# ops.inside_function tells whether we are tracing (dataset build timing).
+from tensorflow.python.framework import ops  # noqa: F401

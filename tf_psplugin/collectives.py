@@ -1,0 +1,180 @@
+"""Collective communication among the workers of the AllReduce group.
+
+Dense gradients are summed across workers with one packed all-reduce per step
+(one collective launch instead of one per variable); embedding gradients in
+``"sync"`` mode are all-gathered, also packed, so every worker sees the
+global sparse gradient and exactly one worker applies it to each PS shard.
+
+Instance keys are handed out at trace time, one per collective op, as
+MultiWorkerMirroredStrategy's CollectiveKeys do. Every worker traces the same
+function identically, so the keys match across workers; a collective reused
+in later steps (or in a `tf.range` loop) is ordered by its data dependencies.
+"""
+
+import itertools
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_psplugin._tf_internal import collective_ops
+
+# Group keys below 100 are left to TF's own strategies.
+DEFAULT_GROUP_KEY = 7001
+
+
+class CollectiveGroup:
+    """The workers' collective group: size, group key and instance keys.
+
+    Args:
+        group_size: Number of workers taking part.
+        group_key: Integer naming the group; identical on every worker.
+        timeout_seconds: Collectives fail with DeadlineExceeded after this
+            long instead of hanging forever when a peer is gone. 0 = no limit.
+    """
+
+    def __init__(self, group_size: int, group_key: int = DEFAULT_GROUP_KEY,
+                 timeout_seconds: float = 0.0):
+        if group_size < 1:
+            raise ValueError(f"CollectiveGroup.group_size must be >= 1, got {group_size}.")
+        self.group_size = int(group_size)
+        self.group_key = int(group_key)
+        self.timeout_seconds = float(timeout_seconds)
+        self._lock = threading.Lock()
+        self._next_key = itertools.count(1)
+
+    def next_instance_key(self) -> int:
+        """Returns a fresh instance key (called while tracing)."""
+        with self._lock:
+            return next(self._next_key)
+
+    def all_reduce(self, tensor: tf.Tensor, merge_op: str = "Add",
+                   final_op: str = "Id") -> tf.Tensor:
+        """All-reduces one dense tensor across the group."""
+        if self.group_size == 1:
+            return tf.identity(tensor)
+        return collective_ops.all_reduce_v2(
+            tensor, group_size=self.group_size, group_key=self.group_key,
+            instance_key=self.next_instance_key(), merge_op=merge_op, final_op=final_op,
+            timeout=self.timeout_seconds)
+
+    def all_gather(self, tensor: tf.Tensor) -> tf.Tensor:
+        """Concatenates every worker's tensor along axis 0 (equal shapes)."""
+        if self.group_size == 1:
+            return tf.identity(tensor)
+        return collective_ops.all_gather_v2(
+            tensor, group_size=self.group_size, group_key=self.group_key,
+            instance_key=self.next_instance_key(), timeout=self.timeout_seconds)
+
+    def all_reduce_packed(self, tensors: Sequence[tf.Tensor], mean: bool = False) -> List[tf.Tensor]:
+        """Sums (or averages) a list of dense tensors with one collective.
+
+        Tensors are flattened, cast to a common float type per dtype group,
+        concatenated, reduced once and split back.
+
+        Args:
+            tensors: Dense tensors, any shapes.
+            mean: Divide by the group size.
+
+        Returns:
+            The reduced tensors, same shapes and dtypes as the inputs.
+        """
+        results: List[Optional[tf.Tensor]] = [None] * len(tensors)
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for dtype, idxs in by_dtype.items():
+            flat = [tf.reshape(tensors[i], [-1]) for i in idxs]
+            packed = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
+            reduced = self.all_reduce(packed, final_op="Div" if mean else "Id")
+            sizes = [tf.size(f) for f in flat]
+            pieces = [reduced] if len(flat) == 1 else tf.split(reduced, tf.stack(sizes), num=len(flat))
+            for i, piece in zip(idxs, pieces):
+                results[i] = tf.reshape(piece, tf.shape(tensors[i]))
+        return results  # type: ignore[return-value]
+
+    def all_gather_indexed_slices(self, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
+        """All-gathers sparse gradients from every worker, packed.
+
+        Workers may hold different numbers of rows, so row counts are gathered
+        first, every buffer is padded to the longest, gathered, and the
+        padding is masked away. Three collectives in total, whatever the
+        number of tables.
+
+        Args:
+            slices: IndexedSlices; values of each may have any row width.
+
+        Returns:
+            For each input, the concatenation of every worker's slices (the
+            global sparse gradient, duplicates not combined).
+        """
+        if not slices:
+            return []
+        if self.group_size == 1:
+            return list(slices)
+        k = len(slices)
+        rows = [tf.shape(s.indices, out_type=tf.int64)[0] for s in slices]
+        widths = [_row_width(s) for s in slices]
+        value_dtype = slices[0].values.dtype
+        counts = tf.stack(rows)  # [k]
+        all_counts = tf.reshape(self.all_gather(counts), [self.group_size, k])
+        flat_idx = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
+        flat_val = tf.concat(
+            [tf.reshape(tf.cast(s.values, value_dtype), [-1]) for s in slices], axis=0)
+        width_t = tf.constant(widths, tf.int64)
+        idx_len = tf.reduce_sum(all_counts, axis=1)  # per worker
+        val_len = tf.reduce_sum(all_counts * width_t[tf.newaxis, :], axis=1)
+        max_idx, max_val = tf.reduce_max(idx_len), tf.reduce_max(val_len)
+        pad_idx = tf.pad(flat_idx, [[0, max_idx - tf.shape(flat_idx, out_type=tf.int64)[0]]])
+        pad_val = tf.pad(flat_val, [[0, max_val - tf.shape(flat_val, out_type=tf.int64)[0]]])
+        g_idx = tf.reshape(self.all_gather(pad_idx), [self.group_size, -1])
+        g_val = tf.reshape(self.all_gather(pad_val), [self.group_size, -1])
+        per_var_idx: List[List[tf.Tensor]] = [[] for _ in range(k)]
+        per_var_val: List[List[tf.Tensor]] = [[] for _ in range(k)]
+        for w in range(self.group_size):
+            c = all_counts[w]
+            idx_parts = tf.split(g_idx[w, :idx_len[w]], c, num=k)
+            val_parts = tf.split(g_val[w, :val_len[w]], c * width_t, num=k)
+            for j in range(k):
+                per_var_idx[j].append(idx_parts[j])
+                per_var_val[j].append(val_parts[j])
+        out = []
+        for j, s in enumerate(slices):
+            values = tf.concat(per_var_val[j], axis=0)
+            values = tf.reshape(values, tf.concat([[-1], tf.shape(s.values)[1:]], axis=0))
+            indices = tf.cast(tf.concat(per_var_idx[j], axis=0), s.indices.dtype)
+            out.append(tf.IndexedSlices(tf.cast(values, s.values.dtype), indices, s.dense_shape))
+        return out
+
+    def barrier(self, control_inputs: Sequence = ()) -> tf.Tensor:
+        """A collective that completes only when every worker reached it.
+
+        Args:
+            control_inputs: Ops that must have run on this worker first.
+
+        Returns:
+            A scalar tensor; depend on it to order later ops after the barrier.
+        """
+        with tf.control_dependencies(list(control_inputs)):
+            token = tf.constant(0.0)
+        return self.all_reduce(token)
+
+
+def _row_width(s: tf.IndexedSlices) -> int:
+    shape = s.values.shape[1:]
+    if not shape.is_fully_defined():
+        raise ValueError(
+            "tf_psplugin: an embedding gradient has rows of unknown width "
+            f"{s.values.shape}; tables must have a static embedding dimension.")
+    width = 1
+    for d in shape:
+        width *= int(d)
+    return width
+
+
+def split_dense_sparse(values: Sequence) -> Tuple[List[int], List[int]]:
+    """Returns the positions of dense tensors and of IndexedSlices."""
+    dense, sparse = [], []
+    for i, v in enumerate(values):
+        (sparse if isinstance(v, tf.IndexedSlices) else dense).append(i)
+    return dense, sparse

@@ -1,0 +1,311 @@
+"""The coordinator: synchronous per-worker dispatch on top of ClusterCoordinator.
+
+Stock `ClusterCoordinator.schedule` sends each function to *one* free worker
+(asynchronous training). Synchronous hybrid training needs every step to run
+on *every* worker at once, because the step contains collectives among the
+workers. `HybridClusterCoordinator.schedule` therefore:
+
+1. traces the function once (as the stock coordinator does),
+2. pushes any replicated variable whose chief copy is newer than the
+   replicas (e.g. after `set_weights` or a checkpoint restore),
+3. queues one part of the step on each worker's own thread, each part
+   resolving its per-worker arguments (its own iterator),
+4. returns one RemoteValue: worker 0's outputs. Metrics are reduced across
+   workers inside the step, so worker 0's logs describe the global batch.
+
+Keras's `model.fit`, `evaluate` and custom loops all call `schedule`; the
+strategy installs this coordinator when it is constructed, and
+`ClusterCoordinator(strategy)` returns it (TF's `__new__` returns the
+strategy's existing coordinator), so no user code changes.
+
+Errors: the first failure of any part is kept and raised by the next
+`schedule`, `join` or `done`, like the stock coordinator; later queued steps
+are cancelled. Worker recovery is handled in `failover.py`.
+"""
+
+import queue
+import threading
+import time
+from typing import List, Optional
+
+import tensorflow as tf
+from absl import logging
+
+from tf_psplugin import variables as variables_lib
+from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_context
+from tf_psplugin._tf_internal import coordinator_values
+
+_STOP = object()
+
+
+class _StepPart:
+    """One worker's share of a synchronous step."""
+
+    __slots__ = ("step", "worker_index")
+
+    def __init__(self, step, worker_index):
+        self.step = step
+        self.worker_index = worker_index
+
+
+class _SyncStep:
+    """A function dispatched to every worker, with its result and status."""
+
+    def __init__(self, step_id, function, args, kwargs, output_spec, num_workers):
+        self.step_id = step_id
+        self.function = function
+        self.args = args
+        self.kwargs = kwargs
+        self.remote_value = coordinator_values.RemoteValueImpl(None, output_spec)
+        self.remaining = num_workers
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+
+
+class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
+    """ClusterCoordinator whose `schedule` runs a function on every worker.
+
+    In asynchronous dense mode (`dense_placement="ps"`) it behaves exactly
+    like the stock coordinator.
+
+    Example:
+
+    ```python
+    strategy = tf_psplugin.HybridParameterServerStrategy()
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    # -> the strategy's HybridClusterCoordinator
+    result = coordinator.schedule(train_step, args=(per_worker_iterator,))
+    coordinator.join()
+    ```
+    """
+
+    def __init__(self, strategy):
+        if getattr(self, "_has_initialized", False):
+            return
+        super().__init__(strategy)
+        self._synchronous = bool(getattr(strategy.extended, "synchronous_dispatch", False))
+        self._num_workers = len(self._cluster.workers)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self._error: Optional[BaseException] = None
+        self._step_counter = 0
+        self._queues: List["queue.Queue"] = []
+        self._threads: List[threading.Thread] = []
+        self._logged_placement = False
+        if self._synchronous:
+            for worker in self._cluster.workers:
+                q = queue.Queue()
+                t = threading.Thread(target=self._worker_loop, args=(worker, q),
+                                     name=f"tf_psplugin-sync-worker-{worker.worker_index}",
+                                     daemon=True)
+                self._queues.append(q)
+                self._threads.append(t)
+                t.start()
+
+    # -- public API -----------------------------------------------------------
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether `schedule` dispatches to every worker."""
+        return self._synchronous
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers in the training cluster."""
+        return self._num_workers
+
+    def schedule(self, fn, args=None, kwargs=None):
+        """Schedules `fn` on every worker (synchronous mode) or one worker.
+
+        Args:
+            fn: A `tf.function` or concrete function.
+            args: Positional args; `PerWorkerValues` resolve per worker.
+            kwargs: Keyword args, likewise.
+
+        Returns:
+            A RemoteValue with worker 0's outputs (synchronous mode), or the
+            stock coordinator's RemoteValue.
+
+        Raises:
+            Exception: the first error of a previously scheduled step.
+        """
+        self._maybe_log_placement()
+        if not self._synchronous:
+            return super().schedule(fn, args=args, kwargs=kwargs)
+        self._raise_if_error()
+        extended = self.strategy.extended
+        with self.strategy.scope():
+            extended._being_scheduled = True  # pylint: disable=protected-access
+            extended.tracing_sync_step = True
+            try:
+                closure = cluster_coordinator.Closure(
+                    fn, self._cluster.closure_queue._cancellation_mgr,  # pylint: disable=protected-access
+                    args=args, kwargs=kwargs)
+            finally:
+                extended._being_scheduled = False  # pylint: disable=protected-access
+                extended.tracing_sync_step = False
+        concrete = getattr(closure, "_concrete_function", None)
+        if concrete is not None:
+            for var in variables_lib.replicated_variables_used_by(concrete):
+                var.push_if_needed()
+                var.mark_dispatched()
+        with self._lock:
+            self._step_counter += 1
+            step = _SyncStep(self._step_counter, closure._function, closure._args,  # pylint: disable=protected-access
+                             closure._kwargs, closure._output_type_spec, self._num_workers)  # pylint: disable=protected-access
+            self._inflight += 1
+        for i, q in enumerate(self._queues):
+            q.put(_StepPart(step, i))
+        return step.remote_value
+
+    def wait_for_sync_steps(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until no synchronous step is in flight (errors not raised)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+
+    def join(self):
+        """Blocks until every scheduled function finished; raises the first error."""
+        if self._synchronous:
+            self.wait_for_sync_steps()
+            self._raise_if_error()
+        super().join()
+
+    def done(self):
+        """Whether every scheduled function finished; raises the first error."""
+        if self._synchronous:
+            with self._lock:
+                busy = self._inflight > 0
+            self._raise_if_error()
+            if busy:
+                return False
+        return super().done()
+
+    def create_per_worker_dataset(self, dataset_fn):
+        """Creates a dataset on every worker; in sync mode each gets a shard.
+
+        A `tf.data.Dataset` (or one distributed with
+        `strategy.experimental_distribute_dataset`) is sharded by batch:
+        worker `i` of `n` reads batches `i, i+n, ...`, so one synchronous step
+        consumes `n` consecutive batches (the global batch is `n` times the
+        dataset's batch). A dataset function is called with an
+        `tf.distribute.InputContext` naming the worker and is expected to
+        shard itself (as with `distribute_datasets_from_function`).
+
+        Args:
+            dataset_fn: A dataset, distributed dataset, or a function.
+
+        Returns:
+            A per-worker dataset, as from the stock coordinator.
+        """
+        if not self._synchronous or callable(dataset_fn):
+            return super().create_per_worker_dataset(dataset_fn)
+        original = getattr(dataset_fn, "_original_dataset", dataset_fn)
+        if not isinstance(original, tf.data.Dataset):
+            return super().create_per_worker_dataset(dataset_fn)
+        serialized = coordinator_values.serialize_dataset_to_graph(original)
+        element_spec = original.element_spec
+        num_workers = self._num_workers
+
+        def sharded_dataset_fn():
+            ds = coordinator_values.deserialize_dataset_from_graph(serialized, element_spec)
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return ds.shard(num_workers, index)
+
+        return coordinator_values.PerWorkerDatasetFromDatasetFunction(sharded_dataset_fn, self)
+
+    # -- internals ------------------------------------------------------------
+
+    def _maybe_log_placement(self):
+        if self._logged_placement:
+            return
+        self._logged_placement = True
+        report = getattr(self.strategy, "placement_report", None)
+        if report is not None and getattr(self.strategy.extended, "log_placement", False):
+            logging.info("%s", report())
+
+    def _raise_if_error(self):
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _worker_loop(self, worker, q):
+        worker_executor = _new_sync_executor()
+        while True:
+            part = q.get()
+            if part is _STOP:
+                return
+            step = part.step
+            outputs = None
+            error = None
+            with self._lock:
+                cancelled = self._error is not None
+            if cancelled:
+                error = tf.errors.CancelledError(
+                    None, None, "tf_psplugin: step cancelled after an earlier step failed.")
+            else:
+                try:
+                    outputs = self._execute(step, worker, worker_executor)
+                except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
+                    error = e
+                    logging.error("tf_psplugin: worker %d failed step %d: %r",
+                                  worker.worker_index, step.step_id, e)
+            self._finish_part(step, worker.worker_index, outputs, error)
+
+    def _execute(self, step, worker, worker_executor):
+        args = cluster_coordinator._select_worker_slice(worker.worker_index, step.args)  # pylint: disable=protected-access
+        kwargs = cluster_coordinator._select_worker_slice(worker.worker_index, step.kwargs)  # pylint: disable=protected-access
+        with tf.device(worker.device_name), context.executor_scope(worker_executor):
+            with coordinator_context.with_dispatch_context(worker):
+                outputs = step.function(
+                    *tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args),
+                    **tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs))
+        if worker.worker_index == 0:
+            step.remote_value._set_values(outputs)  # pylint: disable=protected-access
+            step.remote_value.get()  # Copy to the chief while the worker is alive.
+        return outputs
+
+    def _finish_part(self, step, worker_index, outputs, error):
+        with self._lock:
+            if error is not None and step.error is None:
+                step.error = error
+                if not isinstance(error, tf.errors.CancelledError) or self._error is None:
+                    self._error = self._error or error
+            step.remaining -= 1
+            finished = step.remaining == 0
+        if error is not None and worker_index == 0:
+            step.remote_value._set_error(error)  # pylint: disable=protected-access
+        if finished:
+            if step.error is not None and step.remote_value._status is not None:  # pylint: disable=protected-access
+                step.remote_value._set_error(step.error)  # pylint: disable=protected-access
+            step.done.set()
+            with self._lock:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.notify_all()
+
+    def __del__(self):
+        for q in getattr(self, "_queues", []):
+            q.put(_STOP)
+        try:
+            super().__del__()
+        except AttributeError:
+            pass
+
+
+def _new_sync_executor():
+    from tensorflow.python.eager import executor  # pylint: disable=g-import-not-at-top
+
+    # A synchronous executor per dispatch thread, as the stock Worker uses one.
+    return executor.new_executor(enable_async=False)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Polls `predicate` until true or `timeout` seconds pass."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

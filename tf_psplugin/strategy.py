@@ -1,0 +1,511 @@
+"""`HybridParameterServerStrategy`: tables on PS, dense variables in AllReduce.
+
+A subclass of TF's ParameterServerStrategy (the chief is the single client
+running a coordinator) that changes three things:
+
+* **Placement** (`_create_variable`): embedding tables (see `placement.py`)
+  are sharded across every PS task; every other variable becomes a
+  `ReplicatedVariable` with one copy per worker, except metric-style
+  ``ON_READ`` variables, which stay on a PS as in stock PSS and are
+  aggregated exactly (below).
+* **Reduction** (`_batch_reduce_to`, `_reduce_to`): while a synchronous
+  step is traced, dense gradients are summed across workers with one packed
+  collective all-reduce; embedding gradients are all-gathered (``"sync"``) or
+  left local (``"async"``). `num_replicas_in_sync` is the number of workers,
+  so Keras scales losses correctly.
+* **Updates** (`_update`): a replicated variable is updated locally on each
+  worker (identically, since the gradients are identical). In ``"sync"``
+  mode each PS shard is updated by exactly one worker (shard `s` by worker
+  `s mod n`) with the global gradient, then every worker passes a collective
+  barrier before it may read tables again; metric variables on PS are
+  updated once, by worker 0, with the all-reduced value.
+
+The coordinator (`coordinator.py`) runs every scheduled function on every
+worker, which is what makes the collectives meet.
+
+With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
+the plugin's table sharding), for comparison and for fully-async users.
+"""
+
+import functools
+import os
+from typing import List, Optional
+
+import tensorflow as tf
+from absl import logging
+
+from tf_psplugin import collectives as collectives_lib
+from tf_psplugin import config as config_lib
+from tf_psplugin import placement as placement_lib
+from tf_psplugin import variables as variables_lib
+from tf_psplugin._tf_internal import context, distribute_lib, input_util, ops
+from tf_psplugin._tf_internal import parameter_server_strategy_v2
+from tf_psplugin._tf_internal import ps_values, remote, server_lib, sharded_variable
+from tf_psplugin.coordinator import HybridClusterCoordinator
+
+EMBEDDING_UPDATES = ("sync", "async")
+DENSE_PLACEMENTS = ("allreduce", "ps")
+
+
+class StrategyError(ValueError):
+    """The strategy cannot be built or used as asked; the message names the fix."""
+
+
+class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
+    """ParameterServerStrategy with PS-sharded tables and all-reduced dense variables.
+
+    Construct it on the chief; workers and PS tasks run
+    `tf_psplugin.server.start()` (which blocks) before they get here.
+
+    Example:
+
+    ```python
+    import tensorflow as tf
+    import tf_psplugin
+
+    tf_psplugin.server.start()              # ps/worker tasks block here
+    strategy = tf_psplugin.HybridParameterServerStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([
+            tf.keras.layers.Embedding(1_000_000, 16),   # sharded on the PS tasks
+            tf.keras.layers.GlobalAveragePooling1D(),
+            tf.keras.layers.Dense(1),                  # replicated on the workers
+        ])
+        model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), "mse")
+    model.fit(dataset, epochs=2, steps_per_epoch=100)
+    ```
+
+    Args:
+        cluster_resolver: A cluster resolver for the training cluster. If
+            None, `config` is used, else the cluster is resolved from the
+            plugin's flags or `TF_CONFIG` (`tf_psplugin.config.resolve()`).
+        config: A `tf_psplugin.config.ClusterConfig` for this (chief) task.
+        embedding_updates: ``"sync"`` (global sparse gradient applied once per
+            step: exactly single-process training on the global batch) or
+            ``"async"`` (each worker pushes its own sparse gradient).
+        dense_placement: ``"allreduce"`` (replicas on workers, synchronous) or
+            ``"ps"`` (stock asynchronous PSS placement of dense variables).
+        placement: A `PlacementPolicy` (which variables are tables, sharding).
+        sharding: Shortcut for ``placement.sharding``: ``"interleaved"``
+            (default) or ``"contiguous"``.
+        collective_timeout_seconds: Collectives fail instead of hanging when a
+            worker is gone for this long (0 = wait forever).
+        log_placement: Log the placement report once, at the first step.
+
+    Raises:
+        StrategyError: for a cluster it cannot train on, or a process that is
+            not the chief.
+    """
+
+    def __init__(self, cluster_resolver=None, config: Optional[config_lib.ClusterConfig] = None,
+                 embedding_updates: str = "sync", dense_placement: str = "allreduce",
+                 placement: Optional[placement_lib.PlacementPolicy] = None,
+                 sharding: Optional[str] = None, collective_timeout_seconds: float = 600.0,
+                 log_placement: bool = True):
+        if embedding_updates not in EMBEDDING_UPDATES:
+            raise StrategyError(
+                f"embedding_updates={embedding_updates!r} is not supported. "
+                f"Fix: use one of {', '.join(map(repr, EMBEDDING_UPDATES))}.")
+        if dense_placement not in DENSE_PLACEMENTS:
+            raise StrategyError(
+                f"dense_placement={dense_placement!r} is not supported. "
+                f"Fix: use one of {', '.join(map(repr, DENSE_PLACEMENTS))}.")
+        placement = placement or placement_lib.PlacementPolicy()
+        if sharding is not None:
+            placement = placement_lib.PlacementPolicy(
+                table_names=placement.table_names, min_table_bytes=placement.min_table_bytes,
+                sharding=sharding)
+        resolver = _resolve_cluster(cluster_resolver, config)
+        spec = resolver.cluster_spec()
+        num_ps = len(spec.as_dict().get("ps", []))
+        num_workers = len(spec.as_dict().get("worker", []))
+        if num_ps < 1:
+            raise StrategyError(
+                "the cluster has no PS task, so embedding tables have nowhere to live. "
+                "Fix: add at least one address to 'ps' in TF_CONFIG (or --ps_hosts), "
+                "or run `python -m tf_psplugin.launch --ps 2 ...` locally.")
+        if num_workers < 1:
+            raise StrategyError(
+                "the cluster has no worker task to run training steps. Fix: add worker "
+                "addresses to TF_CONFIG 'worker' (or --worker_hosts); with no chief given, "
+                "the first worker becomes the chief, so give at least two worker hosts.")
+        self._dense_allreduce = dense_placement == "allreduce"
+        self._collective_timeout = float(collective_timeout_seconds)
+        # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
+        # our Extended; the parent's __init__ hard-codes its own Extended class.
+        self._cluster_resolver = resolver
+        self._verify_args_and_config(resolver)
+        self._cluster_coordinator = None
+        self._connect_to_cluster(coordinator_name="chief")
+        self._extended = HybridExtended(
+            self, resolver, embedding_updates=embedding_updates,
+            dense_allreduce=self._dense_allreduce, placement=placement,
+            collective_timeout_seconds=self._collective_timeout, log_placement=log_placement)
+        super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(self._extended)
+        self._should_use_with_coordinator = True
+        self._canonicalize_devices = False
+        self._is_parameter_server_strategy_v2 = True
+        # Installing our coordinator now makes `ClusterCoordinator(strategy)`
+        # (what Keras's fit/evaluate call) return it.
+        HybridClusterCoordinator(self)
+
+    # -- connection ------------------------------------------------------------
+
+    def _connect_to_cluster(self, coordinator_name: str):
+        """Connects like stock PSS, but lets workers see each other.
+
+        Stock PSS gives workers device filters that hide other workers, which
+        makes collectives between them impossible. We also tell the eager
+        context who leads collective groups before connecting (it cannot be
+        changed after). Both measured to work on TF 2.15.1 and 2.21.0.
+        """
+        spec = self._cluster_resolver.cluster_spec()
+        self._num_workers = len(spec.as_dict().get("worker", ()))
+        self._num_ps = len(spec.as_dict().get("ps", ()))
+        filters = server_lib.ClusterDeviceFilters()
+        worker_view = ["/job:ps", f"/job:{coordinator_name}"]
+        if self._dense_allreduce:
+            worker_view.append("/job:worker")
+        for i in range(self._num_workers):
+            filters.set_device_filters("worker", i, worker_view)
+        for i in range(self._num_ps):
+            filters.set_device_filters("ps", i, ["/job:worker", f"/job:{coordinator_name}"])
+        os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "False"
+        os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
+        if self._dense_allreduce:
+            context.context().configure_collective_ops(
+                collective_leader="/job:worker/replica:0/task:0")
+        remote.connect_to_cluster(spec, job_name=coordinator_name,
+                                  protocol=self._cluster_resolver.rpc_layer or "grpc",
+                                  cluster_device_filters=filters)
+        context.ensure_initialized()
+
+    # -- reporting -------------------------------------------------------------
+
+    def placement_records(self) -> List[placement_lib.PlacementRecord]:
+        """What was placed where: one record per variable created in scope."""
+        return list(self._extended.placement_records)
+
+    def placement_report(self) -> str:
+        """A human-readable placement table (logged once at the first step)."""
+        return placement_lib.format_report(self._extended.placement_records)
+
+    @property
+    def embedding_updates(self) -> str:
+        """``"sync"`` or ``"async"``."""
+        return self._extended.embedding_updates
+
+    @property
+    def dense_placement(self) -> str:
+        """``"allreduce"`` or ``"ps"``."""
+        return "allreduce" if self._dense_allreduce else "ps"
+
+
+class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """The Extended half of `HybridParameterServerStrategy` (see module doc)."""
+
+    def __init__(self, container_strategy, cluster_resolver, embedding_updates: str,
+                 dense_allreduce: bool, placement: placement_lib.PlacementPolicy,
+                 collective_timeout_seconds: float, log_placement: bool):
+        super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
+        self.embedding_updates = embedding_updates
+        self.dense_allreduce = dense_allreduce
+        self.placement = placement
+        self.log_placement = log_placement
+        self.synchronous_dispatch = dense_allreduce
+        self.tracing_sync_step = False
+        self.placement_records: List[placement_lib.PlacementRecord] = []
+        self._table_shard_owner = {}  # id(shard variable) -> shard index
+        self._creating_table = False
+        self.collective_group = collectives_lib.CollectiveGroup(
+            self._num_workers, timeout_seconds=collective_timeout_seconds)
+
+    # -- replicas ---------------------------------------------------------------
+
+    @property
+    def _num_replicas_in_sync(self):
+        if self.dense_allreduce:
+            return self._num_workers
+        return self._num_gpus_per_worker or 1
+
+    @property
+    def _sync_embeddings(self) -> bool:
+        return self.embedding_updates == "sync"
+
+    # -- variable creation ---------------------------------------------------
+
+    def _create_var_creator(self, next_creator, **kwargs):
+        if self._creating_table:
+            # Table shards are plain variables on their PS (no aggregation
+            # wrapper): updates to them are routed by `_update` below.
+            return next_creator
+        return super()._create_var_creator(next_creator, **kwargs)
+
+    def _create_variable(self, next_creator, **kwargs):
+        if kwargs.get("per_worker_variable", False):
+            return super()._create_variable(next_creator, **kwargs)
+        colocate_with = kwargs.get("colocate_with", None)
+        if isinstance(colocate_with, variables_lib.ReplicatedVariable):
+            kwargs.pop("colocate_with")
+            return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
+        if colocate_with is not None:
+            var = super()._create_variable(next_creator, **kwargs)
+            kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
+            if kind == "table-slot":
+                self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner[
+                    id(_unwrap(colocate_with))]
+            self._record(var, kind)
+            return var
+        name = kwargs.get("name")
+        shape, dtype = _shape_and_dtype(kwargs)
+        dtype_size = dtype.size if dtype is not None else 4
+        if shape is not None and shape.rank and shape.rank >= 1 and self.placement.is_table(
+                name, shape.as_list(), dtype_size):
+            return self._create_table(next_creator, **kwargs)
+        sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        if self.dense_allreduce and sync != tf.VariableSynchronization.ON_READ:
+            return self._create_replicated(next_creator, kind="dense", **kwargs)
+        var = super()._create_variable(next_creator, **kwargs)
+        self._record(var, "ps")
+        return var
+
+    def _create_replicated(self, next_creator, kind: str, **kwargs):
+        kwargs.pop("caching_device", None)
+        var = variables_lib.ReplicatedVariable(
+            self._container_strategy(), next_creator,
+            barrier_fn=self._step_barrier if self._sync_embeddings else None, **kwargs)
+        self._record(var, kind, devices=var.worker_devices())
+        return var
+
+    def _create_table(self, next_creator, **kwargs):
+        """Creates an embedding table sharded over every PS task."""
+        shape, _ = _shape_and_dtype(kwargs)
+        num_shards = min(self._num_ps, int(shape[0]))
+        scheme = self.placement.sharding
+        if num_shards < 2:
+            var = self._create_variable_round_robin(next_creator, **kwargs)
+            self._table_shard_owner[id(_unwrap(var))] = 0
+            self._record(var, "table")
+            return var
+        self._creating_table = True
+        try:
+            if scheme == placement_lib.SHARDING_INTERLEAVED:
+                from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
+
+                var = sharding.create_interleaved(
+                    name=kwargs.get("name"), shape=shape, dtype=_shape_and_dtype(kwargs)[1],
+                    initial_value=kwargs.get("initial_value"), num_shards=num_shards,
+                    device_fn=lambda s: f"/job:ps/task:{s}/device:CPU:0",
+                    creator=functools.partial(_plain_creator, next_creator, kwargs))
+            else:
+                self._variable_partitioner = (
+                    sharded_variable.FixedShardsPartitioner(num_shards))
+                try:
+                    var = super()._create_variable(next_creator, **kwargs)
+                finally:
+                    self._variable_partitioner = None
+        finally:
+            self._creating_table = False
+        for s, shard in enumerate(var.variables):
+            self._table_shard_owner[id(_unwrap(shard))] = s
+        self._record(var, "table", devices=[v.device for v in var.variables])
+        return var
+
+    def _record(self, var, kind: str, devices=None):
+        try:
+            shape = tuple(int(d) if d is not None else -1 for d in var.shape.as_list())
+        except (ValueError, AttributeError):
+            shape = ()
+        dtype = tf.as_dtype(var.dtype)
+        n = 1
+        for d in shape:
+            n *= max(d, 0)
+        self.placement_records.append(placement_lib.PlacementRecord(
+            name=getattr(var, "name", "?"), kind=kind, shape=shape, dtype=dtype.name,
+            num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")])))
+
+    # -- datasets ----------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if not self.dense_allreduce:
+            return super()._experimental_distribute_dataset(dataset, options)
+        # Each worker is one replica: no re-batching inside a worker. The
+        # coordinator shards the dataset across workers.
+        return input_util.get_distributed_dataset(
+            dataset, self._input_workers_with_options(), self._container_strategy(),
+            num_replicas_in_sync=1, options=options, build=ops.inside_function())
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        if not self.dense_allreduce:
+            return super()._distribute_datasets_from_function(dataset_fn, options)
+        input_context = WorkerInputContext(self._num_workers)
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn, self._input_workers_with_options(options), [input_context],
+            self._container_strategy(), options=options, build=ops.inside_function())
+
+    # -- reduction ----------------------------------------------------------------
+
+    def _in_sync_step(self) -> bool:
+        return self.dense_allreduce and self.tracing_sync_step and not tf.executing_eagerly()
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if not self._in_sync_step():
+            return super()._reduce_to(reduce_op, value, destinations, options)
+        mean = reduce_op == tf.distribute.ReduceOp.MEAN
+        flat = tf.nest.flatten(value)
+        dense = [tf.convert_to_tensor(v) for v in flat]
+        reduced = self.collective_group.all_reduce_packed(dense, mean=mean)
+        return tf.nest.pack_sequence_as(value, reduced)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if not self._in_sync_step():
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        mean = reduce_op == tf.distribute.ReduceOp.MEAN
+        values = [v for v, _ in value_destination_pairs]
+        out = list(values)
+        dense_idx, sparse_idx = [], []
+        for i, (v, dest) in enumerate(value_destination_pairs):
+            if isinstance(v, tf.IndexedSlices) and self._is_table_var(dest):
+                sparse_idx.append(i)
+            else:
+                dense_idx.append(i)
+                if isinstance(v, tf.IndexedSlices):
+                    values[i] = tf.convert_to_tensor(v)
+        if dense_idx:
+            reduced = self.collective_group.all_reduce_packed(
+                [values[i] for i in dense_idx], mean=mean)
+            for i, r in zip(dense_idx, reduced):
+                out[i] = r
+        if sparse_idx and self._sync_embeddings:
+            gathered = self.collective_group.all_gather_indexed_slices(
+                [values[i] for i in sparse_idx])
+            for i, g in zip(sparse_idx, gathered):
+                if mean:
+                    g = tf.IndexedSlices(g.values / self._num_workers, g.indices, g.dense_shape)
+                out[i] = g
+        return out
+
+    def _is_table_var(self, var) -> bool:
+        return id(_unwrap(var)) in self._table_shard_owner
+
+    # -- updates ------------------------------------------------------------------
+
+    def _update(self, var, fn, args, kwargs, group):
+        if isinstance(var, variables_lib.ReplicatedVariable):
+            with distribute_lib.UpdateContext(None):
+                result = fn(var, *self._select_single_value(args),
+                            **self._select_single_value(kwargs))
+            if group:
+                return result
+            return tf.nest.map_structure(self._local_results, result)
+        if not self._in_sync_step():
+            return super()._update(var, fn, args, kwargs, group)
+        table_shard = self._table_shard_owner.get(id(_unwrap(var)))
+        if table_shard is not None and not self._sync_embeddings:
+            return super()._update(var, fn, args, kwargs, group)
+        owner = 0 if table_shard is None else table_shard % self._num_workers
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+
+        def apply():
+            result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
+            with tf.control_dependencies(tf.nest.flatten(result)):
+                return tf.constant(True)
+
+        done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
+        if table_shard is not None:
+            variables_lib.add_pending_table_update(done)
+        if group:
+            return done
+        return [done]
+
+    def _step_barrier(self, pending_updates):
+        """Collective barrier after this step's table updates (sync mode)."""
+        return self.collective_group.barrier(pending_updates)
+
+
+class WorkerInputContext(tf.distribute.InputContext):
+    """InputContext whose pipeline id is the running worker's index.
+
+    The id is a tensor resolved when the dataset function runs on a worker,
+    so `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)` gives
+    every worker its own shard.
+    """
+
+    def __init__(self, num_workers: int):
+        super().__init__(num_input_pipelines=num_workers, input_pipeline_id=0,
+                         num_replicas_in_sync=num_workers)
+
+    @property
+    def input_pipeline_id(self):
+        if tf.executing_eagerly():
+            return 0
+        return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+
+def _unwrap(var):
+    """The underlying resource variable of PSS wrappers (Aggregating/Caching)."""
+    seen = 0
+    while seen < 4:
+        seen += 1
+        if isinstance(var, ps_values.AggregatingVariable):
+            var = var.get()
+        elif isinstance(var, ps_values.CachingVariable):
+            var = var._v  # pylint: disable=protected-access
+        else:
+            break
+    return var
+
+
+def _plain_creator(next_creator, base_kwargs, **overrides):
+    kwargs = dict(base_kwargs)
+    kwargs.pop("colocate_with", None)
+    kwargs.update(overrides)
+    return next_creator(**kwargs)
+
+
+def _shape_and_dtype(kwargs):
+    shape = kwargs.get("shape")
+    dtype = kwargs.get("dtype")
+    initial_value = kwargs.get("initial_value")
+    if shape is not None:
+        shape = tf.TensorShape(shape)
+    if (shape is None or dtype is None) and initial_value is not None and not callable(initial_value):
+        try:
+            t = tf.convert_to_tensor(initial_value, dtype=dtype)
+            shape = shape if shape is not None else t.shape
+            dtype = dtype if dtype is not None else t.dtype
+        except (TypeError, ValueError):
+            pass
+    if dtype is not None:
+        dtype = tf.as_dtype(dtype)
+    return shape, dtype
+
+
+def _resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig]):
+    if cluster_resolver is not None:
+        if cluster_resolver.task_type not in (None, "chief"):
+            raise StrategyError(_not_chief_message(cluster_resolver.task_type,
+                                                   cluster_resolver.task_id))
+        return cluster_resolver
+    if config is None:
+        try:
+            config = config_lib.resolve()
+        except config_lib.ConfigError as e:
+            raise StrategyError(f"cannot resolve the cluster: {e}") from None
+    if config.task_type != "chief":
+        raise StrategyError(_not_chief_message(config.task_type, config.task_index))
+    return config.cluster_resolver()
+
+
+def _not_chief_message(task_type, task_id) -> str:
+    if task_type in ("worker", "ps"):
+        fix = ("call `tf_psplugin.server.start()` first in the script: on a worker or PS task "
+               "it starts the TF server and blocks, and only the chief goes on to build the "
+               "strategy")
+    elif task_type == "evaluator":
+        fix = ("the evaluator never joins the training cluster; run `tf_psplugin.run_evaluator"
+               "(...)` there instead of building the strategy")
+    else:
+        fix = "build the strategy only in the chief process"
+    return (f"HybridParameterServerStrategy must be constructed on the chief (the coordinator), "
+            f"but this process is {task_type}:{task_id}. Fix: {fix}.")

@@ -1,0 +1,297 @@
+"""Dense variables replicated on every worker: `ReplicatedVariable`.
+
+Why this exists: TF's `PerWorkerVariable` gives one copy of a variable per
+worker, resolved at call time inside scheduled functions, but it is not
+trainable and its copy on the coordinator (the chief) never sees what the
+workers did. Keras needs both: optimizers and `GradientTape` must treat the
+replicas as one trainable variable, and the chief must read and write the
+variable eagerly (checkpoints, `get_weights`, callbacks, `set_value(lr)`).
+
+The model here is a primary copy on the chief plus one replica per worker:
+
+* Inside a scheduled function the handle resolves to the running worker's
+  replica (one placeholder per function graph, so the tape matches reads and
+  gradients). The function graph records which replicated variables it uses.
+* When the coordinator dispatches such a function, those variables are marked
+  "replicas ahead". An eager read on the chief then waits for the in-flight
+  synchronous steps and pulls worker 0's replica into the primary (all
+  replicas are identical in synchronous training).
+* An eager write on the chief marks the variable "primary ahead"; the
+  coordinator pushes the primary to every replica before the next function
+  that uses it runs. New variables start "primary ahead", so every replica
+  starts from the same initial value.
+"""
+
+import functools
+import threading
+from typing import Callable, List, Optional
+
+import tensorflow as tf
+
+from tf_psplugin._tf_internal import coordinator_context, ps_values
+
+_GRAPH_USES_ATTR = "_tf_psplugin_replicated_uses"
+_GRAPH_PENDING_ATTR = "_tf_psplugin_pending_table_updates"
+
+_local = threading.local()
+
+
+def outermost_function_graph(graph=None):
+    """Returns the outermost FuncGraph enclosing `graph` (the traced function)."""
+    g = graph if graph is not None else tf.compat.v1.get_default_graph()
+    while getattr(g, "outer_graph", None) is not None and _is_func_graph(g.outer_graph):
+        g = g.outer_graph
+    return g
+
+
+def _is_func_graph(g) -> bool:
+    return type(g).__name__ == "FuncGraph" or hasattr(g, "capture_call_time_value")
+
+
+def replicated_variables_used_by(concrete_function) -> List["ReplicatedVariable"]:
+    """Returns the replicated variables a traced function reads or writes."""
+    return list(getattr(concrete_function.graph, _GRAPH_USES_ATTR, {}).values())
+
+
+def add_pending_table_update(op) -> None:
+    """Records a gated sparse table update in the function being traced.
+
+    The next write to a replicated variable in the same function (every Keras
+    legacy optimizer ends `apply_gradients` with `iterations.assign_add`) first
+    passes a collective barrier that depends on these updates, so no worker
+    can start reading tables for the next step before all of this step's
+    updates have landed on the PS.
+    """
+    g = outermost_function_graph()
+    pending = getattr(g, _GRAPH_PENDING_ATTR, None)
+    if pending is None:
+        pending = []
+        setattr(g, _GRAPH_PENDING_ATTR, pending)
+    pending.append(op)
+
+
+def take_pending_table_updates() -> list:
+    """Returns and clears the pending table updates of the current function."""
+    g = outermost_function_graph()
+    pending = getattr(g, _GRAPH_PENDING_ATTR, None) or []
+    if pending:
+        setattr(g, _GRAPH_PENDING_ATTR, [])
+    return pending
+
+
+class ReplicatedVariable(ps_values.PerWorkerVariable):
+    """A trainable variable with one identical replica on every worker.
+
+    Created by `HybridParameterServerStrategy` for dense variables; users do
+    not construct it directly.
+
+    Args:
+        strategy: The owning strategy (its coordinator holds the replicas).
+        next_creator: The next variable creator.
+        barrier_fn: Called with pending table-update ops when this variable is
+            written inside a function; returns the collective barrier to wait
+            on (None outside synchronous-embedding mode).
+        **kwargs: Variable creation arguments (as for `tf.Variable`).
+    """
+
+    def __init__(self, strategy, next_creator, barrier_fn: Optional[Callable] = None, **kwargs):
+        trainable = kwargs.get("trainable", None)
+        synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        if trainable is None:
+            trainable = synchronization != tf.VariableSynchronization.ON_READ
+        # Workers start from zeros (cheap); the primary's value is pushed to
+        # them before first use.
+        super().__init__(strategy, next_creator, **kwargs)
+        primary = self._coordinator_instance
+        self._trainable = bool(trainable)
+        self._unique_id = primary._unique_id  # pylint: disable=protected-access
+        self._handle_name = primary._handle_name  # pylint: disable=protected-access
+        self._distribute_strategy = strategy
+        self._synchronization = synchronization
+        self._aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
+        self._constraint = kwargs.get("constraint", None)
+        self._save_slice_info = None
+        self._barrier_fn = barrier_fn
+        self._sync_lock = threading.Lock()
+        self._primary_ahead = True
+        self._replicas_ahead = False
+        # The creator chain captured by PerWorkerVariable may belong to a
+        # tf.function trace (optimizer slots are created while the train step
+        # is traced); replicas are created later on worker threads, so build
+        # them from plain arguments instead, starting at zeros.
+        self._var_creator = functools.partial(
+            _create_replica, shape=primary.shape, dtype=primary.dtype,
+            name=primary._shared_name)  # pylint: disable=protected-access
+        self._maybe_create_per_worker_vars()
+
+    # -- identity -------------------------------------------------------------
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @property
+    def constraint(self):
+        return self._constraint
+
+    @property
+    def synchronization(self):
+        return self._synchronization
+
+    @property
+    def aggregation(self):
+        return self._aggregation
+
+    @property
+    def primary(self) -> tf.Variable:
+        """The chief's copy (what eager reads and checkpoints see)."""
+        return self._coordinator_instance
+
+    def worker_devices(self) -> List[str]:
+        """Devices of the replicas, one per worker."""
+        return [w.device_name for w in self._coordinator._cluster.workers]  # pylint: disable=protected-access
+
+    def __repr__(self):
+        return (f"<tf_psplugin.ReplicatedVariable '{self.name}' shape={self.shape} "
+                f"dtype={self.dtype.name} replicas={len(self._coordinator._cluster.workers)}>")  # pylint: disable=protected-access
+
+    # -- handle resolution ----------------------------------------------------
+
+    @property
+    def handle(self):
+        if tf.executing_eagerly() or _in_save_context():
+            self._on_eager_access(write=not getattr(_local, "reading", False))
+            return self._coordinator_instance.handle
+        graph = tf.compat.v1.get_default_graph()
+        outer = outermost_function_graph(graph)
+        uses = getattr(outer, _GRAPH_USES_ATTR, None)
+        if uses is None:
+            uses = {}
+            setattr(outer, _GRAPH_USES_ATTR, uses)
+        uses[id(self)] = self
+        self._maybe_create_per_worker_vars()
+        closure, spec = self.handle_call_time_value()
+        # One placeholder per graph (keyed), so GradientTape sees the same
+        # handle for every read and for the gradient source.
+        return graph.capture_call_time_value(closure, spec, key=("tf_psplugin_replica", id(self)))
+
+    def _read_variable_op(self, no_copy=False):
+        if tf.executing_eagerly():
+            _local.reading = True
+            try:
+                return super()._read_variable_op(no_copy=no_copy)
+            finally:
+                _local.reading = False
+        return super()._read_variable_op(no_copy=no_copy)
+
+    # -- writes inside a synchronous step wait for the table barrier ----------
+
+    def _barrier_deps(self):
+        if tf.executing_eagerly() or self._barrier_fn is None:
+            return []
+        pending = take_pending_table_updates()
+        if not pending:
+            return []
+        return [self._barrier_fn(pending)]
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        with tf.control_dependencies(self._barrier_deps()):
+            return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        with tf.control_dependencies(self._barrier_deps()):
+            return super().assign_add(delta, use_locking=use_locking, name=name,
+                                      read_value=read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        with tf.control_dependencies(self._barrier_deps()):
+            return super().assign_sub(delta, use_locking=use_locking, name=name,
+                                      read_value=read_value)
+
+    # -- chief <-> replicas synchronisation ------------------------------------
+
+    def _remote_vars(self):
+        return [rv._get_values() for rv in self._per_worker_vars._values]  # pylint: disable=protected-access
+
+    def _on_eager_access(self, write: bool) -> None:
+        if self._replicas_ahead:
+            self.pull()
+        if write:
+            self._primary_ahead = True
+
+    def pull(self, worker_index: int = 0) -> None:
+        """Copies one worker's replica into the chief's primary copy.
+
+        Waits for in-flight synchronous steps first, so the value is the one
+        after the last scheduled step.
+
+        Args:
+            worker_index: Which worker to read (all are identical in sync mode).
+        """
+        with self._sync_lock:
+            if not self._replicas_ahead:
+                return
+            wait = getattr(self._coordinator, "wait_for_sync_steps", None)
+            if wait is not None:
+                wait()
+            remote = self._remote_vars()[worker_index]
+            value = remote.read_value()
+            with tf.device(self._coordinator_instance.device):
+                self._coordinator_instance.assign(tf.identity(value))
+            self._replicas_ahead = False
+
+    def push_if_needed(self, worker_indices=None) -> bool:
+        """Copies the primary to every (or the given) worker replica if stale.
+
+        Returns:
+            Whether anything was pushed.
+        """
+        with self._sync_lock:
+            if not self._primary_ahead and worker_indices is None:
+                return False
+            value = self._coordinator_instance.read_value()
+            remotes = self._remote_vars()
+            for i, remote in enumerate(remotes):
+                if worker_indices is None or i in worker_indices:
+                    remote.assign(value)
+            if worker_indices is None:
+                self._primary_ahead = False
+            return True
+
+    def copy_replica(self, src: int, dst: int) -> None:
+        """Copies worker `src`'s replica to worker `dst` (worker recovery)."""
+        remotes = self._remote_vars()
+        remotes[dst].assign(remotes[src].read_value())
+
+    def mark_dispatched(self) -> None:
+        """Called by the coordinator when a function using this variable runs."""
+        self._replicas_ahead = True
+
+    def replica_values(self) -> List[tf.Tensor]:
+        """Reads every worker's replica (waits for in-flight steps)."""
+        wait = getattr(self._coordinator, "wait_for_sync_steps", None)
+        if wait is not None:
+            wait()
+        return [r.read_value() for r in self._remote_vars()]
+
+
+def _create_replica(shape, dtype, name):
+    """Creates one worker's replica (runs on the worker's dispatch thread)."""
+    return tf.Variable(tf.zeros(shape, dtype), name=name, trainable=False)
+
+
+def _in_save_context() -> bool:
+    # Imported lazily: the module moved between TF versions' internals.
+    from tensorflow.python.saved_model import save_context  # pylint: disable=g-import-not-at-top
+
+    return save_context.in_save_context()
+
+
+def current_worker_index() -> tf.Tensor:
+    """The index of the worker running the current scheduled function (int64).
+
+    Public TF API since 2.15; outside a dispatched function it is 0.
+    """
+    if coordinator_context.get_current_dispatch_context() is None and tf.executing_eagerly():
+        return tf.constant(0, tf.int64)
+    return tf.distribute.coordinator.experimental_get_current_worker_index()
