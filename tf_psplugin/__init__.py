@@ -1,10 +1,35 @@
 """tf_psplugin: embedding tables on parameter servers, dense variables in AllReduce.
 
-The public API is listed here and only here (see `__all__`). Anything imported
-from a private module is not part of the API.
+The public API is listed here and only here (see `__all__`). The command-line
+modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch` and
+the data helpers in `tf_psplugin.data` are public too; everything else is
+private and may change.
+
+Importing this package raises ImportError when `tf.keras` is Keras 3, which
+has no ParameterServerStrategy; the message says what to install.
 """
 
 from tf_psplugin import _compat  # noqa: F401  (raises ImportError on Keras 3)
 from tf_psplugin._version import __version__
+from tf_psplugin.config import ClusterConfig, ConfigError
+from tf_psplugin.config import resolve as resolve_cluster
+from tf_psplugin.coordinator import HybridClusterCoordinator
+from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
+from tf_psplugin.server import start as start_server
+from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
+from tf_psplugin.variables import ReplicatedVariable, current_worker_index
 
-__all__ = ["__version__"]
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "HybridClusterCoordinator",
+    "HybridParameterServerStrategy",
+    "PlacementPolicy",
+    "ReplicatedVariable",
+    "StrategyError",
+    "__version__",
+    "current_worker_index",
+    "embedding_table_scope",
+    "resolve_cluster",
+    "start_server",
+]
