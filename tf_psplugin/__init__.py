@@ -15,9 +15,24 @@ from tf_psplugin.config import ClusterConfig, ConfigError
 from tf_psplugin.config import resolve as resolve_cluster
 from tf_psplugin.coordinator import HybridClusterCoordinator
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
-from tf_psplugin.server import start as start_server
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
+
+
+
+def start_server(config=None, argv=None):
+    """Starts this task's role; see `tf_psplugin.server.start`.
+
+    On a ps or worker task it serves and never returns; on the chief or the
+    evaluator it returns the task's `ClusterConfig`. Call it first in every
+    training script so the same script runs under every role.
+    """
+    # Imported here so `python -m tf_psplugin.server` does not find the module
+    # already imported by the package (runpy warns about that).
+    from tf_psplugin import server  # pylint: disable=g-import-not-at-top
+
+    return server.start(config=config, argv=argv)
+
 
 __all__ = [
     "ClusterConfig",

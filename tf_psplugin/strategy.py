@@ -5,9 +5,10 @@ running a coordinator) that changes three things:
 
 * **Placement** (`_create_variable`): embedding tables (see `placement.py`)
   are sharded across every PS task; every other variable becomes a
-  `ReplicatedVariable` with one copy per worker, except metric-style
-  ``ON_READ`` variables, which stay on a PS as in stock PSS and are
-  aggregated exactly (below).
+  `ReplicatedVariable` with one copy per worker. Metric accumulators and
+  batch-norm statistics (``ON_READ`` variables) are replicated too; their
+  in-step updates are all-reduced first, so every replica holds the global
+  value (exact metrics, no per-step PS traffic).
 * **Reduction** (`_batch_reduce_to`, `_reduce_to`): while a synchronous
   step is traced, dense gradients are summed across workers with one packed
   collective all-reduce; embedding gradients are all-gathered (``"sync"``) or
@@ -17,8 +18,7 @@ running a coordinator) that changes three things:
   worker (identically, since the gradients are identical). In ``"sync"``
   mode each PS shard is updated by exactly one worker (shard `s` by worker
   `s mod n`) with the global gradient, then every worker passes a collective
-  barrier before it may read tables again; metric variables on PS are
-  updated once, by worker 0, with the all-reduced value.
+  barrier before it may read tables again.
 
 The coordinator (`coordinator.py`) runs every scheduled function on every
 worker, which is what makes the collectives meet.
@@ -262,8 +262,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         if shape is not None and shape.rank and shape.rank >= 1 and self.placement.is_table(
                 name, shape.as_list(), dtype_size):
             return self._create_table(next_creator, **kwargs)
-        sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
-        if self.dense_allreduce and sync != tf.VariableSynchronization.ON_READ:
+        if self.dense_allreduce:
             return self._create_replicated(next_creator, kind="dense", **kwargs)
         var = super()._create_variable(next_creator, **kwargs)
         self._record(var, "ps")
@@ -273,7 +272,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         kwargs.pop("caching_device", None)
         var = variables_lib.ReplicatedVariable(
             self._container_strategy(), next_creator,
-            barrier_fn=self._step_barrier if self._sync_embeddings else None, **kwargs)
+            barrier_fn=self._step_barrier if self._sync_embeddings else None,
+            update_reduce_fn=self._reduce_on_read_update, **kwargs)
         self._record(var, kind, devices=var.worker_devices())
         return var
 
@@ -417,6 +417,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         if group:
             return done
         return [done]
+
+    def _reduce_on_read_update(self, var, delta):
+        """All-reduces an in-step update of an ON_READ replicated variable."""
+        if not self._in_sync_step():
+            return delta
+        aggregation = var.aggregation
+        if aggregation == tf.VariableAggregation.SUM:
+            return self.collective_group.all_reduce(tf.convert_to_tensor(delta))
+        if aggregation == tf.VariableAggregation.MEAN:
+            return self.collective_group.all_reduce(tf.convert_to_tensor(delta), final_op="Div")
+        return delta
 
     def _step_barrier(self, pending_updates):
         """Collective barrier after this step's table updates (sync mode)."""

@@ -91,10 +91,16 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         barrier_fn: Called with pending table-update ops when this variable is
             written inside a function; returns the collective barrier to wait
             on (None outside synchronous-embedding mode).
+        update_reduce_fn: For ``ON_READ`` variables (metric accumulators,
+            batch-norm statistics): called with `(variable, delta)` for an
+            in-step `assign_add`/`assign_sub`; returns the delta reduced across
+            workers (per the variable's aggregation), so every replica applies
+            the global update and stays identical.
         **kwargs: Variable creation arguments (as for `tf.Variable`).
     """
 
-    def __init__(self, strategy, next_creator, barrier_fn: Optional[Callable] = None, **kwargs):
+    def __init__(self, strategy, next_creator, barrier_fn: Optional[Callable] = None,
+                 update_reduce_fn: Optional[Callable] = None, **kwargs):
         trainable = kwargs.get("trainable", None)
         synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         if trainable is None:
@@ -112,6 +118,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         self._constraint = kwargs.get("constraint", None)
         self._save_slice_info = None
         self._barrier_fn = barrier_fn
+        self._update_reduce_fn = (
+            update_reduce_fn if synchronization == tf.VariableSynchronization.ON_READ else None)
         self._sync_lock = threading.Lock()
         self._primary_ahead = True
         self._replicas_ahead = False
@@ -198,12 +206,19 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
+    def _reduce_delta(self, delta):
+        if self._update_reduce_fn is None or tf.executing_eagerly():
+            return delta
+        return self._update_reduce_fn(self, delta)
+
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        delta = self._reduce_delta(delta)
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign_add(delta, use_locking=use_locking, name=name,
                                       read_value=read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        delta = self._reduce_delta(delta)
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign_sub(delta, use_locking=use_locking, name=name,
                                       read_value=read_value)

@@ -1,0 +1,90 @@
+"""Chief script: sync hybrid training vs single-process training on the global batch.
+
+Run by tests/cluster/test_strategy.py under a LocalCluster (TF_CONFIG set).
+Writes a JSON report to argv[1]: max |diff| per weight, replica equality,
+placement (device strings), and the losses Keras reported.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+import tf_psplugin
+
+OUT, OPT, SHARDING, UPDATES = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+STEPS, BATCH, VOCAB, DIM, FEATURES = 20, 8, 50, 4, 3
+
+
+def make_model():
+    inp = tf.keras.Input((FEATURES,), dtype="int64")
+    x = tf.keras.layers.Embedding(
+        VOCAB, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=1))(inp)
+    x = tf.keras.layers.Flatten()(x)
+    x = tf.keras.layers.Dense(8, activation="relu",
+                              kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
+    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
+    return tf.keras.Model(inp, out)
+
+
+def make_optimizer():
+    if OPT == "sgd":
+        return tf.keras.optimizers.legacy.SGD(0.1)
+    return tf.keras.optimizers.legacy.Adagrad(0.1)
+
+
+def logical_weights(model):
+    table = model.layers[1].embeddings
+    return [tf.convert_to_tensor(table).numpy()] + [
+        w.numpy() for layer in model.layers[2:] for w in layer.weights]
+
+
+def main():
+    tf_psplugin.start_server()
+    logging.set_verbosity(logging.INFO)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        sharding=SHARDING, embedding_updates=UPDATES)
+    num_workers = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
+    y = rng.normal(size=(STEPS * num_workers * BATCH, 1)).astype("float32")
+    with strategy.scope():
+        model = make_model()
+        model.compile(make_optimizer(), "mse")
+    init = logical_weights(model)
+    hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH),
+                     epochs=1, steps_per_epoch=STEPS, verbose=2)
+    got = logical_weights(model)
+
+    replicas_identical = True
+    for v in model.variables:
+        if isinstance(v, tf_psplugin.ReplicatedVariable):
+            vals = [r.numpy() for r in v.replica_values()]
+            replicas_identical &= all(np.array_equal(vals[0], x) for x in vals[1:])
+
+    ref = make_model()
+    ref.set_weights(init)
+    ref.compile(make_optimizer(), "mse")
+    ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH * num_workers),
+                       epochs=1, steps_per_epoch=STEPS, verbose=0)
+    diffs = {w.name: float(np.abs(a - b).max())
+             for a, b, w in zip(got, logical_weights(ref), ref.weights)}
+    table = model.layers[1].embeddings
+    report = {
+        "diffs": diffs,
+        "replicas_identical": bool(replicas_identical),
+        "num_replicas_in_sync": num_workers,
+        "table_devices": [v.device for v in table.variables],
+        "records": [r.to_dict() for r in strategy.placement_records()],
+        "loss": hist.history["loss"][0],
+        "ref_loss": ref_hist.history["loss"][0],
+    }
+    with open(OUT, "w") as f:
+        json.dump(report, f)
+    print("RESULT ok")
+
+
+if __name__ == "__main__":
+    main()
