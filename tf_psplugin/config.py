@@ -35,6 +35,7 @@ import os
 import re
 import sys
 import types
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from absl import flags
@@ -52,6 +53,15 @@ __all__ = [
     "local",
     "resolve",
 ]
+
+# tf_psplugin/__init__.py imports this module, so `python -m tf_psplugin.config`
+# finds it already imported and runpy prints a RuntimeWarning on stderr, which
+# would break the CLIs' one-line error contract. Ignore exactly that warning,
+# for this package's command-line modules only; their `__main__` blocks then
+# delegate to the already-imported module, so nothing runs twice in effect.
+warnings.filterwarnings(
+    "ignore", category=RuntimeWarning,
+    message=r"'tf_psplugin\.(config|server|launch)' found in sys\.modules after import")
 
 JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker", "ps")
@@ -267,7 +277,8 @@ def _check_role(value: Any, names: _Names, allowed: Sequence[str] = JOBS) -> str
         close = difflib.get_close_matches(value, allowed, n=1)
         hint += f" (did you mean {close[0]!r}?)" if close and not hint else ""
         raise ConfigError(
-            names.task_type(), f"{value!r} is not a known role{hint}", f"use one of {', '.join(allowed)}"
+            names.task_type(), f"{value!r} is not a known role{hint}",
+            f"use one of {', '.join(allowed)}",
         )
     return value
 
@@ -351,7 +362,8 @@ class ClusterConfig:
         _validate_cluster(cluster, names)
         if "chief" not in cluster:
             raise ConfigError("cluster.chief", "is missing",
-                              "add a chief, or use from_tf_config()/from_flags() to promote worker 0")
+                              "add a chief, or use from_tf_config()/from_flags() to promote "
+                              "worker 0")
         _check_role(self.task_type, names)
         _check_index(self.task_index, names)
         _validate_task(cluster, self.task_type, self.task_index, names)
@@ -589,7 +601,8 @@ def from_flags(flag_values: Optional[flags.FlagValues] = None) -> ClusterConfig:
     names = _Names("flags")
     job_name = _flag(fv, "job_name")
     if job_name in (None, ""):
-        raise ConfigError("--job_name", "is missing", f"pass the task's role, e.g. {_FLAGS_EXAMPLE}")
+        raise ConfigError("--job_name", "is missing",
+                          f"pass the task's role, e.g. {_FLAGS_EXAMPLE}")
     task_type = _check_role(job_name, names)
     cluster = {}
     for name in _HOST_FLAGS:
@@ -749,7 +762,9 @@ def is_help(argv: Sequence[str]) -> bool:
     return any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull") for arg in argv[1:])
 
 
-def resolve_strict(argv: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> ClusterConfig:
+def resolve_strict(
+    argv: Sequence[str], environ: Optional[Mapping[str, str]] = None
+) -> ClusterConfig:
     """Like `resolve()`, for command lines that hold only the plugin's flags.
 
     Used by the `python -m tf_psplugin.config` and `python -m tf_psplugin.server`
@@ -782,4 +797,6 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tf_psplugin import config as _canonical  # The instance the package imported.
+
+    sys.exit(_canonical.main())

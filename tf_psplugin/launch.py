@@ -587,4 +587,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tf_psplugin import launch as _canonical  # One module instance.
+
+    sys.exit(_canonical.main())

@@ -59,7 +59,9 @@ def _describe(config: ClusterConfig) -> str:
     return f"{config.task_type}:{config.task_index}"
 
 
-def start(config: Optional[ClusterConfig] = None, argv: Optional[Sequence[str]] = None) -> ClusterConfig:
+def start(
+    config: Optional[ClusterConfig] = None, argv: Optional[Sequence[str]] = None
+) -> ClusterConfig:
     """Call first in every training script: serves on ps/worker, returns elsewhere.
 
     Resolves the config (flags, else TF_CONFIG; see `config.resolve`) unless
@@ -175,4 +177,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tf_psplugin import server as _canonical  # One module instance, one set of flags.
+
+    sys.exit(_canonical.main())

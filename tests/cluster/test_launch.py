@@ -8,9 +8,7 @@ address.
 """
 
 import json
-import os
 import signal
-import sys
 
 import pytest
 

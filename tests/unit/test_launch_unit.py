@@ -1,0 +1,150 @@
+"""Fast tests of the launcher and server entry point (plain Python children, no TF servers)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tf_psplugin import config as cfg
+from tf_psplugin import launch, server
+from tf_psplugin.config import ConfigError
+from tf_psplugin.launch import LocalCluster
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--workers", "2"], "COMMAND"),
+    (["--workers", "x", "--", PY], "--workers"),
+    (["--workers", "--", PY], "--workers"),
+    (["--bogus", "--", PY], "--bogus"),
+    (["--servers", "remote", "--", PY], "--servers"),
+    (["--grace-period=-1", "--", PY], "--grace-period"),
+    (["--max-restarts", "-2", "--", PY], "--max-restarts"),
+])
+def test_parse_args_errors(argv, field):
+    with pytest.raises(ConfigError) as info:
+        launch._parse_args(argv)
+    assert info.value.field == field
+
+
+def test_parse_args_values():
+    opts = launch._parse_args(["--workers=3", "--ps", "2", "--evaluator", "--restart-failed",
+                               "--servers", "builtin", "--timeout", "9.5", "--", PY, "-c", "x"])
+    assert (opts["workers"], opts["ps"], opts["evaluator"], opts["restart_failed"]) == (
+        3, 2, True, True)
+    assert opts["servers"] == "builtin" and opts["timeout"] == 9.5
+    assert opts["command"] == [PY, "-c", "x"]
+    assert launch._parse_args(["--", PY])["servers"] == "command"
+
+
+@pytest.mark.parametrize("command,problem", [
+    ([], "is empty"),
+    (["no-such-program-xyz"], "not an executable"),
+    ([PY, "train.py", "--job_name=ps"], "--job_name"),
+    ([PY, "train.py", "--worker_hosts", "a:1"], "--worker_hosts"),
+])
+def test_check_command(command, problem):
+    with pytest.raises(ConfigError, match=problem):
+        launch._check_command(command)
+
+
+def test_main_usage(capsys):
+    assert launch.main(["--help"]) == 0
+    assert "--restart-failed" in capsys.readouterr().out
+    assert launch.main(["--ps", "0", "--", PY, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tf_psplugin.launch: error: num_ps: ")
+
+
+def test_cluster_argument_errors():
+    with pytest.raises(ConfigError):
+        LocalCluster(1, 1, servers="remote")
+    with LocalCluster(1, 1, servers="command") as cluster:
+        with pytest.raises(ConfigError):
+            cluster.start_servers()
+        with pytest.raises(ConfigError):
+            cluster.start_evaluator([PY, "-c", "pass"])
+
+
+def test_run_chief_prefixes_output_and_writes_logs(tmp_path):
+    code = ("import json, os, sys; t = json.loads(os.environ['TF_CONFIG'])['task'];"
+            "print('task', t['type'], t['index'], os.environ['PYTHONUNBUFFERED']);"
+            "print('oops', file=sys.stderr); sys.stdout.write('no newline'); sys.exit(4)")
+    pid_file = str(tmp_path / "pids.json")
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(1, 1, log_dir=str(tmp_path / "logs"), output=devnull,
+                          pid_file=pid_file) as cluster:
+            result = cluster.run_chief([PY, "-c", code], timeout=30)
+    assert result.returncode == 4
+    assert "[chief] task chief 0 1\n" in result.stdout
+    assert "[chief] oops\n" in result.stdout and "[chief] no newline\n" in result.stdout
+    assert "[launch] chief exited (exit 4)\n" in result.stdout
+    with open(tmp_path / "logs" / "chief.log") as f:
+        assert "task chief 0" in f.read()
+    data = json.load(open(pid_file))
+    assert data["tasks"]["chief"] == data["all"][0] == cluster.pids()["chief"]
+
+
+def test_run_chief_timeout_kills_it():
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(1, 1, output=devnull) as cluster:
+            with pytest.raises(subprocess.TimeoutExpired):
+                cluster.run_chief([PY, "-c", "import time; print('x'); time.sleep(60)"],
+                                  timeout=2)
+            pid = cluster.pids()["chief"]
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] in "ZX"
+
+
+def test_stop_is_idempotent_and_kills_grandchildren():
+    code = ("import subprocess, sys, time;"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "print('grandchild', p.pid, flush=True); time.sleep(60)")
+    cluster = LocalCluster(1, 1, output=open(os.devnull, "w"), grace_period=1)
+    task = cluster._start("ps", 0, [PY, "-c", code])
+    assert cluster.wait_for_output("grandchild", timeout=20)
+    grandchild = int(cluster.output("ps:0")[0].split()[-1])
+    cluster.stop()
+    cluster.stop()
+    assert task.proc.returncode is not None
+    alive = os.path.exists(f"/proc/{grandchild}") and (
+        open(f"/proc/{grandchild}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX")
+    assert not alive
+
+
+def test_server_start_returns_on_chief_and_exports_tf_config(monkeypatch):
+    monkeypatch.delenv("GRPC_FAIL_FAST", raising=False)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    config = cfg.resolve(argv=["x", "--job_name=worker", "--task_index=0",
+                               "--worker_hosts=h0:1,h1:2", "--ps_hosts=h2:3"], environ={})
+    assert server.start(config) is config
+    assert os.environ["GRPC_FAIL_FAST"] == "use_caller"
+    exported = json.loads(os.environ["TF_CONFIG"])
+    assert exported["cluster"]["chief"] == ["h0:1"] and exported["task"]["type"] == "chief"
+    assert cfg.from_tf_config(os.environ["TF_CONFIG"]) == config
+
+
+def test_server_start_bad_config_exits_2(monkeypatch, capsys):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(SystemExit) as info:
+        server.start(argv=["x", "--job_name=ps"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tf_psplugin.server: error: --ps_hosts: ") and err.count("\n") == 1
+
+
+def test_run_server_refuses_chief_and_cli_explains(capsys):
+    with pytest.raises(ConfigError):
+        server.run_server(cfg.local(1, 1))
+    assert server.main(["x", "--job_name=chief", "--chief_hosts=h0:1", "--ps_hosts=h1:2"]) == 2
+    err = capsys.readouterr().err
+    assert "runs the training script" in err and err.count("\n") == 1
+
+
+def test_kill_unknown_task():
+    with LocalCluster(1, 1) as cluster:
+        with pytest.raises(KeyError):
+            cluster.kill("worker", 0, signal.SIGTERM)
