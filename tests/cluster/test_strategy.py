@@ -29,14 +29,16 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer,sharding", [
-    ("sgd", "interleaved"),
-    ("adagrad", "interleaved"),
-    ("adagrad", "contiguous"),
+@pytest.mark.parametrize("optimizer,sharding,steps_per_execution", [
+    ("sgd", "interleaved", 1),
+    ("adagrad", "interleaved", 1),
+    ("adagrad", "contiguous", 1),
+    ("adagrad", "interleaved", 5),
 ])
-def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding):
+def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding,
+                                                     steps_per_execution):
     report, log = run_chief_script(make_cluster, tmp_path, "sync_equivalence.py",
-                                   [optimizer, sharding, "sync"])
+                                   [optimizer, sharding, "sync", str(steps_per_execution)])
     assert report["num_replicas_in_sync"] == 2
     assert report["replicas_identical"], "dense replicas diverged across workers"
     for name, diff in report["diffs"].items():
@@ -55,3 +57,22 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
             assert sorted(d.replace("/replica:0", "") for d in r["devices"]) == [
                 "/job:worker/task:0", "/job:worker/task:1"], r
     assert "tf_psplugin placement:" in log
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(400)
+def test_fit_evaluate_predict_variants(make_cluster, tmp_path):
+    report, log = run_chief_script(make_cluster, tmp_path, "fit_variants.py", [str(tmp_path)],
+                                   timeout=360)
+    errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, json.dumps(report, indent=1)[-6000:]
+    plain = report["plain_dataset"]
+    assert {"loss", "auc", "val_loss", "val_auc"} <= set(plain)
+    assert plain["loss"][1] < plain["loss"][0]
+    assert report["dataset_creator"]["loss"][0] < plain["loss"][0]
+    cb = report["callbacks"]
+    assert cb["epochs"] == 2 and "w-1.index" in cb["ckpt_files"] and "w-2.index" in cb["ckpt_files"]
+    assert cb["tb_files"] >= 1
+    assert report["steps_per_execution"]["iterations"] == 20
+    assert report["evaluate"]["auc"] > 0.6
+    assert report["predict"] == {"shape": [100, 1], "finite": True}

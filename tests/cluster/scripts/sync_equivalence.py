@@ -15,6 +15,7 @@ from absl import logging
 import tf_psplugin
 
 OUT, OPT, SHARDING, UPDATES = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 STEPS, BATCH, VOCAB, DIM, FEATURES = 20, 8, 50, 4, 3
 
 
@@ -52,7 +53,7 @@ def main():
     y = rng.normal(size=(STEPS * num_workers * BATCH, 1)).astype("float32")
     with strategy.scope():
         model = make_model()
-        model.compile(make_optimizer(), "mse")
+        model.compile(make_optimizer(), "mse", steps_per_execution=SPE)
     init = logical_weights(model)
     hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH),
                      epochs=1, steps_per_epoch=STEPS, verbose=2)
