@@ -29,6 +29,8 @@ the plugin's table sharding), for comparison and for fully-async users.
 
 import functools
 import os
+import socket
+import time
 from typing import List, Optional
 
 import tensorflow as tf
@@ -90,6 +92,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             (default) or ``"contiguous"``.
         collective_timeout_seconds: Collectives fail instead of hanging when a
             worker is gone for this long (0 = wait forever).
+        connect_timeout_seconds: How long to wait for every worker and PS to
+            accept connections before giving up with an error that names the
+            missing tasks (tasks may start in any order).
         log_placement: Log the placement report once, at the first step.
 
     Raises:
@@ -101,7 +106,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  embedding_updates: str = "sync", dense_placement: str = "allreduce",
                  placement: Optional[placement_lib.PlacementPolicy] = None,
                  sharding: Optional[str] = None, collective_timeout_seconds: float = 600.0,
-                 log_placement: bool = True):
+                 connect_timeout_seconds: float = 300.0, log_placement: bool = True):
         if embedding_updates not in EMBEDDING_UPDATES:
             raise StrategyError(
                 f"embedding_updates={embedding_updates!r} is not supported. "
@@ -131,6 +136,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 "the first worker becomes the chief, so give at least two worker hosts.")
         self._dense_allreduce = dense_placement == "allreduce"
         self._collective_timeout = float(collective_timeout_seconds)
+        wait_for_tasks(spec, connect_timeout_seconds)
         # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
         # our Extended; the parent's __init__ hard-codes its own Extended class.
         self._cluster_resolver = resolver
@@ -259,6 +265,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         name = kwargs.get("name")
         shape, dtype = _shape_and_dtype(kwargs)
         dtype_size = dtype.size if dtype is not None else 4
+        if placement_lib.in_embedding_table_scope() and (
+                shape is None or not shape.rank or shape[0] is None):
+            raise StrategyError(
+                f"variable {name!r} with shape {shape} was created inside "
+                "embedding_table_scope(), but only variables of rank >= 1 with a known first "
+                "dimension can be sharded across PS tasks. Fix: create scalars and "
+                "unknown-shape variables outside embedding_table_scope(), or pass an explicit "
+                "`shape=` with the number of rows.")
         if shape is not None and shape.rank and shape.rank >= 1 and self.placement.is_table(
                 name, shape.as_list(), dtype_size):
             return self._create_table(next_creator, **kwargs)
@@ -392,7 +406,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _update(self, var, fn, args, kwargs, group):
         if isinstance(var, variables_lib.ReplicatedVariable):
-            with distribute_lib.UpdateContext(None):
+            with distribute_lib.UpdateContext(var.device):
                 result = fn(var, *self._select_single_value(args),
                             **self._select_single_value(kwargs))
             if group:
@@ -408,7 +422,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
         def apply():
             result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
-            with tf.control_dependencies(tf.nest.flatten(result)):
+            # Keras's new optimizers return None from their update step.
+            with tf.control_dependencies([r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
         done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
@@ -451,6 +466,51 @@ class WorkerInputContext(tf.distribute.InputContext):
         if tf.executing_eagerly():
             return 0
         return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+
+def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0.5) -> None:
+    """Waits until every worker and PS task accepts TCP connections.
+
+    TensorFlow's own connection retries for minutes and then fails with an
+    UnavailableError that does not say which task is missing; checking first
+    gives one clear error.
+
+    Args:
+        cluster_spec: The training cluster.
+        timeout_seconds: Give up after this long.
+        poll_seconds: Interval between attempts.
+
+    Raises:
+        StrategyError: naming every task that never answered.
+    """
+    tasks = []
+    for job in ("worker", "ps"):
+        for index, address in enumerate(cluster_spec.as_dict().get(job, [])):
+            tasks.append((f"{job}:{index}", address))
+    deadline = time.monotonic() + timeout_seconds
+    pending = list(tasks)
+    while True:
+        pending = [(role, addr) for role, addr in pending if not _accepts(addr)]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_seconds)
+    if pending:
+        missing = ", ".join(f"{role} at {addr}" for role, addr in pending)
+        raise StrategyError(
+            f"cannot reach {missing} after {timeout_seconds:g} s. Fix: start those tasks "
+            "(they run the same script, which calls tf_psplugin.start_server() first, or "
+            "`python -m tf_psplugin.server`), check their addresses in TF_CONFIG / --worker_hosts "
+            "/ --ps_hosts and the firewall, or raise connect_timeout_seconds.")
+
+
+def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _unwrap(var):
@@ -510,7 +570,7 @@ def _resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig
 
 def _not_chief_message(task_type, task_id) -> str:
     if task_type in ("worker", "ps"):
-        fix = ("call `tf_psplugin.server.start()` first in the script: on a worker or PS task "
+        fix = ("call `tf_psplugin.start_server()` first in the script: on a worker or PS task "
                "it starts the TF server and blocks, and only the chief goes on to build the "
                "strategy")
     elif task_type == "evaluator":

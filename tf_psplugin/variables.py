@@ -179,9 +179,16 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         uses[id(self)] = self
         self._maybe_create_per_worker_vars()
         closure, spec = self.handle_call_time_value()
-        # One placeholder per graph (keyed), so GradientTape sees the same
-        # handle for every read and for the gradient source.
-        return graph.capture_call_time_value(closure, spec, key=("tf_psplugin_replica", id(self)))
+        # One placeholder per traced function (keyed), so GradientTape sees the
+        # same handle for every read and for the gradient source. It lives in
+        # the outermost function graph: call-time values are only fed there,
+        # and nested graphs (cond branches, loop bodies) capture it normally.
+        with outer.as_default():
+            placeholder = outer.capture_call_time_value(
+                closure, spec, key=("tf_psplugin_replica", id(self)))
+        if graph is outer:
+            return placeholder
+        return graph.capture(placeholder)
 
     def _read_variable_op(self, no_copy=False):
         if tf.executing_eagerly():

@@ -34,6 +34,7 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
     ("adagrad", "interleaved", 1),
     ("adagrad", "contiguous", 1),
     ("adagrad", "interleaved", 5),
+    ("adam_new", "interleaved", 1),
 ])
 def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding,
                                                      steps_per_execution):

@@ -33,6 +33,8 @@ def make_model():
 def make_optimizer():
     if OPT == "sgd":
         return tf.keras.optimizers.legacy.SGD(0.1)
+    if OPT == "adam_new":  # Keras's new (non-legacy) optimizer.
+        return tf.keras.optimizers.Adam(0.01)
     return tf.keras.optimizers.legacy.Adagrad(0.1)
 
 

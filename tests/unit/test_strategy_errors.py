@@ -1,0 +1,97 @@
+"""Clear errors from HybridParameterServerStrategy that need no running cluster.
+
+Each case must fail before TensorFlow connects anywhere, with one message that
+names what is wrong and the fix.
+"""
+
+import socket
+
+import pytest
+import tensorflow as tf
+
+import tf_psplugin
+from tf_psplugin import config as config_lib
+from tf_psplugin import strategy as strategy_lib
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolver(cluster, task_type="chief", task_id=0):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type=task_type, task_id=task_id, rpc_layer="grpc")
+
+
+def _addr():
+    return f"127.0.0.1:{_closed_port()}"
+
+
+def test_no_ps_task():
+    resolver = _resolver({"chief": [_addr()], "worker": [_addr()]})
+    with pytest.raises(tf_psplugin.StrategyError, match=r"no PS task.*Fix:.*ps"):
+        tf_psplugin.HybridParameterServerStrategy(resolver)
+
+
+def test_no_worker_task():
+    resolver = _resolver({"chief": [_addr()], "ps": [_addr()]})
+    with pytest.raises(tf_psplugin.StrategyError, match=r"no worker task.*Fix:"):
+        tf_psplugin.HybridParameterServerStrategy(resolver)
+
+
+@pytest.mark.parametrize("task_type,needle", [
+    ("worker", "start_server"),
+    ("ps", "start_server"),
+    ("evaluator", "evaluator never joins"),
+])
+def test_constructed_outside_the_chief(task_type, needle):
+    config = config_lib.from_tf_config({
+        "cluster": {"chief": [_addr()], "worker": [_addr()], "ps": [_addr()],
+                    "evaluator": [_addr()]},
+        "task": {"type": task_type, "index": 0}})
+    with pytest.raises(tf_psplugin.StrategyError, match=rf"must be constructed on the chief.*{needle}"):
+        tf_psplugin.HybridParameterServerStrategy(config=config)
+
+
+def test_worker_resolver_rejected():
+    resolver = _resolver({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]},
+                         task_type="worker", task_id=0)
+    with pytest.raises(tf_psplugin.StrategyError, match="this process is worker:0"):
+        tf_psplugin.HybridParameterServerStrategy(resolver)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"embedding_updates": "eventually"}, "embedding_updates"),
+    ({"dense_placement": "gpu"}, "dense_placement"),
+    ({"sharding": "random"}, "sharding"),
+])
+def test_bad_options(kwargs, needle):
+    resolver = _resolver({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
+    with pytest.raises(ValueError, match=rf"{needle}.*Fix:"):
+        tf_psplugin.HybridParameterServerStrategy(resolver, **kwargs)
+
+
+def test_unreachable_tasks_named_within_timeout():
+    worker, ps = _addr(), _addr()
+    resolver = _resolver({"chief": [_addr()], "worker": [worker], "ps": [ps]})
+    with pytest.raises(tf_psplugin.StrategyError) as info:
+        tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)
+    message = str(info.value)
+    assert f"worker:0 at {worker}" in message and f"ps:0 at {ps}" in message
+    assert "Fix:" in message
+
+
+def test_no_cluster_configured_at_all(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(tf_psplugin.StrategyError, match="cannot resolve the cluster"):
+        tf_psplugin.HybridParameterServerStrategy()
+
+
+def test_wait_for_tasks_returns_when_listening():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        addr = f"127.0.0.1:{server.getsockname()[1]}"
+        strategy_lib.wait_for_tasks(tf.train.ClusterSpec({"worker": [addr], "ps": [addr]}), 2.0)
