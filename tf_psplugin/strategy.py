@@ -29,6 +29,7 @@ the plugin's table sharding), for comparison and for fully-async users.
 
 import functools
 import os
+import random
 import socket
 import time
 from typing import List, Optional
@@ -154,6 +155,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         # Installing our coordinator now makes `ClusterCoordinator(strategy)`
         # (what Keras's fit/evaluate call) return it.
         HybridClusterCoordinator(self)
+        self._extended.create_step_counters()
 
     # -- connection ------------------------------------------------------------
 
@@ -223,8 +225,34 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.placement_records: List[placement_lib.PlacementRecord] = []
         self._table_shard_owner = {}  # id(shard variable) -> shard index
         self._creating_table = False
+        self._creating_internal = False
+        # A fresh group key per chief process: a restarted chief must not meet
+        # collective state that the workers cached for its predecessor.
         self.collective_group = collectives_lib.CollectiveGroup(
-            self._num_workers, timeout_seconds=collective_timeout_seconds)
+            self._num_workers, group_key=random.randint(10_000, 2**30),
+            timeout_seconds=collective_timeout_seconds)
+        self.reduced_steps = None
+        self.committed_steps = None
+
+    def create_step_counters(self):
+        """Creates the per-worker step counters failover reads (allreduce mode).
+
+        `reduced_steps` is incremented once the step's gradients are reduced,
+        before any update; `committed_steps` once every update of the step is
+        done (after the table barrier). Equal on a surviving worker means no
+        step was half-applied when a peer died.
+        """
+        if not self.dense_allreduce:
+            return
+        self._creating_internal = True
+        try:
+            with self._container_strategy().scope():
+                self.reduced_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                 name="tf_psplugin_reduced_steps")
+                self.committed_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                   name="tf_psplugin_committed_steps")
+        finally:
+            self._creating_internal = False
 
     # -- replicas ---------------------------------------------------------------
 
@@ -277,18 +305,20 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 name, shape.as_list(), dtype_size):
             return self._create_table(next_creator, **kwargs)
         if self.dense_allreduce:
-            return self._create_replicated(next_creator, kind="dense", **kwargs)
+            return self._create_replicated(next_creator, kind="dense",
+                                           record=not self._creating_internal, **kwargs)
         var = super()._create_variable(next_creator, **kwargs)
         self._record(var, "ps")
         return var
 
-    def _create_replicated(self, next_creator, kind: str, **kwargs):
+    def _create_replicated(self, next_creator, kind: str, record: bool = True, **kwargs):
         kwargs.pop("caching_device", None)
         var = variables_lib.ReplicatedVariable(
             self._container_strategy(), next_creator,
-            barrier_fn=self._step_barrier if self._sync_embeddings else None,
-            update_reduce_fn=self._reduce_on_read_update, **kwargs)
-        self._record(var, kind, devices=var.worker_devices())
+            end_of_step_fn=self._end_of_step, update_reduce_fn=self._reduce_on_read_update,
+            **kwargs)
+        if record:
+            self._record(var, kind, devices=var.worker_devices())
         return var
 
     def _create_table(self, next_creator, **kwargs):
@@ -397,7 +427,26 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 if mean:
                     g = tf.IndexedSlices(g.values / self._num_workers, g.indices, g.dense_shape)
                 out[i] = g
-        return out
+        return self._after_reduction(out)
+
+    def _after_reduction(self, out):
+        """Counts the reduction, makes every update wait for the count, opens the step."""
+        if self.reduced_steps is None:
+            return out
+        tensors = []
+        for o in out:
+            tensors.extend([o.values, o.indices] if isinstance(o, tf.IndexedSlices) else [o])
+        with tf.control_dependencies(tensors):
+            counted = self.reduced_steps.assign_add(1, read_value=False)
+        result = []
+        with tf.control_dependencies([counted]):
+            for o in out:
+                if isinstance(o, tf.IndexedSlices):
+                    result.append(tf.IndexedSlices(tf.identity(o.values), o.indices, o.dense_shape))
+                else:
+                    result.append(tf.identity(o))
+        variables_lib.open_step()
+        return result
 
     def _is_table_var(self, var) -> bool:
         return id(_unwrap(var)) in self._table_shard_owner
@@ -406,7 +455,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _update(self, var, fn, args, kwargs, group):
         if isinstance(var, variables_lib.ReplicatedVariable):
-            with distribute_lib.UpdateContext(var.device):
+            with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
                 result = fn(var, *self._select_single_value(args),
                             **self._select_single_value(kwargs))
             if group:
@@ -421,7 +470,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
 
         def apply():
-            result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
+            with variables_lib.inside_variable_update():
+                result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
             # Keras's new optimizers return None from their update step.
             with tf.control_dependencies([r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
@@ -444,9 +494,20 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             return self.collective_group.all_reduce(tf.convert_to_tensor(delta), final_op="Div")
         return delta
 
-    def _step_barrier(self, pending_updates):
-        """Collective barrier after this step's table updates (sync mode)."""
-        return self.collective_group.barrier(pending_updates)
+    def _end_of_step(self, pending_updates):
+        """Ops every worker runs after all of a step's updates.
+
+        In ``"sync"`` embedding mode, a collective barrier that depends on the
+        step's gated table updates (so nobody reads a table before every
+        update landed); then the commit counter.
+        """
+        deps = list(pending_updates)
+        if self._sync_embeddings and deps:
+            deps = [self.collective_group.barrier(deps)]
+        if self.committed_steps is None:
+            return deps
+        with tf.control_dependencies(deps):
+            return [self.committed_steps.assign_add(1, read_value=False)]
 
 
 class WorkerInputContext(tf.distribute.InputContext):

@@ -22,6 +22,7 @@ The model here is a primary copy on the chief plus one replica per worker:
   starts from the same initial value.
 """
 
+import contextlib
 import functools
 import threading
 from typing import Callable, List, Optional
@@ -53,14 +54,26 @@ def replicated_variables_used_by(concrete_function) -> List["ReplicatedVariable"
     return list(getattr(concrete_function.graph, _GRAPH_USES_ATTR, {}).values())
 
 
+_GRAPH_OPEN_ATTR = "_tf_psplugin_step_open"
+
+
+def open_step() -> None:
+    """Marks that the function being traced has reduced this step's gradients.
+
+    The next write to a replicated variable made outside the strategy's
+    per-variable updates (every Keras optimizer ends `apply_gradients` with
+    `iterations.assign_add`) closes the step: it first waits for the
+    strategy's end-of-step ops (the table barrier and the commit counter).
+    """
+    setattr(outermost_function_graph(), _GRAPH_OPEN_ATTR, True)
+
+
 def add_pending_table_update(op) -> None:
     """Records a gated sparse table update in the function being traced.
 
-    The next write to a replicated variable in the same function (every Keras
-    legacy optimizer ends `apply_gradients` with `iterations.assign_add`) first
-    passes a collective barrier that depends on these updates, so no worker
-    can start reading tables for the next step before all of this step's
-    updates have landed on the PS.
+    The end-of-step barrier depends on these updates, so no worker can start
+    reading tables for the next step before all of this step's updates have
+    landed on the PS.
     """
     g = outermost_function_graph()
     pending = getattr(g, _GRAPH_PENDING_ATTR, None)
@@ -70,13 +83,26 @@ def add_pending_table_update(op) -> None:
     pending.append(op)
 
 
-def take_pending_table_updates() -> list:
-    """Returns and clears the pending table updates of the current function."""
+def _close_step() -> Optional[list]:
+    """Closes the open step of the current function; returns its table updates."""
     g = outermost_function_graph()
+    if not getattr(g, _GRAPH_OPEN_ATTR, False):
+        return None
+    setattr(g, _GRAPH_OPEN_ATTR, False)
     pending = getattr(g, _GRAPH_PENDING_ATTR, None) or []
-    if pending:
-        setattr(g, _GRAPH_PENDING_ATTR, [])
+    setattr(g, _GRAPH_PENDING_ATTR, [])
     return pending
+
+
+@contextlib.contextmanager
+def inside_variable_update():
+    """Marks writes as part of one variable's optimizer update (not step end)."""
+    depth = getattr(_local, "update_depth", 0)
+    _local.update_depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.update_depth = depth
 
 
 class ReplicatedVariable(ps_values.PerWorkerVariable):
@@ -88,9 +114,10 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     Args:
         strategy: The owning strategy (its coordinator holds the replicas).
         next_creator: The next variable creator.
-        barrier_fn: Called with pending table-update ops when this variable is
-            written inside a function; returns the collective barrier to wait
-            on (None outside synchronous-embedding mode).
+        end_of_step_fn: Called with the step's pending table-update ops when
+            this variable is the first one written after the step's updates
+            (see `open_step`); returns ops to wait for (the table barrier and
+            the commit counter).
         update_reduce_fn: For ``ON_READ`` variables (metric accumulators,
             batch-norm statistics): called with `(variable, delta)` for an
             in-step `assign_add`/`assign_sub`; returns the delta reduced across
@@ -99,7 +126,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         **kwargs: Variable creation arguments (as for `tf.Variable`).
     """
 
-    def __init__(self, strategy, next_creator, barrier_fn: Optional[Callable] = None,
+    def __init__(self, strategy, next_creator, end_of_step_fn: Optional[Callable] = None,
                  update_reduce_fn: Optional[Callable] = None, **kwargs):
         trainable = kwargs.get("trainable", None)
         synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
@@ -117,7 +144,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         self._aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
         self._constraint = kwargs.get("constraint", None)
         self._save_slice_info = None
-        self._barrier_fn = barrier_fn
+        self._end_of_step_fn = end_of_step_fn
         self._update_reduce_fn = (
             update_reduce_fn if synchronization == tf.VariableSynchronization.ON_READ else None)
         self._sync_lock = threading.Lock()
@@ -202,12 +229,13 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     # -- writes inside a synchronous step wait for the table barrier ----------
 
     def _barrier_deps(self):
-        if tf.executing_eagerly() or self._barrier_fn is None:
+        if (tf.executing_eagerly() or self._end_of_step_fn is None
+                or getattr(_local, "update_depth", 0)):
             return []
-        pending = take_pending_table_updates()
-        if not pending:
+        pending = _close_step()
+        if pending is None:
             return []
-        return [self._barrier_fn(pending)]
+        return list(self._end_of_step_fn(pending))
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         with tf.control_dependencies(self._barrier_deps()):
