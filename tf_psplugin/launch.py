@@ -433,8 +433,7 @@ class LocalCluster:
         with self._lock:
             if self._stopped:
                 return
-            self._stopped = True
-            self._stopping.set()
+            self._stopping.set()  # No more starts or restarts from here on.
             procs = [t.proc for t in self._tasks.values() if t.proc is not None]
         for proc in procs:
             if proc.poll() is None:
@@ -455,6 +454,8 @@ class LocalCluster:
         for task in list(self._tasks.values()):
             if task.reader is not None:
                 task.reader.join(timeout=5)
+        with self._lock:
+            self._stopped = True  # Only now: an interrupted stop() runs again in full.
         self._write_pid_file()
 
 
@@ -568,6 +569,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, lambda *_: cluster._force.set())  # A second one: no grace.
         cluster.log(f"{signal.Signals(signum).name} received; stopping every task")
+        if cluster._stopping.is_set():  # Already stopping: just skip the grace period.
+            cluster._force.set()
+            return
         raise _Interrupted(signum)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -171,19 +171,19 @@ def test_sigkilled_launcher_leaves_nothing(tmp_path, procs):
 
 @pytest.mark.timeout(60)
 def test_restart_failed_worker_comes_back_on_same_address(make_cluster):
-    cluster = make_cluster(num_workers=2, num_ps=1, restart_failed=True, max_restarts=2)
+    cluster = make_cluster(num_workers=1, num_ps=1, restart_failed=True, max_restarts=2)
     cluster.start_servers()
-    assert cluster.wait_for_output("serving at", count=3, timeout=45), cluster.output()
-    address = cluster.config.cluster["worker"][1]
-    old_pid = cluster.pids()["worker:1"]
+    assert cluster.wait_for_output("serving at", count=2, timeout=45), cluster.output()
+    address = cluster.config.cluster["worker"][0]
+    old_pid = cluster.pids()["worker:0"]
     with open(f"/proc/{old_pid}/environ", "rb") as f:
         old_env = f.read()
-    cluster.kill("worker", 1)
-    assert cluster.wait_for_output("[launch] restarting worker:1 (exit -9), restart 1/2",
+    cluster.kill("worker", 0)
+    assert cluster.wait_for_output("[launch] restarting worker:0 (exit -9), restart 1/2",
                                    timeout=10), cluster.output()
-    assert cluster.wait_for_output(f"worker:1 serving at {address}", role="worker:1", count=2,
+    assert cluster.wait_for_output(f"worker:0 serving at {address}", role="worker:0", count=2,
                                    timeout=40), cluster.output()
-    new_pid = cluster.pids()["worker:1"]
+    new_pid = cluster.pids()["worker:0"]
     assert new_pid != old_pid and cu.pid_alive(new_pid) and not cu.pid_alive(old_pid)
     with open(f"/proc/{new_pid}/environ", "rb") as f:
         new_env = f.read()
@@ -191,7 +191,7 @@ def test_restart_failed_worker_comes_back_on_same_address(make_cluster):
     assert tf_config and tf_config[0] in new_env.split(b"\0")
     host, port = address.rsplit(":", 1)
     assert cu.wait_for_port(host, int(port), timeout=5)
-    assert cluster.restarts() == {"ps:0": 0, "worker:0": 0, "worker:1": 1}
+    assert cluster.restarts() == {"ps:0": 0, "worker:0": 1}
     cluster.stop()
     assert not any(cu.pid_alive(p) for p in cluster.all_pids())
 

@@ -431,8 +431,6 @@ CLI_CASES = {
     "tf-config-ok": ([], json.dumps(tfc(W2P1, "ps", 0)), 0),
     "garbage-flag": (["--no_such_flag=1"], None, 2),
     "bad-json": ([], "{oops", 2),
-    "bad-index": (["--job_name=ps", "--task_index=x"], None, 2),
-    "nothing": ([], None, 2),
 }
 
 
@@ -449,7 +447,7 @@ def cli_results():
     results = {}
     try:
         for name, proc in procs.items():
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=400)
             results[name] = (proc.returncode, out, err)
     finally:
         for proc in procs.values():
@@ -459,7 +457,7 @@ def cli_results():
     return results
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("name", sorted(CLI_CASES))
 def test_cli_subprocess(name, cli_results):
     code, out, err = cli_results[name]

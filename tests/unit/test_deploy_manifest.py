@@ -77,7 +77,7 @@ def test_manifest_shape():
         assert replica_port(spec) == DEFAULT_PORT
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(450)
 def test_every_replica_tf_config_is_accepted_by_the_cli():
     configs = operator_tf_configs(load_manifest()["TFJob"])
     assert len(configs) == 6
@@ -90,7 +90,7 @@ def test_every_replica_tf_config_is_accepted_by_the_cli():
                 [sys.executable, "-m", "tf_psplugin.config"],
                 env=dict(env, TF_CONFIG=json.dumps(tf_config)),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        results = {task: (p.communicate(timeout=200), p.returncode) for task, p in procs.items()}
+        results = {task: (p.communicate(timeout=400), p.returncode) for task, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
