@@ -17,7 +17,7 @@ Command line:
 Server modes (`--servers`):
 
 * `command` (CLI default): ps and worker tasks run the same COMMAND; the
-  script must call `tf_psplugin.server.start()` first, which serves and never
+  script must call `tf_psplugin.start_server()` first, which serves and never
   returns on those tasks. This is how the job runs on a real cluster.
 * `builtin` (`LocalCluster` default): ps and worker tasks run
   `python -m tf_psplugin.server`; only the chief and the evaluator run
@@ -270,7 +270,7 @@ class LocalCluster:
 
         Args:
           command: what ps/worker tasks run in "command" mode (required
-            there; the script must call `tf_psplugin.server.start()`);
+            there; the script must call `tf_psplugin.start_server()`);
             ignored in "builtin" mode.
         """
         if self.servers == "builtin":
@@ -486,7 +486,7 @@ options:
   --ps M               parameter servers (default 1)
   --evaluator          add an evaluator task running COMMAND
   --servers MODE       command (default): ps/worker run COMMAND, which must call
-                       tf_psplugin.server.start() first; builtin: they run
+                       tf_psplugin.start_server() first; builtin: they run
                        python -m tf_psplugin.server
   --restart-failed     restart a ps/worker that exits before the chief finished,
                        or an evaluator that fails, same address and TF_CONFIG

@@ -12,9 +12,11 @@ process, so the rest of the script only ever runs where it should.
     import tf_psplugin
 
     def main():
-        config = tf_psplugin.server.start()  # tf_psplugin: never returns on ps/worker.
+        config = tf_psplugin.start_server()  # tf_psplugin: never returns on ps/worker.
         strategy = ...(config.cluster_resolver())
 
+(`tf_psplugin.start_server` is this module's `start`, exported lazily so that
+`python -m tf_psplugin.server` does not find the module already imported.)
 `python -m tf_psplugin.server [flags]` does the same for ps/worker tasks of
 scripts that do not call `start()` (the launcher's `--servers builtin`).
 
