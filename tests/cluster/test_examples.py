@@ -1,0 +1,96 @@
+"""CI runs every Keras example for a few steps: a broken example is a broken product.
+
+Each example runs exactly as its README says, under the local launcher
+(`python -m tf_psplugin.launch --workers 2 --ps 1 -- python <example>`,
+every task of the cluster started from the same command line), and must exit
+0 with its progress lines in the role-prefixed log. One more test starts the
+tasks by hand with `--job_name/--task_index/--*_hosts` flags, the other way
+the README documents.
+
+Not here: keras_examples/ctr.py and estimator_examples/ are tested by their
+owners' test modules. These tests run in both CI environments (TF 2.15 and
+the newest TF with tf-keras, `make test`), so they hold the examples to both.
+"""
+
+import os
+import re
+
+import pytest
+
+from tests.cluster import _cluster_util as cu
+
+pytestmark = pytest.mark.cluster
+
+EXAMPLES = os.path.join(cu.REPO_ROOT, "keras_examples")
+
+
+def launch(procs, example, *args, timeout=85):
+    """Runs an example under the launcher (2 workers, 1 PS); returns (code, log)."""
+    cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "1",
+           "--timeout", str(timeout - 5), "--", cu.PYTHON, os.path.join(EXAMPLES, example),
+           *args]
+    result = procs.run(cmd, timeout=timeout, cwd=cu.REPO_ROOT)
+    return result.returncode, result.stdout
+
+
+def assert_clean_exit(code, out):
+    assert code == 0, out
+    assert "[launch] chief exited (exit 0)" in out, out
+    for role in ("ps:0", "worker:0", "worker:1"):
+        assert f"[{role}] tf_psplugin.server: {role} serving at" in out, out
+
+
+@pytest.mark.timeout(90)
+def test_minimal_fits_under_the_launcher(procs):
+    code, out = launch(procs, "minimal.py")
+    assert_clean_exit(code, out)
+    # Keras's per-epoch progress (verbose=2 under a coordinator), from the chief.
+    assert "[chief] Epoch 1/2" in out and "[chief] Epoch 2/2" in out, out
+    epochs = re.findall(r"^\[chief\] 10/10 - .*loss: (\d+\.\d+)", out, re.M)
+    assert len(epochs) == 2, out
+    final = re.search(r"^\[chief\] minimal: done, final loss (\d+\.\d+)$", out, re.M)
+    assert final, out
+    # The label is learnable from the ids: the loss must go down.
+    assert float(final.group(1)) < float(epochs[0]), out
+
+
+@pytest.mark.timeout(90)
+def test_custom_loop_trains_on_every_worker_under_the_launcher(procs):
+    code, out = launch(procs, "custom_loop.py", "--steps", "20", "--log_every", "10")
+    assert_clean_exit(code, out)
+    progress = re.findall(
+        r"^\[chief\] custom_loop: step (\d+)/20 loss (\d+\.\d+) accuracy (\d\.\d+) .*2 workers",
+        out, re.M)
+    assert [p[0] for p in progress] == ["10", "20"], out
+    for _, loss, accuracy in progress:
+        assert 0.0 < float(loss) < 5.0 and 0.0 <= float(accuracy) <= 1.0, out
+    # One optimizer iteration per scheduled step, although each step ran on
+    # both workers: the replicas apply the same all-reduced update once each.
+    assert "[chief] custom_loop: done, 20 steps, optimizer iterations 20" in out, out
+
+
+@pytest.mark.timeout(90)
+def test_custom_loop_by_hand_with_flags(procs):
+    """Every task started with the same flags; the first worker is the chief."""
+    workers = [f"127.0.0.1:{cu.free_port()}" for _ in range(3)]
+    ps = f"127.0.0.1:{cu.free_port()}"
+    script = os.path.join(EXAMPLES, "custom_loop.py")
+    common = [f"--worker_hosts={','.join(workers)}", f"--ps_hosts={ps}", "--steps", "6",
+              "--log_every", "3"]
+    servers = []
+    for job, index in (("ps", 0), ("worker", 1), ("worker", 2)):
+        proc = procs.popen([cu.PYTHON, script, f"--job_name={job}", f"--task_index={index}",
+                            *common], cwd=cu.REPO_ROOT)
+        servers.append((proc, cu.LineReader(proc)))
+    for proc, reader in servers:
+        assert reader.wait_for("serving at", timeout=60), reader.text()
+    chief = procs.run([cu.PYTHON, script, "--job_name=worker", "--task_index=0", *common],
+                      timeout=60, cwd=cu.REPO_ROOT)
+    assert chief.returncode == 0, chief.stdout
+    assert "custom_loop: step 3/6" in chief.stdout, chief.stdout
+    assert "custom_loop: done, 6 steps, optimizer iterations 6" in chief.stdout, chief.stdout
+    # The chief leaves the servers running, as on a real cluster; the servers
+    # were promoted to worker:0/worker:1 (worker 0 of the flags is the chief).
+    texts = [reader.text() for _, reader in servers]
+    assert "ps:0 serving at" in texts[0] and "worker:0 serving at" in texts[1], texts
+    assert "worker:1 serving at" in texts[2], texts
