@@ -93,6 +93,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
+        # Which worker's replica eager reads pull from (a survivor after a failure).
+        self.preferred_replica = 0
+        # Set by the strategy: a failover.FailoverController, or None.
+        self.failover = None
+        self.recovering = False
         if self._synchronous:
             for worker in self._cluster.workers:
                 q = queue.Queue()
@@ -160,9 +165,21 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         return step.remote_value
 
     def wait_for_sync_steps(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until no synchronous step is in flight (errors not raised)."""
+        """Blocks until no synchronous step is in flight (errors not raised).
+
+        During failover recovery, steps stuck in collectives with a dead peer
+        are abandoned, so this returns at once.
+        """
+        if self.recovering:
+            return False
         with self._lock:
-            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+            return self._idle.wait_for(lambda: self._inflight == 0 or self._error is not None,
+                                       timeout=timeout)
+
+    def check_health(self) -> None:
+        """Raises (or recovers from) the first error of a finished step, if any."""
+        if self._synchronous and not self.recovering:
+            self._raise_if_error()
 
     def join(self):
         """Blocks until every scheduled function finished; raises the first error."""
@@ -227,8 +244,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
     def _raise_if_error(self):
         with self._lock:
             err, self._error = self._error, None
-        if err is not None:
-            raise err
+        if err is None:
+            return
+        from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
+
+        if self.failover is not None and failover_lib.is_task_failure(err):
+            # Give healthy parts a moment to finish; parts stuck in a
+            # collective with the dead peer are abandoned by the restart.
+            self.wait_for_sync_steps(timeout=10.0)
+            self.recovering = True
+            self.failover.recover(self, err)  # Restarts the chief; raises if it cannot.
+        raise err
 
     def _worker_loop(self, worker, q):
         worker_executor = _new_sync_executor()
@@ -272,6 +298,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 step.error = error
                 if not isinstance(error, tf.errors.CancelledError) or self._error is None:
                     self._error = self._error or error
+                self._idle.notify_all()
             step.remaining -= 1
             finished = step.remaining == 0
         if error is not None and worker_index == 0:

@@ -39,6 +39,7 @@ from absl import logging
 
 from tf_psplugin import collectives as collectives_lib
 from tf_psplugin import config as config_lib
+from tf_psplugin import failover as failover_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin._tf_internal import context, distribute_lib, input_util, ops
@@ -96,6 +97,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         connect_timeout_seconds: How long to wait for every worker and PS to
             accept connections before giving up with an error that names the
             missing tasks (tasks may start in any order).
+        failover: A `FailoverPolicy` (default: enabled). On a dead worker or
+            PS the chief saves what survives, waits for the task to come back
+            and restarts itself in place to resume (see `failover.py`).
         log_placement: Log the placement report once, at the first step.
 
     Raises:
@@ -106,8 +110,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     def __init__(self, cluster_resolver=None, config: Optional[config_lib.ClusterConfig] = None,
                  embedding_updates: str = "sync", dense_placement: str = "allreduce",
                  placement: Optional[placement_lib.PlacementPolicy] = None,
-                 sharding: Optional[str] = None, collective_timeout_seconds: float = 600.0,
-                 connect_timeout_seconds: float = 300.0, log_placement: bool = True):
+                 sharding: Optional[str] = None, collective_timeout_seconds: float = 120.0,
+                 connect_timeout_seconds: float = 300.0,
+                 failover: Optional[failover_lib.FailoverPolicy] = None,
+                 log_placement: bool = True):
         if embedding_updates not in EMBEDDING_UPDATES:
             raise StrategyError(
                 f"embedding_updates={embedding_updates!r} is not supported. "
@@ -154,8 +160,11 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._is_parameter_server_strategy_v2 = True
         # Installing our coordinator now makes `ClusterCoordinator(strategy)`
         # (what Keras's fit/evaluate call) return it.
-        HybridClusterCoordinator(self)
+        coordinator = HybridClusterCoordinator(self)
         self._extended.create_step_counters()
+        policy = failover if failover is not None else failover_lib.FailoverPolicy()
+        if policy.enabled and self._dense_allreduce:
+            coordinator.failover = failover_lib.FailoverController(self, policy)
 
     # -- connection ------------------------------------------------------------
 

@@ -269,21 +269,26 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         if write:
             self._primary_ahead = True
 
-    def pull(self, worker_index: int = 0) -> None:
+    def pull(self, worker_index: Optional[int] = None) -> None:
         """Copies one worker's replica into the chief's primary copy.
 
         Waits for in-flight synchronous steps first, so the value is the one
         after the last scheduled step.
 
         Args:
-            worker_index: Which worker to read (all are identical in sync mode).
+            worker_index: Which worker to read (all are identical in sync
+                mode); default the coordinator's `preferred_replica` (worker 0,
+                or a survivor during failover).
         """
+        if worker_index is None:
+            worker_index = getattr(self._coordinator, "preferred_replica", 0)
         with self._sync_lock:
             if not self._replicas_ahead:
                 return
             wait = getattr(self._coordinator, "wait_for_sync_steps", None)
             if wait is not None:
                 wait()
+                self._coordinator.check_health()  # A failed step triggers failover here.
             remote = self._remote_vars()[worker_index]
             value = remote.read_value()
             with tf.device(self._coordinator_instance.device):

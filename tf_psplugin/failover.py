@@ -1,0 +1,312 @@
+"""Failover: survive a dead worker or PS without losing training.
+
+Why this design. Stock TF reschedules asynchronous closures when a worker
+dies and gives up when a PS dies. Synchronous hybrid training is harder: a
+step is a collective among all workers, and a PS restart loses the table
+shards it held (TF cannot re-home the chief's remote variable handles). What
+does survive every single failure is (a) the shared `model_dir` and (b) the
+processes that did not die. So recovery is:
+
+1. **Detect.** The coordinator sees the failed step (RPC errors within a
+   second or two of a kill; a hung peer surfaces as a collective timeout,
+   `collective_timeout_seconds`). The failed tasks are read from the errors
+   and confirmed by probing every task's port.
+2. **Save what survives (worker failure).** If the dead task was a worker,
+   the tables on the PS tasks and the dense replicas on any surviving worker
+   are intact. Two per-worker counters tell whether the failed step was
+   half-applied on the survivors (gradients reduced but updates not all
+   done). If not, the chief saves an *emergency checkpoint* right now: only
+   the in-flight step is lost. If it was (a kill inside the few milliseconds
+   between the collectives and the end-of-step barrier), nothing is saved and
+   the latest periodic checkpoint is used instead, so no update is ever
+   applied twice.
+3. **Wait** for every failed task to accept connections again (the launcher's
+   `--restart-failed`, or a Kubernetes pod restart), up to
+   `recovery_timeout_seconds`; otherwise stop with an error naming the task.
+   We stop rather than continue with fewer workers: the collective group
+   size, the global batch and the data sharding are all functions of the
+   worker count, and silently changing them changes the model you train.
+4. **Restart the chief in place** (`os.execv`, same pid, same arguments and
+   environment, a fresh TensorFlow context). The training script runs again,
+   reconnects, and its checkpoint callback restores the latest checkpoint
+   (tables into however many PS tasks there are, dense variables, optimizer
+   slots, step counter, input position) and trains on.
+
+A PS failure skips step 2 (its shards are gone): steps lost are at most the
+checkpoint interval. A chief failure is the same as step 4 done by whoever
+restarts the chief. The evaluator never joins the training cluster, so its
+failure cannot affect training.
+"""
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import time
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
+
+import tensorflow as tf
+from absl import logging
+
+RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
+
+_TASK_RE = re.compile(r"/job:(worker|ps)/replica:\d+/task:(\d+)")
+_TASK_FAILURE_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.InternalError,
+    tf.errors.NotFoundError,
+)
+
+
+class FailoverError(RuntimeError):
+    """Training cannot continue after a task failure; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FailoverPolicy:
+    """How the chief reacts to a dead worker or PS.
+
+    Attributes:
+        enabled: Recover automatically (else failures are raised as errors).
+        recovery_timeout_seconds: How long to wait for a failed task to come
+            back before stopping with an error.
+        max_restarts: How many times the chief may restart itself in place.
+        poll_seconds: Probe interval while waiting.
+    """
+
+    enabled: bool = True
+    recovery_timeout_seconds: float = 300.0
+    max_restarts: int = 20
+    poll_seconds: float = 0.5
+
+
+def is_task_failure(error: BaseException) -> bool:
+    """Whether an error from a step means a task died or hung (vs. a bug)."""
+    if not isinstance(error, _TASK_FAILURE_ERRORS):
+        return False
+    if isinstance(error, (tf.errors.InternalError, tf.errors.NotFoundError)):
+        text = str(error)
+        return any(s in text for s in ("Socket closed", "failed to connect", "Connection reset",
+                                       "context_id", "Unable to find a context",
+                                       "unknown context", "/job:"))
+    return True
+
+
+def tasks_named_in(error: BaseException) -> Set[Tuple[str, int]]:
+    """Tasks ("worker"/"ps", index) that an error message blames."""
+    return {(job, int(index)) for job, index in _TASK_RE.findall(str(error))}
+
+
+def accepts_connections(address: str, timeout: float = 1.0) -> bool:
+    """Whether `host:port` accepts a TCP connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+_checkpointers: List = []
+
+
+def register_checkpointer(checkpointer) -> None:
+    """Registers what saves the emergency checkpoint during recovery.
+
+    Args:
+        checkpointer: An object with `save_emergency() -> Optional[str]`
+            (saves now; returns the path) — the plugin's checkpoint callback
+            and `CheckpointManager` register themselves.
+    """
+    if checkpointer not in _checkpointers:
+        _checkpointers.append(checkpointer)
+
+
+def unregister_checkpointer(checkpointer) -> None:
+    """Removes a checkpointer registered with `register_checkpointer`."""
+    if checkpointer in _checkpointers:
+        _checkpointers.remove(checkpointer)
+
+
+def restarts_so_far() -> int:
+    """How many times this chief has restarted itself."""
+    try:
+        return int(os.environ.get(RESTARTS_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+class FailoverController:
+    """Runs the recovery described in the module docstring.
+
+    Args:
+        strategy: The `HybridParameterServerStrategy`.
+        policy: A `FailoverPolicy`.
+        exec_fn: Replaces the process (tests inject a fake); default `os.execv`.
+    """
+
+    def __init__(self, strategy, policy: FailoverPolicy, exec_fn=None):
+        self._strategy = strategy
+        self.policy = policy
+        self._exec = exec_fn or os.execv
+        spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
+        self._addresses = {(job, i): addr for job in ("worker", "ps")
+                           for i, addr in enumerate(spec.get(job, []))}
+
+    def recover(self, coordinator, error: BaseException) -> None:
+        """Recovers from `error` (never returns normally: restarts the chief).
+
+        Raises:
+            FailoverError: if the failed tasks do not come back in time, or the
+                restart budget is spent. The original error is chained.
+        """
+        start = time.monotonic()
+        _say(f"a training step failed: {type(error).__name__}: {_first_line(error)}")
+        coordinator.wait_for_sync_steps(timeout=self._strategy.extended.collective_group
+                                        .timeout_seconds + 30 or None)
+        failed = self._failed_tasks(error)
+        _say("failed task(s): " + (", ".join(f"{j}:{i}" for j, i in sorted(failed)) or "unknown"))
+        if failed and all(job == "worker" for job, _ in failed):
+            self._save_what_survives(coordinator, failed)
+            failed |= self._restart_surviving_workers(coordinator, failed)
+        elif any(job == "ps" for job, _ in failed):
+            _say("a PS task failed: its table shards are lost; resuming from the latest "
+                 "periodic checkpoint")
+        if restarts_so_far() >= self.policy.max_restarts:
+            raise FailoverError(
+                f"the chief already restarted {restarts_so_far()} times "
+                f"(FailoverPolicy.max_restarts={self.policy.max_restarts}); giving up. Fix: look "
+                "at the failed tasks' logs, or raise max_restarts.") from error
+        self._wait_for(failed or set(self._addresses), error)
+        _say(f"cluster is whole again after {time.monotonic() - start:.1f} s; restarting the "
+             "chief in place to resume from the latest checkpoint")
+        self._restart_chief()
+
+    def _failed_tasks(self, error) -> Set[Tuple[str, int]]:
+        failed = {t for t in tasks_named_in(error) if t in self._addresses}
+        for task, address in self._addresses.items():
+            if not accepts_connections(address):
+                failed.add(task)
+        return failed
+
+    def _save_what_survives(self, coordinator, failed) -> None:
+        extended = self._strategy.extended
+        survivors = [i for i in range(coordinator.num_workers) if ("worker", i) not in failed]
+        if not survivors or not _checkpointers:
+            if not _checkpointers:
+                _say("no checkpointer registered: nothing to save (add tf_psplugin's checkpoint "
+                     "callback to keep progress across failures)")
+            return
+        for survivor in survivors:
+            try:
+                reduced = _read_replica(extended.reduced_steps, survivor)
+                committed = _read_replica(extended.committed_steps, survivor)
+            except (tf.errors.OpError, ValueError) as e:
+                _say(f"worker:{survivor} cannot be read either ({type(e).__name__}); trying another")
+                continue
+            if reduced != committed:
+                _say(f"the failed step was half-applied on worker:{survivor} (reduced {reduced}, "
+                     f"committed {committed}): not saving it; the latest periodic checkpoint "
+                     "will be used so no update is applied twice")
+                return
+            coordinator.preferred_replica = survivor
+            for checkpointer in list(_checkpointers):
+                try:
+                    path = checkpointer.save_emergency()
+                except (tf.errors.OpError, OSError, ValueError) as e:
+                    _say(f"emergency checkpoint failed ({type(e).__name__}: {_first_line(e)}); "
+                         "the latest periodic checkpoint will be used")
+                    return
+                if path:
+                    _say(f"saved emergency checkpoint {path} from worker:{survivor}'s replicas "
+                         f"({committed} committed steps): only the in-flight step is lost")
+            return
+        _say("no surviving worker could be read: the latest periodic checkpoint will be used")
+
+    def _restart_surviving_workers(self, coordinator, failed) -> Set[Tuple[str, int]]:
+        """Makes the surviving workers restart too; returns them.
+
+        TensorFlow's collective runtime on a surviving worker keeps what it
+        learned about the dead peer (its device incarnation) and the next
+        collective with the restarted peer never completes (measured on TF
+        2.15: the first step after recovery times out). Collective members
+        must therefore all restart, as with MultiWorkerMirroredStrategy. PS
+        tasks are not collective members: they keep running, tables intact.
+        TF's `Abort` op ends the worker process with a non-zero status, so a
+        restart policy (the launcher's --restart-failed, Kubernetes
+        OnFailure/Always) brings it back.
+        """
+        restarted = set()
+        for i in range(coordinator.num_workers):
+            if ("worker", i) in failed:
+                continue
+            device = f"/job:worker/replica:0/task:{i}/device:CPU:0"
+            try:
+                with tf.device(device):
+                    tf.raw_ops.Abort(error_msg="tf_psplugin failover: restarting collective "
+                                     "members after a peer failed", exit_without_error=False)
+            except (tf.errors.OpError, RuntimeError):
+                pass  # Expected: the worker is gone before it can answer.
+            restarted.add(("worker", i))
+        if restarted:
+            _say("asked surviving worker(s) %s to restart (collective members restart together)"
+                 % ", ".join(f"worker:{i}" for _, i in sorted(restarted)))
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(
+                    accepts_connections(self._addresses[t]) for t in restarted):
+                time.sleep(0.2)
+        return restarted
+
+    def _wait_for(self, tasks: Iterable[Tuple[str, int]], error) -> None:
+        deadline = time.monotonic() + self.policy.recovery_timeout_seconds
+        pending = sorted(tasks)
+        _say("waiting up to %g s for %s to accept connections" % (
+            self.policy.recovery_timeout_seconds, ", ".join(f"{j}:{i}" for j, i in pending)))
+        while pending and time.monotonic() < deadline:
+            pending = [t for t in pending if not accepts_connections(self._addresses[t])]
+            if pending:
+                time.sleep(self.policy.poll_seconds)
+        if pending:
+            names = ", ".join(f"{j}:{i} at {self._addresses[(j, i)]}" for j, i in pending)
+            raise FailoverError(
+                f"{names} did not come back within {self.policy.recovery_timeout_seconds:g} s "
+                "after a failure; training stopped (the latest checkpoint is in model_dir). Fix: "
+                "restart the task (the launcher's --restart-failed, or your scheduler's restart "
+                "policy) and rerun the chief; or raise FailoverPolicy.recovery_timeout_seconds."
+            ) from error
+        # A server that just started listening may still be initialising.
+        time.sleep(1.0)
+
+    def _restart_chief(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.environ[RESTARTS_ENV] = str(restarts_so_far() + 1)
+        argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+        self._exec(argv[0] if os.path.isabs(argv[0]) else sys.executable, argv)
+
+
+def _read_replica(var, worker_index: int) -> int:
+    remote = var._remote_vars()[worker_index]  # pylint: disable=protected-access
+    return int(remote.read_value().numpy())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _say(message: str) -> None:
+    logging.warning("tf_psplugin failover: %s", message)
+    print(f"tf_psplugin failover: {message}", flush=True)
+
+
+def worker_failure_summary(errors: Sequence[BaseException]) -> str:
+    """One line naming the tasks blamed by a list of errors (for logs)."""
+    tasks = set()
+    for e in errors:
+        tasks |= tasks_named_in(e)
+    return ", ".join(f"{j}:{i}" for j, i in sorted(tasks)) or "unknown"
