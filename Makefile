@@ -1,38 +1,98 @@
 # Two entry points for a fresh machine (Debian, Python 3.11):
 #   make demo   - build .venv, run a local cluster (chief, 2 workers, 2 PS,
 #                 evaluator) training the CTR example on generated data.
-#   make test   - build .venv, run the whole test suite.
+#   make test   - build .venv (TF 2.15) and .venv-tflatest (newest TF 2.x with
+#                 tf-keras), run the whole suite in the first and the Keras
+#                 path (no Estimator) in the second. Fails if either fails.
 # Both create their virtual environments themselves.
 
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+LATEST_VENV ?= .venv-tflatest
+LATEST_PY := $(LATEST_VENV)/bin/python
 DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 300
+PYTEST := -m pytest -ra -p no:cacheprovider
+# Extra pytest arguments for both runs, e.g. make test PYTEST_ARGS="-x -k examples".
+PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-cluster env clean
+# What the newest-TF environment runs: the Keras path. tf.estimator is gone
+# since TF 2.16, so Estimator test files (any path matching *estimator*) are
+# not collected there, and tests marked tf215_only are deselected.
+LATEST_SELECT := -m "not tf215_only" --ignore-glob="*estimator*"
+# Known failures on the newest TF: one --deselect per test, each with its
+# reason. Keep it empty.
+LATEST_DESELECT ?=
+
+.PHONY: demo test test-tf215 test-tflatest test-fast test-cluster env env-tflatest clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[tf215,test]"
-	touch $@
+	@start=$$SECONDS; set -ex; \
+	$(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) -m pip install -q -e ".[tf215,test]"; \
+	touch $@; set +x; echo "make: $(VENV) (TF 2.15) installed in $$((SECONDS - start)) s"
+
+# The newest TF 2.x tested, with tf-keras of the same minor version. CI uses
+# the CPU-only wheel like .venv does (the `tensorflow` wheel prints CUDA-stub
+# lines on every import, which the launcher's and the config CLI's output
+# tests rightly reject). tf-keras declares a dependency on the `tensorflow`
+# distribution, which would install the full wheel over tensorflow-cpu, hence
+# --no-deps (tensorflow-cpu provides the same `tensorflow` package). Keep the
+# versions in step with setup.cfg's [tflatest] extra. tf-keras and TensorBoard
+# follow TensorFlow's minor version (TFLATEST=2.21.0 -> tf-keras==2.21.*).
+TFLATEST ?= 2.21.0
+TFLATEST_MINOR := $(basename $(TFLATEST))
+
+$(LATEST_VENV)/.installed: setup.cfg pyproject.toml
+	@start=$$SECONDS; set -ex; \
+	$(PYTHON) -m venv $(LATEST_VENV); \
+	$(LATEST_PY) -m pip install -q --upgrade pip; \
+	$(LATEST_PY) -m pip install -q "tensorflow-cpu==$(TFLATEST)" \
+		"tensorboard==$(TFLATEST_MINOR).*"; \
+	$(LATEST_PY) -m pip install -q --no-deps "tf-keras==$(TFLATEST_MINOR).*"; \
+	$(LATEST_PY) -m pip install -q -e ".[test]"; \
+	touch $@; set +x; echo "make: $(LATEST_VENV) (TF $(TFLATEST)) installed in $$((SECONDS - start)) s"
 
 env: $(VENV)/.installed
+
+env-tflatest: $(LATEST_VENV)/.installed
 
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	$(PY) -m tf_psplugin.launch --workers 2 --ps 2 --evaluator -- \
 		$(PY) keras_examples/ctr.py --model_dir $(DEMO_DIR) --train_steps $(DEMO_STEPS)
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -ra -p no:cacheprovider tests
+# Both environments, both runs, whatever the first one's result; the exit
+# status is nonzero if either failed.
+test: $(VENV)/.installed $(LATEST_VENV)/.installed
+	@status=0; \
+	$(MAKE) --no-print-directory test-tf215 || status=1; \
+	$(MAKE) --no-print-directory test-tflatest || status=1; \
+	if [ $$status -ne 0 ]; then echo "make test: FAILED (see the runs above)"; fi; \
+	exit $$status
+
+# TF 2.15: every test (Keras, Estimator, launcher, config). TF_USE_LEGACY_KERAS
+# is forced off: on 2.15 it would make tf.keras look for the tf-keras package.
+test-tf215: $(VENV)/.installed
+	@echo "== make test: TF 2.15 ($(VENV)), whole suite"
+	@start=$$SECONDS; TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) $(PYTEST_ARGS) tests; code=$$?; \
+	echo "== TF 2.15 run: exit $$code in $$((SECONDS - start)) s"; exit $$code
+
+# Newest TF 2.x + tf-keras, with TF_USE_LEGACY_KERAS=1: the Keras path.
+test-tflatest: $(LATEST_VENV)/.installed
+	@echo "== make test: newest TF ($(LATEST_VENV), TF_USE_LEGACY_KERAS=1), Keras path"
+	@start=$$SECONDS; TF_USE_LEGACY_KERAS=1 $(LATEST_PY) $(PYTEST) $(LATEST_SELECT) \
+		$(LATEST_DESELECT) $(PYTEST_ARGS) tests; code=$$?; \
+	echo "== newest-TF run: exit $$code in $$((SECONDS - start)) s"; exit $$code
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -ra -p no:cacheprovider tests/unit
+	TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) tests/unit
 
 test-cluster: $(VENV)/.installed
-	$(PY) -m pytest -ra -p no:cacheprovider tests/cluster
+	TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) tests/cluster
 
 clean:
 	rm -rf $(VENV) .venv-* runs *.egg-info

@@ -87,7 +87,7 @@ def main(argv):
 
     with strategy.scope():
         model = build_model()
-        # tf_psplugin: Keras 2 legacy optimizers (what the strategy supports).
+        # tf_psplugin: a Keras 2 legacy optimizer (the strategy supports these).
         optimizer = tf.keras.optimizers.legacy.Adagrad(FLAGS.learning_rate)
 
     @tf.function

@@ -21,7 +21,7 @@ def main():
             tf.keras.layers.GlobalAveragePooling1D(),
             tf.keras.layers.Dense(1),  # Dense: one replica per worker, gradients all-reduced.
         ])
-        # tf_psplugin: Keras 2 legacy optimizers (what the strategy supports).
+        # tf_psplugin: a Keras 2 legacy optimizer (the strategy supports these).
         model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), loss="mse")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 10_000, size=(4096, 4))

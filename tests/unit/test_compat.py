@@ -19,6 +19,7 @@ one environment are skipped in the other with a reason that says so.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -69,7 +70,7 @@ def test_new_tf_without_legacy_flag_raises_clear_import_error():
     assert line.startswith("ImportError: tf_psplugin needs Keras 2: ParameterServerStrategy is "
                            "not supported by Keras 3"), result.stderr
     assert f"TensorFlow {tf.__version__}" in line, line
-    assert f"pip install tf-keras~={major}.{minor}" in line, line
+    assert re.search(rf"pip install '?tf-keras[~=]={major}\.{minor}\b", line), line
     assert "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported" in line, line
     assert "tensorflow-cpu==2.15.1" in line, line
     assert line.endswith("(TF_USE_LEGACY_KERAS is not set.)"), line
@@ -109,7 +110,7 @@ def test_tf215_with_legacy_flag_but_no_tf_keras_fails_with_import_error():
     result = import_in_fresh_process(legacy_flag="1")
     assert result.returncode != 0, result.stdout
     line = last_line(result.stderr)
-    assert line.startswith("ImportError: tf_psplugin needs Keras 2"), result.stderr
+    assert line.startswith("ImportError: tf_psplugin"), result.stderr
     assert "TF_USE_LEGACY_KERAS" in line and "tf-keras" in line, line
 
 
@@ -150,7 +151,8 @@ def test_simulated_keras3_without_legacy_flag(monkeypatch):
     message = str(info.value)
     assert message.startswith("tf_psplugin needs Keras 2: ParameterServerStrategy is not "
                               "supported by Keras 3"), message
-    assert "TensorFlow 2.21.0" in message and "pip install tf-keras~=2.21" in message, message
+    assert "TensorFlow 2.21.0" in message, message
+    assert re.search(r"pip install '?tf-keras[~=]=2\.21\b", message), message
     assert message.endswith("(TF_USE_LEGACY_KERAS is not set.)"), message
     assert "\n" not in message
 
@@ -158,7 +160,7 @@ def test_simulated_keras3_without_legacy_flag(monkeypatch):
 @pytest.mark.parametrize("flag", ["0", "false", ""])
 def test_simulated_falsy_legacy_flag_counts_as_unset(monkeypatch, flag):
     _simulate(monkeypatch, "2.18.1", flag, layer_module="keras.src.layers.layer")
-    with pytest.raises(ImportError, match=r"tf-keras~=2\.18\b.*TF_USE_LEGACY_KERAS is not set"):
+    with pytest.raises(ImportError, match=r"tf-keras[~=]=2\.18\b.*TF_USE_LEGACY_KERAS is not set"):
         _compat._resolve_keras()  # pylint: disable=protected-access
 
 
@@ -168,7 +170,7 @@ def test_simulated_keras3_despite_legacy_flag(monkeypatch):
     fake_keras.__version__ = "3.15.1"
     monkeypatch.setitem(sys.modules, "keras", fake_keras)
     _simulate(monkeypatch, "2.21.0", "1", layer_module="keras.src.layers.layer")
-    with pytest.raises(ImportError, match=r"\(tf\.keras is Keras 3\.15\.1\.\)$"):
+    with pytest.raises(ImportError, match=r"\(tf\.keras is Keras 3\.15\.1[.:]"):
         _compat._resolve_keras()  # pylint: disable=protected-access
 
 
@@ -177,7 +179,7 @@ def test_simulated_legacy_flag_without_tf_keras_installed(monkeypatch):
               keras_error=ImportError("Keras cannot be imported. Check that it is installed."))
     with pytest.raises(ImportError) as info:
         _compat._resolve_keras()  # pylint: disable=protected-access
-    assert "pip install tf-keras~=2.21" in str(info.value)
+    assert re.search(r"pip install '?tf-keras[~=]=2\.21\b", str(info.value)), info.value
     assert str(info.value).endswith("(Keras cannot be imported. Check that it is installed.)")
 
 
