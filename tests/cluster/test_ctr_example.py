@@ -1,0 +1,78 @@
+"""End-to-end: keras_examples/ctr.py under `python -m tf_psplugin.launch` with an evaluator.
+
+This is `make demo` in miniature (few steps, tiny vocabulary): chief, 2
+workers and 2 PS all run ctr.py (ps/worker tasks block in `start_server`),
+the evaluator runs it with task type evaluator. The run must end with a
+committed checkpoint at --train_steps, ``TRAINING_DONE`` for that step, an
+evaluation line for it, and a cluster-free export; a second run with more
+steps resumes from the first.
+"""
+
+import json
+import os
+
+import pytest
+
+from tests.cluster import _cluster_util as cu
+from tf_psplugin import checkpoint as ckpt_lib
+
+pytestmark = pytest.mark.cluster
+
+CTR = os.path.join(cu.REPO_ROOT, "keras_examples", "ctr.py")
+
+
+def launch(procs, model_dir, steps, extra=(), timeout=170):
+    cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "2", "--evaluator",
+           "--timeout", str(timeout - 20), "--", cu.PYTHON, CTR, "--model_dir", str(model_dir),
+           "--train_steps", str(steps), "--vocab_size", "50", "--batch_size", "32",
+           "--steps_per_execution", "5", "--save_every_steps", "10", "--log_every_steps", "10",
+           "--eval_steps", "2", "--eval_batch_size", "64", "--eval_idle_timeout_secs", "120",
+           *extra]
+    result = procs.run(cmd, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-8000:]
+    return result.stdout
+
+
+def metrics(model_dir):
+    with open(os.path.join(model_dir, "eval", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.timeout(200)
+def test_ctr_demo_trains_checkpoints_evaluates_and_exports(procs, tmp_path):
+    model_dir, export_dir = tmp_path / "model", tmp_path / "export"
+    out = launch(procs, model_dir, 20, extra=["--export_dir", str(export_dir)])
+    latest = ckpt_lib.latest_checkpoint(model_dir)
+    assert latest.step == 20 and latest.input_position == 40  # 20 steps x 2 workers.
+    with open(model_dir / "TRAINING_DONE") as f:
+        assert json.load(f)["step"] == 20
+    lines = metrics(model_dir)
+    assert lines[-1]["step"] == 20, lines
+    assert {"loss", "auc", "checkpoint", "wall_time"} <= set(lines[-1])
+    assert 0.0 <= lines[-1]["auc"] <= 1.0
+    assert "[chief] ctr: final step 20" in out and "expected AUC ceiling" in out
+    assert "[chief] ctr: step 10 " in out  # Progress output.
+    assert "[evaluator] ctr evaluator: step 20" in out
+    assert f"[chief] ctr: exported SavedModel to {export_dir}" in out
+    assert os.path.exists(export_dir / "saved_model.pb")
+    # Only the chief's checkpoint files and the evaluator's eval/ directory.
+    names = set(os.listdir(model_dir))
+    assert names - {"checkpoint", "TRAINING_DONE", "eval"} == {
+        f"ckpt-{s}.{kind}" for s in (10, 20) for kind in (
+            "index", "commit", "data-00000-of-00003", "data-00001-of-00003",
+            "data-00002-of-00003")}, names
+    assert not cu.tagged_pids(procs.tag)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ctr_demo_resumes_from_its_model_dir(procs, tmp_path):
+    model_dir = tmp_path / "model"
+    launch(procs, model_dir, 10)
+    out = launch(procs, model_dir, 20)
+    assert f"[chief] ctr: resuming from {model_dir}/ckpt-10 (step 10, input batch 20)" in out
+    assert "[chief] ctr: training steps 10..20" in out
+    assert ckpt_lib.latest_checkpoint(model_dir).step == 20
+    with open(model_dir / "TRAINING_DONE") as f:
+        assert json.load(f)["step"] == 20
+    assert [line["step"] for line in metrics(model_dir)] == [10, 20]

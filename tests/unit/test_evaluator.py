@@ -1,0 +1,236 @@
+"""Unit tests of the evaluator sidecar against checkpoints the tests write themselves.
+
+No cluster and no real waiting: `clock` and `sleep` are injected, and the
+injected `sleep` is also where "training" writes its next checkpoint, so a
+whole training run plays out between two polls.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin import evaluator as ev
+from tf_psplugin import model_dir as md
+
+VOCAB = 12
+
+
+def build(compiled=True, seed=0):
+    ids = tf.keras.Input((2,), dtype=tf.int64)
+    x = tf.keras.layers.Embedding(VOCAB, 2, embeddings_initializer=(
+        tf.keras.initializers.RandomUniform(seed=seed)))(ids)
+    x = tf.keras.layers.Flatten()(x)
+    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(
+        seed=seed + 1))(x)
+    model = tf.keras.Model(ids, out)
+    if compiled:
+        model.compile(tf.keras.optimizers.legacy.Adagrad(0.5),
+                      tf.keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=[tf.keras.metrics.AUC(name="auc", from_logits=True),
+                               tf.keras.metrics.BinaryAccuracy(name="acc", threshold=0.0)])
+    return model
+
+
+def dataset():
+    ids = np.arange(2 * 32).reshape(32, 2) % VOCAB
+    labels = (ids[:, :1] % 2).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(8)
+
+
+class Training:
+    """Writes committed checkpoints like the chief would."""
+
+    def __init__(self, model_dir):
+        self.model = build(seed=3)
+        self.manager = ckpt_lib.CheckpointManager(model_dir, model=self.model,
+                                                  optimizer=self.model.optimizer)
+        self.step = 0
+
+    def advance(self, steps=1, final=False):
+        self.model.fit(dataset().repeat(), epochs=1, steps_per_epoch=steps, verbose=0)
+        self.step += steps
+        return self.manager.save(self.step, final=final)
+
+
+class FakeTime:
+    """Injected clock/sleep: sleeping advances the clock and runs scheduled actions."""
+
+    def __init__(self, actions=()):
+        self.now = 0.0
+        self.sleeps = []
+        self.actions = list(actions)
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+        if self.actions:
+            self.actions.pop(0)()
+
+
+def run(model_dir, fake, **kwargs):
+    kwargs.setdefault("poll_interval_secs", 1.0)
+    kwargs.setdefault("idle_timeout_secs", 30.0)
+    return ev.run_evaluator(lambda: build(), dataset, str(model_dir), clock=fake.clock,
+                            sleep=fake.sleep, **kwargs)
+
+
+def lines(model_dir):
+    with open(os.path.join(model_dir, "eval", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(autouse=True)
+def no_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def test_evaluates_each_new_checkpoint_and_exits_after_the_final_one(tmp_path):
+    training = Training(tmp_path)
+    training.advance()
+    # Training makes progress between polls; the last action finishes it.
+    fake = FakeTime([lambda: None, training.advance, lambda: training.advance(final=True)])
+    records = run(tmp_path, fake)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert fake.sleeps == [1.0, 1.0, 1.0]  # Polled, never slept for real.
+    written = lines(tmp_path)
+    assert [r["step"] for r in written] == [1, 2, 3]
+    for record in written:
+        assert set(record) == {"step", "loss", "auc", "acc", "checkpoint", "wall_time"}
+        assert record["checkpoint"] == str(tmp_path / f"ckpt-{record['step']}")
+    # The metrics are those of the checkpoint's weights, evaluated locally.
+    local = build(seed=9)
+    ckpt_lib.load_into(local, str(tmp_path / "ckpt-3"))
+    expected = local.evaluate(dataset(), verbose=0, return_dict=True)
+    assert written[-1]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert written[-1]["auc"] == pytest.approx(expected["auc"], rel=1e-6)
+    # TensorBoard scalars next to the JSON lines.
+    events = [n for n in os.listdir(tmp_path / "eval") if n.startswith("events.out.tfevents")]
+    assert events
+    tags = set()
+    for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "eval" / events[0])):
+        tags |= {v.tag for v in event.summary.value}
+    assert {"loss", "auc", "acc"} <= tags
+
+
+def test_newest_only_by_default_and_every_one_on_request(tmp_path):
+    training = Training(tmp_path)
+    for _ in range(2):
+        training.advance()
+    training.advance(final=True)
+    assert [r["step"] for r in run(tmp_path, FakeTime())] == [3]
+    other = tmp_path / "all"
+    training = Training(other)
+    for _ in range(2):
+        training.advance()
+    training.advance(final=True)
+    assert [r["step"] for r in run(other, FakeTime(), evaluate_all=True)] == [1, 2, 3]
+
+
+def test_idle_timeout_when_no_checkpoint_ever_comes(tmp_path):
+    fake = FakeTime()
+    assert run(tmp_path / "nothing", fake, idle_timeout_secs=5.0) == []
+    assert fake.now == 5.0 and len(fake.sleeps) == 5
+    assert not os.path.exists(tmp_path / "nothing" / "eval" / "metrics.jsonl")
+
+
+def test_skips_partial_and_vanished_checkpoints(tmp_path, monkeypatch):
+    training = Training(tmp_path)
+    first = training.advance()
+    data = [n for n in first.files if ".data-" in n][0]
+    path = tmp_path / data
+    path.write_bytes(path.read_bytes()[:-4])  # Partial: shorter than committed.
+    vanishing = {}
+
+    def then_train():
+        vanishing["info"] = training.advance()
+
+    real_load = ckpt_lib.load_into
+
+    def load(model, source, include_optimizer=False):
+        if source.endswith("ckpt-2"):
+            raise tf.errors.NotFoundError(None, None, "deleted by max_to_keep")
+        return real_load(model, source, include_optimizer)
+
+    monkeypatch.setattr(ckpt_lib, "load_into", load)
+    fake = FakeTime([then_train, lambda: training.advance(final=True)])
+    records = run(tmp_path, fake, evaluate_all=True)
+    assert [r["step"] for r in records] == [3]
+
+
+def test_retries_transient_read_errors_then_gives_up(tmp_path, monkeypatch):
+    training = Training(tmp_path)
+    training.advance(final=True)
+    failures = {"left": 2}
+    real_load = ckpt_lib.load_into
+
+    def flaky(model, source, include_optimizer=False):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise tf.errors.DataLossError(None, None, "short read on NFS")
+        return real_load(model, source, include_optimizer)
+
+    monkeypatch.setattr(ckpt_lib, "load_into", flaky)
+    fake = FakeTime()
+    assert [r["step"] for r in run(tmp_path, fake, retry_delay_secs=0.5)] == [1]
+    assert fake.sleeps == [0.5, 0.5]
+
+    # Always failing: skipped after max_read_retries, then the idle timeout ends it.
+    other = tmp_path / "broken"
+    Training(other).advance()
+    monkeypatch.setattr(ckpt_lib, "load_into", lambda *a, **k: (_ for _ in ()).throw(
+        tf.errors.UnavailableError(None, None, "filesystem down")))
+    fake = FakeTime()
+    assert run(other, fake, max_read_retries=2, retry_delay_secs=0.5,
+               idle_timeout_secs=3.0) == []
+    assert fake.sleeps[:2] == [0.5, 0.5]
+
+
+def test_restarted_evaluator_does_not_redo_steps(tmp_path):
+    training = Training(tmp_path)
+    training.advance()
+    run(tmp_path, FakeTime(), idle_timeout_secs=1.0)
+    training.advance(final=True)
+    assert [r["step"] for r in run(tmp_path, FakeTime())] == [2]
+    assert [r["step"] for r in lines(tmp_path)] == [1, 2]
+
+
+def test_stale_done_marker_waits_for_a_resuming_chief(tmp_path):
+    training = Training(tmp_path)
+    training.advance(final=True)
+    run(tmp_path, FakeTime())  # Evaluates step 1 and exits.
+
+    def resume():  # What ChiefCheckpoint does at train begin, then training.
+        md.clear_training_done(str(tmp_path))
+        training.advance()
+
+    fake = FakeTime([lambda: None, resume, lambda: training.advance(final=True)])
+    assert [r["step"] for r in run(tmp_path, fake, stale_done_grace_secs=10.0)] == [2, 3]
+    # Nobody resumes: the stale marker ends the evaluator after the grace period.
+    fake = FakeTime()
+    assert run(tmp_path, fake, stale_done_grace_secs=10.0) == []
+    assert fake.now == 10.0
+
+
+def test_never_runs_in_a_training_task_or_strategy(tmp_path, monkeypatch):
+    with pytest.raises(ev.EvaluatorError, match="not compiled"):
+        ev.run_evaluator(lambda: build(compiled=False), dataset, str(tmp_path))
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        with pytest.raises(ev.EvaluatorError, match="46169"):
+            run(tmp_path, FakeTime())
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]},
+        "task": {"type": "chief", "index": 0}}))
+    with pytest.raises(ev.EvaluatorError, match="is chief:0"):
+        run(tmp_path, FakeTime())
+    Training(tmp_path / "ok").advance(final=True)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"], "evaluator": ["h:4"]},
+        "task": {"type": "evaluator", "index": 0}}))
+    assert [r["step"] for r in run(tmp_path / "ok", FakeTime())] == [1]
