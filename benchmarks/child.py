@@ -1,0 +1,183 @@
+"""One benchmark process: trains the model under one setup and prints its result.
+
+Why this module exists: a TensorFlow process can connect to one cluster only,
+so every setup runs in its own process(es) and the parent (`run`) collects a
+single ``BENCH_RESULT {json}`` line from each. This module is that process:
+
+    python -m benchmarks.child '<json job>'
+
+with ``job["role"]`` one of:
+
+* ``single``: plain Keras in this process, no strategy.
+* ``ps_chief``: the chief of a loopback PS cluster started by the parent
+  (TF_CONFIG set by `tf_psplugin.launch.LocalCluster`); ``job["setup"]`` is
+  ``stock_pss``, ``hybrid_sync`` or ``hybrid_async``.
+* ``mwms_worker``: one MultiWorkerMirroredStrategy worker (TF_CONFIG set by
+  the parent); every worker runs this, worker 0 reports the throughput.
+
+Timing: `model.fit` runs ``1 + timed_epochs`` epochs of ``steps_per_epoch``
+steps; epoch 0 is the warm-up (tracing, first RPCs, cache fill) and is not
+timed. Keras joins the coordinator at every epoch end, so epoch wall times
+include every scheduled step.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import model as model_lib  # noqa: E402
+from benchmarks.procs import RESULT_PREFIX, cpu_seconds, peak_rss_mb  # noqa: E402
+
+
+class EpochTimer(tf.keras.callbacks.Callback):
+    """Wall time and CPU time of the setup's processes at every epoch boundary.
+
+    Args:
+        pids: Other processes of this setup on this host (role -> pid) whose
+            CPU time is read from /proc along with this process's own.
+    """
+
+    def __init__(self, pids=None, announce=False):
+        super().__init__()
+        self.pids = dict(pids or {})
+        self.announce = announce
+        self.marks = []
+        self.cpu_marks = []
+
+    def _mark(self):
+        self.marks.append(time.perf_counter())
+        cpu = {role: cpu_seconds(str(pid)) for role, pid in self.pids.items()}
+        cpu["self"] = cpu_seconds()
+        self.cpu_marks.append(cpu)
+
+    def on_train_begin(self, logs=None):
+        self.marks, self.cpu_marks = [], []
+        self._mark()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._mark()
+        if self.announce:  # benchmarks.profile starts its traces on this line.
+            sys.stdout.write(f"BENCH_EPOCH_END {epoch}\n")
+            sys.stdout.flush()
+
+
+def _fit_and_time(model, dataset, job, steps_per_step_examples):
+    timer = EpochTimer(job.get("cpu_pids"), announce=job.get("announce_epochs", False))
+    spe_steps = job["steps_per_epoch"]
+    epochs = 1 + job["timed_epochs"]
+    history = model.fit(dataset, epochs=epochs, steps_per_epoch=spe_steps, verbose=0,
+                        callbacks=[timer])
+    marks = timer.marks
+    epoch_seconds = [b - a for a, b in zip(marks[:-1], marks[1:])]
+    timed = epoch_seconds[1:]
+    timed_steps = spe_steps * job["timed_epochs"]
+    total = sum(timed)
+    return {
+        "examples_per_sec": timed_steps * steps_per_step_examples / total if total > 0 else None,
+        "timed_steps": timed_steps,
+        "timed_seconds": total,
+        "warmup_seconds": epoch_seconds[0],
+        "epoch_examples_per_sec": [spe_steps * steps_per_step_examples / s for s in timed],
+        "final_loss": float(history.history["loss"][-1]),
+        # CPU seconds per process over the timed epochs (epoch 1 .. end).
+        "timed_cpu_seconds": {role: timer.cpu_marks[-1][role] - timer.cpu_marks[1][role]
+                              for role in timer.cpu_marks[-1]},
+        "loadavg_end": os.getloadavg()[0],
+    }
+
+
+def _spec(job):
+    return model_lib.ModelSpec.from_dict(job["model"])
+
+
+def run_single(job):
+    spec = _spec(job)
+    model = model_lib.build_model(spec)
+    model_lib.compile_model(model, spec, job["steps_per_execution"])
+    ds = model_lib.make_dataset(spec, job["global_batch"], job["pool_batches"])
+    return _fit_and_time(model, ds, job, job["global_batch"])
+
+
+def _stock_pss_strategy(job):
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    # Shards every variable of at least `min_shard_bytes` (the tables; the MLP
+    # kernels are smaller) over at most num_ps shards.
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=job["partition_min_bytes"], max_shards=job["num_ps"])
+    return tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=partitioner)
+
+
+def run_ps_chief(job):
+    setup = job["setup"]
+    t0 = time.perf_counter()
+    if setup == "stock_pss":
+        strategy = _stock_pss_strategy(job)
+        per_step_batch = job["global_batch"]  # Each async step: one worker, one full batch.
+        examples_per_step = per_step_batch
+        # Every worker reads its own copy of this dataset and runs about
+        # 1/num_workers of the warm-up steps: a smaller pool is fully cached
+        # before the timed epochs, as in the other setups.
+        pool = max(1, job["pool_batches"] // job["num_workers"])
+    else:
+        import tf_psplugin  # pylint: disable=g-import-not-at-top
+
+        strategy = tf_psplugin.HybridParameterServerStrategy(
+            embedding_updates=job["embedding_updates"], log_placement=False,
+            sharding=job.get("sharding") or None)
+        per_step_batch = job["global_batch"] // job["num_workers"]
+        examples_per_step = per_step_batch * job["num_workers"]
+        pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.
+    spec = _spec(job)
+    with strategy.scope():
+        model = model_lib.build_model(spec)
+        model_lib.compile_model(model, spec, job["steps_per_execution"])
+    ds = model_lib.make_dataset(spec, per_step_batch, pool)
+    built = time.perf_counter() - t0
+    result = _fit_and_time(model, ds, job, examples_per_step)
+    result["startup_seconds"] = built
+    result["per_worker_batch"] = per_step_batch
+    return result
+
+
+def run_mwms_worker(job):
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    spec = _spec(job)
+    global_batch = job["global_batch"]
+
+    def dataset_fn(ctx):
+        return model_lib.make_dataset(
+            spec, ctx.get_per_replica_batch_size(global_batch), job["pool_batches"],
+            shard_index=ctx.input_pipeline_id, num_shards=ctx.num_input_pipelines)
+
+    with strategy.scope():
+        model = model_lib.build_model(spec)
+        model_lib.compile_model(model, spec, job["steps_per_execution"])
+    ds = strategy.distribute_datasets_from_function(dataset_fn)
+    result = _fit_and_time(model, ds, job, global_batch)
+    result["per_worker_batch"] = global_batch // strategy.num_replicas_in_sync
+    return result
+
+
+RUNNERS = {"single": run_single, "ps_chief": run_ps_chief, "mwms_worker": run_mwms_worker}
+
+
+def main(argv):
+    job = json.loads(argv[1])
+    t0 = time.perf_counter()
+    result = RUNNERS[job["role"]](job)
+    result["process_seconds"] = time.perf_counter() - t0
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["tf_version"] = tf.__version__
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

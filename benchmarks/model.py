@@ -1,0 +1,182 @@
+"""The benchmark's CTR model and input pipeline, identical in every setup.
+
+Why this module exists: a throughput comparison is only meaningful if every
+setup trains the same model on the same data with the same optimizer and
+Keras knobs. The model is defined here rather than imported from
+`keras_examples/` so that the benchmark stays stable while examples evolve.
+
+Default model (Criteo-shaped): 26 categorical features, one embedding table
+of `vocab_size` rows x `embedding_dim` per feature (Keras `Embedding`, whose
+weight is named ``embeddings``, so every strategy recognises it as a table),
+concatenated with the 13 dense features, then an MLP 512-256-128-1 (ReLU) and
+a logit; binary cross-entropy; legacy Adagrad.
+
+Variants used by the profile (`--variant`):
+
+* ``fused``: one table of ``26 * vocab_size`` rows with per-feature id offsets:
+  one lookup (and one sparse gradient) per step instead of 26.
+* ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
+  distinct row is fetched from the PS (and its gradient pushed) once per batch.
+
+Input: `tf_psplugin.data.SyntheticCTR` (Zipf ids), a pool of batches generated
+once, cached in memory and repeated, so data generation is outside the timed
+steps and costs the same in every setup.
+"""
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import tensorflow as tf
+
+NUM_DENSE = 13
+VARIANTS = ("baseline", "fused", "dedup", "fused_dedup")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What is trained: model shape, optimizer and data.
+
+    Attributes:
+        vocab_size: Rows per categorical feature.
+        num_categorical: Categorical features (26 as in Criteo).
+        embedding_dim: Embedding width.
+        hidden: MLP widths before the logit.
+        variant: One of `VARIANTS` (see module doc).
+        learning_rate: Adagrad learning rate.
+        seed: Data and initialisation seed.
+    """
+
+    vocab_size: int = 100_000
+    num_categorical: int = 26
+    embedding_dim: int = 16
+    hidden: Tuple[int, ...] = (512, 256, 128)
+    variant: str = "baseline"
+    learning_rate: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+
+    @property
+    def fused(self) -> bool:
+        return self.variant.startswith("fused")
+
+    @property
+    def dedup(self) -> bool:
+        return self.variant.endswith("dedup")
+
+    def table_rows(self) -> int:
+        """Rows of all embedding tables together."""
+        return self.vocab_size * self.num_categorical
+
+    def to_dict(self) -> Dict[str, object]:
+        d = dataclasses.asdict(self)
+        d["hidden"] = list(self.hidden)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, object]) -> "ModelSpec":
+        return cls(**d)
+
+
+class DedupEmbedding(tf.keras.layers.Layer):
+    """An embedding lookup that fetches each distinct id once per batch.
+
+    Its weight is named ``embeddings`` like Keras's `Embedding`, so placement
+    treats it as a table. The gradient reaching the table is an IndexedSlices
+    with one row per distinct id (not one per occurrence).
+    """
+
+    def __init__(self, input_dim: int, output_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.input_dim = int(input_dim)
+        self.output_dim = int(output_dim)
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            name="embeddings", shape=(self.input_dim, self.output_dim),
+            initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05), trainable=True)
+        super().build(input_shape)
+
+    def call(self, ids):
+        ids = tf.cast(ids, tf.int64)
+        flat = tf.reshape(ids, [-1])
+        unique_ids, position = tf.unique(flat)
+        rows = tf.nn.embedding_lookup(self.embeddings, unique_ids)
+        out = tf.gather(rows, position)
+        return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
+
+
+def _embedding(spec: ModelSpec, rows: int, name: str):
+    if spec.dedup:
+        return DedupEmbedding(rows, spec.embedding_dim, name=name)
+    return tf.keras.layers.Embedding(
+        rows, spec.embedding_dim, name=name,
+        embeddings_initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05))
+
+
+def build_model(spec: ModelSpec) -> tf.keras.Model:
+    """Builds the (uncompiled) CTR model; call inside `strategy.scope()`.
+
+    Args:
+        spec: The model description.
+
+    Returns:
+        A functional Keras model taking `{"dense": [B, 13] float32,
+        "categorical": [B, num_categorical] int64}` and returning logits [B, 1].
+    """
+    tf.keras.utils.set_random_seed(spec.seed)
+    dense_in = tf.keras.Input(shape=(NUM_DENSE,), dtype=tf.float32, name="dense")
+    cat_in = tf.keras.Input(shape=(spec.num_categorical,), dtype=tf.int64, name="categorical")
+    if spec.fused:
+        offsets = tf.constant([f * spec.vocab_size for f in range(spec.num_categorical)],
+                              dtype=tf.int64)
+        ids = tf.keras.layers.Lambda(lambda c: c + offsets, name="fuse_ids")(cat_in)
+        emb = _embedding(spec, spec.table_rows(), "embedding_fused")(ids)
+        emb = tf.keras.layers.Flatten(name="flatten")(emb)
+    else:
+        columns = []
+        for f in range(spec.num_categorical):
+            ids_f = tf.keras.layers.Lambda(lambda c, f=f: c[:, f], name=f"ids_C{f + 1}")(cat_in)
+            columns.append(_embedding(spec, spec.vocab_size, f"embedding_C{f + 1}")(ids_f))
+        emb = tf.keras.layers.Concatenate(name="concat_embeddings")(columns)
+    x = tf.keras.layers.Concatenate(name="concat")([dense_in, emb])
+    for i, width in enumerate(spec.hidden):
+        x = tf.keras.layers.Dense(width, activation="relu", name=f"mlp_{i}")(x)
+    logit = tf.keras.layers.Dense(1, name="logit")(x)
+    return tf.keras.Model({"dense": dense_in, "categorical": cat_in}, logit, name="ctr")
+
+
+def compile_model(model: tf.keras.Model, spec: ModelSpec, steps_per_execution: int) -> None:
+    """Compiles with the benchmark's loss, optimizer and knobs (no extra metrics)."""
+    model.compile(
+        optimizer=tf.keras.optimizers.legacy.Adagrad(spec.learning_rate),
+        loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution)
+
+
+def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
+                 shard_index: int = 0, num_shards: int = 1,
+                 vocab_size: Optional[int] = None) -> tf.data.Dataset:
+    """A repeated pool of `pool_batches` cached batches of `batch_size` examples.
+
+    Args:
+        spec: Model description (vocabulary, seed).
+        batch_size: Examples per batch (per worker for multi-worker setups).
+        pool_batches: Distinct batches this reader cycles through.
+        shard_index: This reader's shard of the generated stream.
+        num_shards: Number of readers.
+        vocab_size: Override of `spec.vocab_size` for the ids.
+
+    Returns:
+        An infinite dataset of `({"dense", "categorical"}, label)` batches.
+    """
+    from tf_psplugin.data import SyntheticCTR  # pylint: disable=g-import-not-at-top
+
+    gen = SyntheticCTR(vocab_size=vocab_size or spec.vocab_size,
+                       num_categorical=spec.num_categorical, seed=spec.seed)
+    ds = gen.dataset(batch_size, num_batches=pool_batches * num_shards,
+                     shard_index=shard_index, num_shards=num_shards)
+    return ds.cache().repeat()

@@ -1,0 +1,249 @@
+"""Starting benchmark processes, collecting their results and peak RSS.
+
+Why this module exists: every setup needs its own processes (a TF process
+joins one cluster only), and on a shared 2-core box a leaked TF server eats
+the CPU every later measurement needs. PS clusters are started with
+`tf_psplugin.launch.LocalCluster` (process groups, PDEATHSIG, stop() on
+exit); MultiWorkerMirroredStrategy has no PS task, which `ClusterConfig`
+requires, so its two workers are started here, each in its own session and
+killed by process group in a ``finally``.
+
+Peak RSS: every child reports its own VmHWM in its result line; for PS and
+worker servers (which never return) the parent reads `/proc/<pid>/status`
+just before stopping the cluster.
+"""
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+class BenchmarkProcessError(RuntimeError):
+    """A benchmark process failed or timed out; the message has its log tail."""
+
+
+def peak_rss_mb(pid: str = "self") -> float:
+    """Peak resident set size (VmHWM) of a process in MiB; ru_maxrss as fallback."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    if pid == "self":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return float("nan")
+
+
+def cpu_seconds(pid: str = "self") -> float:
+    """User + system CPU seconds a process has used so far (nan if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def current_rss_mb(pid: int) -> float:
+    """Current resident set size (VmRSS) of a process in MiB (nan if gone)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Environment for benchmark children: repo importable, quiet TF logs."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                     else "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def child_command(job: dict) -> List[str]:
+    return [sys.executable, "-m", "benchmarks.child", json.dumps(job)]
+
+
+def parse_result(text: str, prefix: str = "") -> dict:
+    """The last ``BENCH_RESULT`` line of `text` (lines optionally role-prefixed)."""
+    found = None
+    for line in text.splitlines():
+        if line.startswith(prefix + RESULT_PREFIX):
+            found = json.loads(line[len(prefix + RESULT_PREFIX):])
+    if found is None:
+        tail = "\n".join(text.splitlines()[-25:])
+        raise BenchmarkProcessError(f"no result line; last output:\n{tail}")
+    return found
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_single(job: dict, log_dir: str, timeout: float) -> dict:
+    """Runs a single-process job; returns its result with ``peak_rss_mb`` per role."""
+    log = os.path.join(log_dir, f"{job['setup']}.log")
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(child_command(job), env=child_env(), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchmarkProcessError(f"timed out after {timeout:.0f} s; log {log}") from None
+        finally:
+            _kill_group(proc)
+    with open(log, encoding="utf-8", errors="replace") as f:
+        result = parse_result(f.read())
+    result["peak_rss_mb"] = {"single": result["peak_rss_mb"]}
+    result["timed_cpu_seconds"] = {"single": result["timed_cpu_seconds"]["self"]}
+    return result
+
+
+def run_ps_cluster(job: dict, num_workers: int, num_ps: int, log_dir: str,
+                   timeout: float, attempts: int = 3) -> dict:
+    """Starts chief + workers + PS on loopback, runs the chief, reads every peak RSS.
+
+    A server that cannot bind its port (the free-port race documented in
+    `tf_psplugin._ports`) makes the whole cluster restart on fresh ports, at
+    most `attempts` times.
+
+    Returns:
+        The chief's result, with ``peak_rss_mb`` for every role,
+        ``baseline_rss_mb`` (each server's RSS once serving, before the chief
+        connected) and ``timed_cpu_seconds`` per role.
+    """
+    for attempt in range(1, attempts + 1):
+        log = os.path.join(log_dir, f"{job['setup']}.log")
+        try:
+            return _run_ps_cluster_once(job, num_workers, num_ps, log, timeout)
+        except _PortClash:
+            if attempt == attempts:
+                raise BenchmarkProcessError(
+                    f"servers could not bind their ports {attempts} times; log {log}") from None
+
+
+class _PortClash(Exception):
+    pass
+
+
+def _run_ps_cluster_once(job, num_workers, num_ps, log, timeout):
+    from tf_psplugin.launch import LocalCluster  # pylint: disable=g-import-not-at-top
+
+    with open(log, "w", encoding="utf-8") as out:
+        with LocalCluster(num_workers=num_workers, num_ps=num_ps, servers="builtin",
+                          env=child_env(), output=out, grace_period=2.0) as cluster:
+            cluster.start_servers()
+            deadline = time.monotonic() + min(timeout, 300)
+            while sum("serving at" in ln for ln in cluster.output()) < num_workers + num_ps:
+                if any("could not start its server" in ln for ln in cluster.output()):
+                    raise _PortClash()
+                if time.monotonic() > deadline:
+                    raise BenchmarkProcessError(f"servers did not start; log {log}")
+                time.sleep(0.2)
+            servers = {role: pid for role, pid in cluster.pids().items() if role != "chief"}
+            baseline = {role: current_rss_mb(pid) for role, pid in servers.items()}
+            job = dict(job, cpu_pids=servers)
+            try:
+                done = cluster.run_chief(child_command(job), timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise BenchmarkProcessError(
+                    f"chief timed out after {timeout:.0f} s; log {log}") from None
+            peaks = {role: peak_rss_mb(str(pid)) for role, pid in servers.items()}
+            if done.returncode != 0:
+                raise BenchmarkProcessError(
+                    f"chief exited {done.returncode}; log {log}:\n{_tail(log)}")
+            result = parse_result(done.stdout, prefix="[chief] ")
+    peaks["chief"] = result["peak_rss_mb"]
+    result["peak_rss_mb"] = dict(sorted(peaks.items()))
+    result["baseline_rss_mb"] = dict(sorted(baseline.items()))
+    cpu = result.get("timed_cpu_seconds", {})
+    cpu["chief"] = cpu.pop("self", float("nan"))
+    result["timed_cpu_seconds"] = dict(sorted(cpu.items()))
+    return result
+
+
+def _free_ports(n: int) -> List[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_mwms(job: dict, num_workers: int, log_dir: str, timeout: float) -> dict:
+    """Runs `num_workers` MultiWorkerMirroredStrategy workers; returns worker 0's result."""
+    hosts = [f"127.0.0.1:{p}" for p in _free_ports(num_workers)]
+    procs, logs, files = [], [], []
+    try:
+        for i in range(num_workers):
+            tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}
+            log = os.path.join(log_dir, f"{job['setup']}-worker-{i}.log")
+            f = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed in finally.
+            files.append(f)
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                child_command(job), env=child_env({"TF_CONFIG": json.dumps(tf_config)}),
+                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise BenchmarkProcessError(f"MWMS timed out after {timeout:.0f} s; logs {logs}")
+            if any(p.poll() not in (None, 0) for p in procs):
+                bad = next(i for i, p in enumerate(procs) if p.poll() not in (None, 0))
+                raise BenchmarkProcessError(
+                    f"MWMS worker {bad} exited {procs[bad].returncode}:\n{_tail(logs[bad])}")
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            _kill_group(p)
+        for f in files:
+            f.close()
+    results = []
+    for i, log in enumerate(logs):
+        with open(log, encoding="utf-8", errors="replace") as f:
+            results.append(parse_result(f.read()))
+    result = results[0]
+    result["peak_rss_mb"] = {f"worker:{i}": r["peak_rss_mb"] for i, r in enumerate(results)}
+    result["timed_cpu_seconds"] = {f"worker:{i}": r["timed_cpu_seconds"]["self"]
+                                   for i, r in enumerate(results)}
+    return result

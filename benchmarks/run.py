@@ -1,0 +1,407 @@
+"""`python -m benchmarks.run`: side-by-side throughput, memory, balance, scaling.
+
+Why this module exists: tf_psplugin's claim is that hybrid placement (tables
+sharded on PS, dense variables all-reduced) beats stock
+ParameterServerStrategy on CTR models and comes close to the
+no-communication limit. This runs, in one invocation and one after another
+on the same box, the same model under every setup and prints one JSON line
+per setup (stdout) and a table (stderr). See benchmarks/README.md.
+
+Modes (default: throughput):
+
+* throughput: single-process Keras, stock PSS (async, tables partitioned over
+  the PS), MultiWorkerMirroredStrategy (everything replicated), tf_psplugin
+  hybrid with "sync" and "async" embedding updates;
+* ``--memory``: hybrid sync with one table of 1M/10M/50M rows, peak RSS per role;
+* ``--balance``: lookups per PS shard, contiguous vs interleaved (no cluster);
+* ``--scaling``: hybrid sync vs stock PSS with 1, 2 and 4 workers.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+from benchmarks import procs
+
+THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_async")
+SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
+               "peak_rss_mb", "steps", "global_batch", "tf_version")
+DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
+TARGETS = {"hybrid_sync_over_stock_pss": 2.0, "hybrid_sync_over_single": 0.8,
+           "memory_worker_spread": 0.10, "memory_ps_over_share": 1.3, "balance_max_over_mean": 1.1}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description="tf_psplugin benchmarks: JSON lines on stdout, tables on stderr.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--memory", action="store_true", help="peak RSS vs table size")
+    mode.add_argument("--balance", action="store_true", help="lookups per PS shard (no cluster)")
+    mode.add_argument("--scaling", action="store_true", help="1/2/4 workers, hybrid vs stock PSS")
+    p.add_argument("--quick", action="store_true", help="fewer steps: whole run < 10 min")
+    p.add_argument("--setups", default=",".join(THROUGHPUT_SETUPS),
+                   help=f"comma-separated subset of {','.join(THROUGHPUT_SETUPS)}")
+    p.add_argument("--global_batch", type=int, default=1024)
+    p.add_argument("--steps_per_execution", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per setup (default 256, quick 64)")
+    p.add_argument("--warmup_steps", type=int, default=None,
+                   help="untimed steps first; also the epoch length (default 64, quick 32)")
+    p.add_argument("--pool_batches", type=int, default=None,
+                   help="distinct cached batches per reader (default 32, quick 16)")
+    p.add_argument("--vocab_size", type=int, default=100_000)
+    p.add_argument("--embedding_dim", type=int, default=16)
+    p.add_argument("--variant", default="baseline",
+                   choices=("baseline", "fused", "dedup", "fused_dedup"),
+                   help="model variant (see benchmarks/model.py)")
+    p.add_argument("--num_workers", type=int, default=2)
+    p.add_argument("--num_ps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the setup list this many times round-robin; report medians")
+    p.add_argument("--memory_rows", default=",".join(str(r) for r in DEFAULT_MEMORY_ROWS),
+                   help="table sizes (rows) for --memory")
+    p.add_argument("--memory_steps", type=int, default=5)
+    p.add_argument("--scaling_workers", default="1,2,4")
+    p.add_argument("--balance_batches", type=int, default=50)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
+    p.add_argument("--log_dir", default=None, help="child logs (default: a temp dir)")
+    p.add_argument("--output", default=None, help="also append the JSON lines to this file")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses and completes the arguments (defaults that depend on --quick)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quick = args.quick
+    if args.warmup_steps is None:
+        args.warmup_steps = 32 if quick else 64
+    if args.steps is None:
+        args.steps = 64 if quick else 256
+    if args.pool_batches is None:
+        args.pool_batches = 16 if quick else 32
+    setups = [s for s in args.setups.split(",") if s]
+    unknown = sorted(set(setups) - set(THROUGHPUT_SETUPS))
+    if unknown:
+        parser.error(f"unknown setups {unknown}; choose from {','.join(THROUGHPUT_SETUPS)}")
+    args.setup_list = setups
+    spe = args.steps_per_execution
+    if spe < 1 or args.warmup_steps % spe or args.steps % args.warmup_steps:
+        parser.error("--warmup_steps must be a multiple of --steps_per_execution and --steps a "
+                     "multiple of --warmup_steps (an epoch is --warmup_steps long)")
+    if args.pool_batches > args.warmup_steps:
+        parser.error("--pool_batches must be <= --warmup_steps, so the cached pool is full "
+                     "before timing starts")
+    if args.global_batch % args.num_workers:
+        parser.error("--global_batch must be divisible by --num_workers")
+    args.memory_row_list = [int(r) for r in args.memory_rows.split(",") if r]
+    args.scaling_worker_list = [int(w) for w in args.scaling_workers.split(",") if w]
+    return args
+
+
+def knobs(args) -> Dict[str, object]:
+    """The settings every setup shares, stated in every output line."""
+    return {"steps_per_execution": args.steps_per_execution, "warmup_steps": args.warmup_steps,
+            "pool_batches": args.pool_batches, "optimizer": "legacy.Adagrad(0.05)",
+            "variant": args.variant, "vocab_size": args.vocab_size,
+            "embedding_dim": args.embedding_dim, "mlp": [512, 256, 128, 1],
+            "num_tables": 26, "input": "SyntheticCTR pool, cached, repeated",
+            "threads": "TF defaults"}
+
+
+def model_dict(args, vocab_size: Optional[int] = None, variant: Optional[str] = None) -> dict:
+    return {"vocab_size": vocab_size or args.vocab_size, "embedding_dim": args.embedding_dim,
+            "variant": variant or args.variant}
+
+
+def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
+            steps: Optional[int] = None, warmup: Optional[int] = None,
+            spe: Optional[int] = None, pool: Optional[int] = None) -> dict:
+    """The JSON job a child process runs (see benchmarks/child.py)."""
+    warmup = warmup or args.warmup_steps
+    steps = steps or args.steps
+    role = {"single": "single", "mwms": "mwms_worker"}.get(setup, "ps_chief")
+    return {
+        "role": role, "setup": setup, "model": model or model_dict(args),
+        "global_batch": args.global_batch, "num_workers": num_workers, "num_ps": args.num_ps,
+        "steps_per_execution": spe or args.steps_per_execution, "steps_per_epoch": warmup,
+        "timed_epochs": steps // warmup, "pool_batches": pool or args.pool_batches,
+        "embedding_updates": "async" if setup == "hybrid_async" else "sync",
+        "partition_min_bytes": 1 << 20,
+    }
+
+
+def run_job(job: dict, args, num_workers: int, log_dir: str) -> dict:
+    """Runs one setup in its own processes; returns the raw child result or an error."""
+    start = time.monotonic()
+    load_start = os.getloadavg()[0]
+    try:
+        if job["role"] == "single":
+            result = procs.run_single(job, log_dir, args.timeout)
+        elif job["role"] == "mwms_worker":
+            result = procs.run_mwms(job, num_workers, log_dir, args.timeout)
+        else:
+            result = procs.run_ps_cluster(job, num_workers, args.num_ps, log_dir, args.timeout)
+        result["status"] = "ok"
+    except procs.BenchmarkProcessError as e:
+        result = {"status": "error", "error": str(e)[-2000:], "examples_per_sec": None,
+                  "peak_rss_mb": {}}
+    result["wall_seconds"] = round(time.monotonic() - start, 1)
+    result["loadavg_start"] = round(load_start, 2)
+    cpu = sum(result.get("timed_cpu_seconds", {}).values())
+    if result.get("examples_per_sec") and cpu > 0:
+        examples = result["examples_per_sec"] * result["timed_seconds"]
+        result["examples_per_cpu_sec"] = examples / cpu
+    return result
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def throughput_records(runs: Dict[str, List[dict]], args, num_workers: int) -> List[dict]:
+    """One output record per setup (medians over repeats), with ratios."""
+    eps, cpu_eff = {}, {}
+    for setup, results in runs.items():
+        ok = [r for r in results if r.get("status") == "ok"]
+        eps[setup] = statistics.median(r["examples_per_sec"] for r in ok) if ok else None
+        eff = [r["examples_per_cpu_sec"] for r in ok if r.get("examples_per_cpu_sec")]
+        cpu_eff[setup] = statistics.median(eff) if eff else None
+    records = []
+    for setup, results in runs.items():
+        ok = [r for r in results if r.get("status") == "ok"]
+        last = ok[-1] if ok else results[-1]
+        rec = {
+            "mode": "throughput",
+            "setup": setup,
+            "examples_per_sec": round(eps[setup], 1) if eps[setup] else None,
+            "ratio_to_single": _ratio(eps[setup], eps.get("single")),
+            "ratio_to_stock_pss": _ratio(eps[setup], eps.get("stock_pss")),
+            "peak_rss_mb": {k: round(v, 1) for k, v in last.get("peak_rss_mb", {}).items()},
+            "steps": last.get("timed_steps", args.steps),
+            "global_batch": args.global_batch,
+            "tf_version": last.get("tf_version"),
+            "status": "ok" if ok else "error",
+            "num_workers": 1 if setup == "single" else num_workers,
+            "num_ps": args.num_ps if setup in ("stock_pss", "hybrid_sync", "hybrid_async") else 0,
+            "per_worker_batch": last.get("per_worker_batch", args.global_batch),
+            "runs_examples_per_sec": [round(r["examples_per_sec"], 1) for r in ok],
+            # Contention-robust companion figure: examples per CPU-second of
+            # all the setup's processes during the timed steps.
+            "examples_per_cpu_sec": round(cpu_eff[setup], 1) if cpu_eff[setup] else None,
+            "cpu_ratio_to_single": _ratio(cpu_eff[setup], cpu_eff.get("single")),
+            "cpu_ratio_to_stock_pss": _ratio(cpu_eff[setup], cpu_eff.get("stock_pss")),
+            "timed_cpu_seconds": {k: round(v, 2) for k, v in
+                                  last.get("timed_cpu_seconds", {}).items()},
+            "loadavg_start": [r.get("loadavg_start") for r in results],
+            "epoch_examples_per_sec": [round(x, 1) for x in last.get("epoch_examples_per_sec", [])],
+            "knobs": knobs(args),
+        }
+        if not ok:
+            rec["error"] = last.get("error")
+        records.append(rec)
+    return records
+
+
+def throughput_table(records: List[dict]) -> str:
+    lines = [f"{'setup':14s} {'examples/s':>11s} {'x single':>9s} {'x stock_pss':>11s} "
+             f"{'ex/cpu-s':>9s} {'x single':>9s}  peak RSS MiB (role: MiB)"]
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for r in records:
+        rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
+        lines.append(
+            f"{r['setup']:14s} {fmt(r['examples_per_sec'], '.0f'):>11s} "
+            f"{fmt(r['ratio_to_single'], '.2f'):>9s} {fmt(r['ratio_to_stock_pss'], '.2f'):>11s} "
+            f"{fmt(r['examples_per_cpu_sec'], '.0f'):>9s} "
+            f"{fmt(r['cpu_ratio_to_single'], '.2f'):>9s}  {rss}")
+    return "\n".join(lines)
+
+
+def mode_throughput(args, log_dir: str, emit) -> List[dict]:
+    runs: Dict[str, List[dict]] = {s: [] for s in args.setup_list}
+    for _ in range(args.repeats):
+        for setup in args.setup_list:
+            job = job_for(setup, args, args.num_workers)
+            runs[setup].append(run_job(job, args, args.num_workers, log_dir))
+            _progress(f"{setup}: {_short(runs[setup][-1])}")
+    records = throughput_records(runs, args, args.num_workers)
+    for r in records:
+        emit(r)
+    _table(throughput_table(records))
+    return records
+
+
+def mode_scaling(args, log_dir: str, emit) -> List[dict]:
+    ncpu = os.cpu_count() or 1
+    records = []
+    for n in args.scaling_worker_list:
+        if args.global_batch % n:
+            continue
+        runs = {}
+        for setup in ("stock_pss", "hybrid_sync"):
+            runs[setup] = [run_job(job_for(setup, args, n), args, n, log_dir)]
+            _progress(f"scaling {setup} x{n}: {_short(runs[setup][-1])}")
+        for rec in throughput_records(runs, args, n):
+            processes = 1 + n + args.num_ps
+            rec.update({"mode": "scaling", "num_workers": n, "processes": processes,
+                        "cpus": ncpu, "oversubscribed": processes > ncpu,
+                        "note": f"{processes} TF processes on {ncpu} cores"})
+            records.append(rec)
+            emit(rec)
+    base = {r["setup"]: r["examples_per_sec"] for r in records if r["num_workers"] == 1}
+    lines = [f"{'setup':12s} {'workers':>7s} {'examples/s':>11s} {'x 1 worker':>10s}  note"]
+    for r in records:
+        eps = r["examples_per_sec"]
+        lines.append(f"{r['setup']:12s} {r['num_workers']:7d} "
+                     f"{(f'{eps:.0f}' if eps else 'error'):>11s} "
+                     f"{(_ratio(eps, base.get(r['setup'])) or '-')!s:>10s}  {r['note']}")
+    _table("\n".join(lines))
+    return records
+
+
+def mode_memory(args, log_dir: str, emit) -> List[dict]:
+    records = []
+    spe = 1
+    steps = max(args.memory_steps, 1)
+    for rows in args.memory_row_list:
+        vocab = -(-rows // 26)
+        model = model_dict(args, vocab_size=vocab, variant="fused")
+        job = job_for("hybrid_sync", args, args.num_workers, model=model, steps=steps,
+                      warmup=steps, spe=spe, pool=4)
+        result = run_job(job, args, args.num_workers, log_dir)
+        table_rows = vocab * 26
+        table_bytes = table_rows * args.embedding_dim * 4
+        share = 2 * table_bytes / args.num_ps / 2**20  # table + Adagrad accumulator, per PS.
+        peaks = result.get("peak_rss_mb", {})
+        base = result.get("baseline_rss_mb", {})
+        ps_roles = sorted(r for r in peaks if r.startswith("ps"))
+        rec = {
+            "mode": "memory", "setup": "hybrid_sync", "status": result["status"],
+            "table_rows": table_rows, "embedding_dim": args.embedding_dim,
+            "table_mb": round(table_bytes / 2**20, 1),
+            "table_plus_slots_per_ps_mb": round(share, 1),
+            "peak_rss_mb": {k: round(v, 1) for k, v in peaks.items()},
+            "baseline_rss_mb": {k: round(v, 1) for k, v in base.items()},
+            "ps_peak_over_share": {r: round(peaks[r] / share, 3) for r in ps_roles},
+            "ps_growth_over_share": {r: round((peaks[r] - base.get(r, 0.0)) / share, 3)
+                                     for r in ps_roles},
+            "steps": steps, "global_batch": args.global_batch,
+            "tf_version": result.get("tf_version"),
+        }
+        if result["status"] != "ok":
+            rec["error"] = result.get("error")
+        records.append(rec)
+        emit(rec)
+        _progress(f"memory {rows}: {rec['peak_rss_mb']}")
+    ok = [r for r in records if r["status"] == "ok"]
+    summary = {"mode": "memory_summary", "sizes": [r["table_rows"] for r in ok]}
+    if ok:
+        workers = sorted({k for r in ok for k in r["peak_rss_mb"] if k.startswith("worker")})
+        spread = {}
+        for w in workers:
+            vals = [r["peak_rss_mb"][w] for r in ok if w in r["peak_rss_mb"]]
+            spread[w] = round(max(vals) / min(vals) - 1.0, 3)
+        summary["worker_peak_spread"] = spread
+        summary["worker_within_10pct"] = all(v <= TARGETS["memory_worker_spread"]
+                                             for v in spread.values())
+        summary["ps_peak_within_1_3x_share"] = {
+            r["table_rows"]: all(v <= TARGETS["memory_ps_over_share"]
+                                 for v in r["ps_peak_over_share"].values()) for r in ok}
+        summary["ps_growth_within_1_3x_share"] = {
+            r["table_rows"]: all(v <= TARGETS["memory_ps_over_share"]
+                                 for v in r["ps_growth_over_share"].values()) for r in ok}
+    emit(summary)
+    lines = [f"{'rows':>11s} {'share/PS MiB':>12s}  peak RSS MiB by role  |  PS peak/share, "
+             f"(peak-baseline)/share"]
+    for r in records:
+        rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()) or r.get("error", "")
+        lines.append(f"{r['table_rows']:11d} {r['table_plus_slots_per_ps_mb']:12.0f}  {rss}  |  "
+                     f"{r['ps_peak_over_share']}  {r['ps_growth_over_share']}")
+    _table("\n".join(lines))
+    return records
+
+
+def mode_balance(args, emit) -> List[dict]:
+    from benchmarks import balance  # pylint: disable=g-import-not-at-top
+
+    records = balance.measure(num_rows=args.vocab_size, batch=args.global_batch,
+                              num_batches=args.balance_batches)
+    for r in records:
+        emit(r)
+    _table(balance.format_table(records))
+    return records
+
+
+def _short(result: dict) -> str:
+    if result.get("status") != "ok":
+        return "error: " + (result.get("error") or "")[:300]
+    return f"{result['examples_per_sec']:.0f} examples/s ({result.get('wall_seconds', '?')} s wall)"
+
+
+def _progress(msg: str) -> None:
+    sys.stderr.write(f"[benchmarks] {msg}\n")
+    sys.stderr.flush()
+
+
+def _table(text: str) -> None:
+    sys.stderr.write("\n" + text + "\n\n")
+    sys.stderr.flush()
+
+
+def machine_info() -> dict:
+    mem_gib = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"nproc": os.cpu_count(), "mem_gib": mem_gib,
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": sys.version.split()[0]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_bench_")
+    os.makedirs(log_dir, exist_ok=True)
+    out_file = open(args.output, "a", encoding="utf-8") if args.output else None  # noqa: SIM115
+
+    machine = machine_info()
+    machine["log_dir"] = log_dir
+
+    def emit(record: dict) -> None:
+        line = json.dumps(dict(record, machine=machine))
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        if out_file:
+            out_file.write(line + "\n")
+            out_file.flush()
+
+    try:
+        if args.balance:
+            mode_balance(args, emit)
+        elif args.memory:
+            mode_memory(args, log_dir, emit)
+        elif args.scaling:
+            mode_scaling(args, log_dir, emit)
+        else:
+            mode_throughput(args, log_dir, emit)
+    finally:
+        if out_file:
+            out_file.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

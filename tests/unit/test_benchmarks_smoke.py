@@ -1,0 +1,141 @@
+"""Smoke tests of the benchmark harness: arguments, output schema, balance counts.
+
+Fast tests never start TensorFlow processes: the runners are replaced by fakes
+returning what a child would. The one real mini-run (`slow`) runs
+single-process Keras and hybrid sync for a few steps and checks the JSON lines.
+Measured figures are never asserted: they depend on the machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import balance, run
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_defaults_and_quick():
+    full = run.parse_args([])
+    quick = run.parse_args(["--quick"])
+    assert full.setup_list == list(run.THROUGHPUT_SETUPS)
+    assert (full.global_batch, full.steps_per_execution) == (1024, 8)
+    assert quick.steps < full.steps and quick.warmup_steps <= full.warmup_steps
+    assert full.memory_row_list == [1_000_000, 10_000_000, 50_000_000]
+    assert run.parse_args(["--scaling"]).scaling_worker_list == [1, 2, 4]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--setups", "single,bogus"],
+    ["--steps", "30", "--warmup_steps", "16"],  # steps not a multiple of the epoch
+    ["--warmup_steps", "12", "--steps_per_execution", "8"],
+    ["--memory", "--balance"],
+    ["--global_batch", "1023"],
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def _fake_result(eps, role="chief"):
+    return {"status": "ok", "examples_per_sec": eps, "timed_seconds": 2.0, "timed_steps": 64,
+            "peak_rss_mb": {role: 500.0}, "tf_version": "2.15.1", "per_worker_batch": 512,
+            "epoch_examples_per_sec": [eps], "timed_cpu_seconds": {role: 4.0},
+            "examples_per_cpu_sec": eps / 2.0, "loadavg_start": 0.5}
+
+
+def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
+    fake = {"single": 1000.0, "stock_pss": 400.0, "mwms": 300.0, "hybrid_sync": 900.0,
+            "hybrid_async": 950.0}
+
+    def fake_run_job(job, args, num_workers, log_dir):
+        if job["setup"] == "mwms":
+            return {"status": "error", "error": "boom", "examples_per_sec": None,
+                    "peak_rss_mb": {}}
+        return _fake_result(fake[job["setup"]])
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    assert run.main(["--quick", "--log_dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(ln) for ln in out.splitlines()]
+    assert [r["setup"] for r in lines] == list(run.THROUGHPUT_SETUPS)
+    for r in lines:
+        for key in run.SCHEMA_KEYS:
+            assert key in r, key
+        assert r["knobs"]["steps_per_execution"] == 8
+        assert r["machine"]["nproc"] >= 1
+    by = {r["setup"]: r for r in lines}
+    assert by["hybrid_sync"]["ratio_to_single"] == 0.9
+    assert by["hybrid_sync"]["ratio_to_stock_pss"] == 2.25
+    assert by["mwms"]["status"] == "error" and by["mwms"]["examples_per_sec"] is None
+    assert "hybrid_sync" in err and "examples/s" in err
+
+
+def test_jobs_share_knobs():
+    args = run.parse_args(["--quick"])
+    jobs = [run.job_for(s, args, 2) for s in run.THROUGHPUT_SETUPS]
+    assert {j["steps_per_execution"] for j in jobs} == {8}
+    assert {j["global_batch"] for j in jobs} == {1024}
+    assert {json.dumps(j["model"], sort_keys=True) for j in jobs} == {
+        json.dumps(jobs[0]["model"], sort_keys=True)}
+    assert [j["role"] for j in jobs] == ["single", "ps_chief", "mwms_worker", "ps_chief",
+                                        "ps_chief"]
+    assert jobs[4]["embedding_updates"] == "async"
+
+
+def test_memory_summary(monkeypatch, capsys, tmp_path):
+    def fake_run_job(job, args, num_workers, log_dir):
+        rows = job["model"]["vocab_size"] * 26
+        ps = 300.0 + 2 * rows * 16 * 4 / 2 / 2**20
+        r = _fake_result(100.0)
+        r["peak_rss_mb"] = {"chief": 500.0, "ps:0": ps, "ps:1": ps, "worker:0": 600.0,
+                            "worker:1": 610.0}
+        r["baseline_rss_mb"] = {"ps:0": 300.0, "ps:1": 300.0}
+        return r
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    run.main(["--memory", "--memory_rows", "26000,260000", "--log_dir", str(tmp_path)])
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in lines] == ["memory", "memory", "memory_summary"]
+    assert lines[0]["table_rows"] == 26000
+    assert lines[1]["ps_growth_over_share"]["ps:0"] == pytest.approx(1.0, abs=1e-3)
+    assert lines[2]["worker_within_10pct"] is True
+
+
+def test_balance_interleaved_beats_contiguous_on_frequency_sorted_ids():
+    records = balance.measure(num_rows=10_000, num_features=2, batch=256, num_batches=4,
+                              shard_counts=(2,), sources=("frequency_sorted",))
+    by = {r["scheme"]: r for r in records}
+    assert set(by) == {"contiguous", "interleaved"}
+    assert sum(by["contiguous"]["lookups_per_shard"]) == 2 * 256 * 4
+    assert by["interleaved"]["max_over_mean"] < by["contiguous"]["max_over_mean"]
+    assert "max/mean" in balance.format_table(records)
+
+
+def test_shard_lookup_counts_fallback_matches_definition():
+    ids = np.array([0, 1, 2, 3, 4, 9])
+    assert balance.shard_lookup_counts(ids, 10, 2, "interleaved").tolist() == [3, 3]
+    assert balance.shard_lookup_counts(ids, 10, 2, "contiguous").tolist() == [5, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_real_mini_run(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.run", "--setups", "single,hybrid_sync",
+           "--steps", "8", "--warmup_steps", "8", "--steps_per_execution", "4",
+           "--pool_batches", "2", "--vocab_size", "1000", "--timeout", "150",
+           "--log_dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=175)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(ln) for ln in done.stdout.splitlines()]
+    assert [r["setup"] for r in lines] == ["single", "hybrid_sync"]
+    for r in lines:
+        assert r["status"] == "ok", r.get("error")
+        assert r["examples_per_sec"] > 0 and r["steps"] == 8
+    assert set(lines[1]["peak_rss_mb"]) == {"chief", "worker:0", "worker:1", "ps:0", "ps:1"}
