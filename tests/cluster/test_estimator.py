@@ -252,3 +252,55 @@ def test_ps_async_fallback_puts_everything_on_ps(tmp_path, procs):
     for r in records:
         assert all(d.startswith("/job:ps/") for d in r["devices"]), r
     assert _latest_step(model_dir) >= 30
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("table_update, optimizer", [
+    ("sync", "sgd"),
+    ("sync", "adagrad"),  # Adaptive: exact only because the chief applies the sum once.
+    ("local", "sgd"),  # Per-worker sparse updates add up for SGD.
+])
+def test_hybrid_training_matches_single_process(tmp_path, procs, table_update, optimizer):
+    """2 workers x batch B == 1 process x batch 2B, to float precision.
+
+    Both runs start from the distributed job's step-0 checkpoint, so they share
+    initial values; SyntheticCTR gives worker i of 2 exactly half of each
+    global batch.
+    """
+    import shutil
+
+    import numpy as np
+    import tensorflow as tf
+
+    steps, batch = 8, 32
+    dist_dir, local_dir = str(tmp_path / "dist"), str(tmp_path / "local")
+    flags_common = [f"--optimizer={optimizer}", "--learning_rate=0.5",
+                    "--save_checkpoints_steps=1000", "--vocab_size=50"]
+    job = _launch_flags(procs, CUSTOM, dist_dir, steps, evaluator=False,
+                        extra=[*flags_common, f"--batch_size={batch}",
+                               f"--table_update={table_update}"])
+    job.wait(["worker:0", "worker:1"], timeout=150)
+    assert _latest_step(dist_dir) == steps
+    os.makedirs(local_dir)
+    for path in glob.glob(os.path.join(dist_dir, "model.ckpt-0.*")):
+        shutil.copy(path, local_dir)
+    with open(os.path.join(local_dir, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "model.ckpt-0"\n')
+    result = procs.run([sys.executable, CUSTOM, f"--model_dir={local_dir}",
+                        f"--train_steps={steps}", f"--batch_size={2 * batch}", *flags_common],
+                       timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert _latest_step(local_dir) == steps
+    dist = tf.train.load_checkpoint(tf.train.latest_checkpoint(dist_dir))
+    local = tf.train.load_checkpoint(tf.train.latest_checkpoint(local_dir))
+    names = sorted(local.get_variable_to_shape_map())
+    assert "embedding/C1/embeddings" in names and "hidden_0/kernel" in names
+    initial = tf.train.load_checkpoint(os.path.join(dist_dir, "model.ckpt-0"))
+    moved, worst = 0, 0.0
+    for name in names:
+        want, got = local.get_tensor(name), dist.get_tensor(name)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        worst = max(worst, float(np.max(np.abs(np.asarray(got, np.float64) - want))))
+        moved += int(not np.array_equal(want, initial.get_tensor(name)))
+    print(f"{table_update}/{optimizer}: {len(names)} variables, max |diff| {worst:.2e}")
+    assert moved >= 5, "training did not change the variables"

