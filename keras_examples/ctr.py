@@ -159,6 +159,8 @@ def train(config):
     strategy = tf_psplugin.HybridParameterServerStrategy(  # tf_psplugin: chief = coordinator.
         embedding_updates=FLAGS.embedding_updates, sharding=FLAGS.sharding)
     with strategy.scope():  # tf_psplugin: tables go to the PS tasks, the rest to every worker.
+        # tf_psplugin: compile_ctr_model uses Keras 2's *legacy* Adagrad: PSS supports
+        # the legacy optimizers (their slots live next to each table shard / replica).
         model = compile_ctr_model(model_fn(), learning_rate=FLAGS.learning_rate,
                                   steps_per_execution=FLAGS.steps_per_execution)
     # tf_psplugin: chief-only checkpoints; restores at train begin, final one at train_steps.

@@ -157,10 +157,10 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
             when several appeared since the last look. The final checkpoint
             is evaluated either way.
         stale_done_grace_secs: A ``TRAINING_DONE`` that was already there
-            when the evaluator started, for a step it had already evaluated,
-            is probably left from a run that is now being resumed (the
-            chief removes it at train begin, possibly after the evaluator
-            looked): it ends the evaluator only after this many seconds.
+            when the evaluator started may be left from a run that is being
+            resumed right now (its chief removes it when it starts, possibly
+            after the evaluator looked). Such a marker ends the evaluator only
+            after this many seconds; one written later ends it at once.
         max_read_retries: Retries of a checkpoint read that failed with a
             transient error (each logged) before the checkpoint is skipped.
         retry_delay_secs: Seconds between those retries.
@@ -186,9 +186,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
     skipped: set = set()
     results: List[Dict[str, Any]] = []
     started = last_activity = clock()
-    stale_done = model_dir_lib.read_training_done(model_dir)
-    if stale_done is not None and stale_done["step"] > last_step:
-        stale_done = None  # Its final checkpoint is still to be evaluated: not stale.
+    stale_done = model_dir_lib.read_training_done(model_dir)  # Maybe from an earlier run.
     logging.info("tf_psplugin evaluator: watching %s (no connection to the training cluster)",
                  model_dir)
     try:

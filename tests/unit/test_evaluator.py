@@ -77,6 +77,7 @@ class FakeTime:
 def run(model_dir, fake, **kwargs):
     kwargs.setdefault("poll_interval_secs", 1.0)
     kwargs.setdefault("idle_timeout_secs", 30.0)
+    kwargs.setdefault("stale_done_grace_secs", 3.0)
     return ev.run_evaluator(lambda: build(), dataset, str(model_dir), clock=fake.clock,
                             sleep=fake.sleep, **kwargs)
 
@@ -179,7 +180,7 @@ def test_retries_transient_read_errors_then_gives_up(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_lib, "load_into", flaky)
     fake = FakeTime()
     assert [r["step"] for r in run(tmp_path, fake, retry_delay_secs=0.5)] == [1]
-    assert fake.sleeps == [0.5, 0.5]
+    assert fake.sleeps[:2] == [0.5, 0.5]
 
     # Always failing: skipped after max_read_retries, then the idle timeout ends it.
     other = tmp_path / "broken"
@@ -215,6 +216,13 @@ def test_stale_done_marker_waits_for_a_resuming_chief(tmp_path):
     # Nobody resumes: the stale marker ends the evaluator after the grace period.
     fake = FakeTime()
     assert run(tmp_path, fake, stale_done_grace_secs=10.0) == []
+    assert fake.now == 10.0
+    # Marker already there, final checkpoint not evaluated yet (the evaluator
+    # started after training): evaluated, then the same grace.
+    other = tmp_path / "finished"
+    Training(other).advance(final=True)
+    fake = FakeTime()
+    assert [r["step"] for r in run(other, fake, stale_done_grace_secs=10.0)] == [1]
     assert fake.now == 10.0
 
 
