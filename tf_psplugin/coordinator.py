@@ -152,9 +152,12 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 extended.tracing_sync_step = False
         concrete = getattr(closure, "_concrete_function", None)
         if concrete is not None:
-            for var in variables_lib.replicated_variables_used_by(concrete):
-                var.push_if_needed()
-                var.mark_dispatched()
+            try:
+                for var in variables_lib.replicated_variables_used_by(concrete):
+                    var.push_if_needed()
+                    var.mark_dispatched()
+            except tf.errors.OpError as e:
+                self._on_dispatch_error(e)
         with self._lock:
             self._step_counter += 1
             step = _SyncStep(self._step_counter, closure._function, closure._args,  # pylint: disable=protected-access
@@ -175,6 +178,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         with self._lock:
             return self._idle.wait_for(lambda: self._inflight == 0 or self._error is not None,
                                        timeout=timeout)
+
+    def wait_until_idle(self, timeout: Optional[float]) -> bool:
+        """Blocks until no step is in flight, even after an error (recovery)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
 
     def check_health(self) -> None:
         """Raises (or recovers from) the first error of a finished step, if any."""
@@ -241,6 +249,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if report is not None and getattr(self.strategy.extended, "log_placement", False):
             logging.info("%s", report())
 
+    def _on_dispatch_error(self, error):
+        """A push to the workers failed: recover like a failed step, or raise."""
+        with self._lock:
+            self._error = self._error or error
+        self._raise_if_error()
+        raise error
+
     def _raise_if_error(self):
         with self._lock:
             err, self._error = self._error, None
@@ -282,11 +297,18 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
     def _execute(self, step, worker, worker_executor):
         args = cluster_coordinator._select_worker_slice(worker.worker_index, step.args)  # pylint: disable=protected-access
         kwargs = cluster_coordinator._select_worker_slice(worker.worker_index, step.kwargs)  # pylint: disable=protected-access
+        try:
+            args = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args)
+            kwargs = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs)
+        except (AssertionError, cluster_coordinator.ClosureAbortedError) as e:
+            # TF marks a dead worker's resources (its iterator) aborted and
+            # reports that as an AssertionError; it is a task failure.
+            raise tf.errors.UnavailableError(
+                None, None, f"inputs on /job:worker/replica:0/task:{worker.worker_index} are "
+                f"gone (the worker failed): {str(e)[:500]}") from e
         with tf.device(worker.device_name), context.executor_scope(worker_executor):
             with coordinator_context.with_dispatch_context(worker):
-                outputs = step.function(
-                    *tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args),
-                    **tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs))
+                outputs = step.function(*args, **kwargs)
         if worker.worker_index == 0:
             step.remote_value._set_values(outputs)  # pylint: disable=protected-access
             step.remote_value.get()  # Copy to the chief while the worker is alive.

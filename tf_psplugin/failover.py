@@ -43,6 +43,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -166,16 +167,19 @@ class FailoverController:
         """
         start = time.monotonic()
         _say(f"a training step failed: {type(error).__name__}: {_first_line(error)}")
-        coordinator.wait_for_sync_steps(timeout=self._strategy.extended.collective_group
-                                        .timeout_seconds + 30 or None)
+        # Surviving workers are stuck in the failed step's collectives until
+        # they time out; a remote call to them would queue behind that.
+        timeout = self._strategy.extended.collective_group.timeout_seconds
+        if not coordinator.wait_until_idle(timeout=(timeout + 15) if timeout else 60):
+            _say("in-flight steps did not finish; going on without them")
         failed = self._failed_tasks(error)
         _say("failed task(s): " + (", ".join(f"{j}:{i}" for j, i in sorted(failed)) or "unknown"))
         if failed and all(job == "worker" for job, _ in failed):
             self._save_what_survives(coordinator, failed)
-            failed |= self._restart_surviving_workers(coordinator, failed)
         elif any(job == "ps" for job, _ in failed):
             _say("a PS task failed: its table shards are lost; resuming from the latest "
                  "periodic checkpoint")
+        failed |= self._restart_surviving_workers(coordinator, failed)
         if restarts_so_far() >= self.policy.max_restarts:
             raise FailoverError(
                 f"the chief already restarted {restarts_so_far()} times "
@@ -187,10 +191,18 @@ class FailoverController:
         self._restart_chief()
 
     def _failed_tasks(self, error) -> Set[Tuple[str, int]]:
-        failed = {t for t in tasks_named_in(error) if t in self._addresses}
+        """Tasks that are down now, plus PS tasks the error blames.
+
+        A PS named in the error may already be back (restarted by the
+        launcher within a second); its shards are lost all the same. Workers
+        named in errors are often just the ones that reported the failure.
+        """
+        failed = {t for t in tasks_named_in(error) if t in self._addresses and t[0] == "ps"}
         for task, address in self._addresses.items():
             if not accepts_connections(address):
                 failed.add(task)
+        if not failed:
+            failed = {t for t in tasks_named_in(error) if t in self._addresses}
         return failed
 
     def _save_what_survives(self, coordinator, failed) -> None:
@@ -203,9 +215,10 @@ class FailoverController:
             return
         for survivor in survivors:
             try:
-                reduced = _read_replica(extended.reduced_steps, survivor)
-                committed = _read_replica(extended.committed_steps, survivor)
-            except (tf.errors.OpError, ValueError) as e:
+                reduced, committed = _call_with_timeout(lambda: (
+                    _read_replica(extended.reduced_steps, survivor),
+                    _read_replica(extended.committed_steps, survivor)), 20.0)
+            except (tf.errors.OpError, ValueError, TimeoutError) as e:
                 _say(f"worker:{survivor} cannot be read either ({type(e).__name__}); trying another")
                 continue
             if reduced != committed:
@@ -216,8 +229,8 @@ class FailoverController:
             coordinator.preferred_replica = survivor
             for checkpointer in list(_checkpointers):
                 try:
-                    path = checkpointer.save_emergency()
-                except (tf.errors.OpError, OSError, ValueError) as e:
+                    path = _call_with_timeout(checkpointer.save_emergency, 120.0)
+                except (tf.errors.OpError, OSError, ValueError, TimeoutError) as e:
                     _say(f"emergency checkpoint failed ({type(e).__name__}: {_first_line(e)}); "
                          "the latest periodic checkpoint will be used")
                     return
@@ -242,14 +255,20 @@ class FailoverController:
         """
         restarted = set()
         for i in range(coordinator.num_workers):
-            if ("worker", i) in failed:
+            # Error messages also name healthy workers that merely reported
+            # the failure, so every worker still answering is restarted.
+            if not accepts_connections(self._addresses[("worker", i)]):
                 continue
             device = f"/job:worker/replica:0/task:{i}/device:CPU:0"
-            try:
+
+            def abort(device=device):
                 with tf.device(device):
                     tf.raw_ops.Abort(error_msg="tf_psplugin failover: restarting collective "
                                      "members after a peer failed", exit_without_error=False)
-            except (tf.errors.OpError, RuntimeError):
+
+            try:
+                _call_with_timeout(abort, 10.0)
+            except (tf.errors.OpError, RuntimeError, TimeoutError):
                 pass  # Expected: the worker is gone before it can answer.
             restarted.add(("worker", i))
         if restarted:
@@ -287,6 +306,30 @@ class FailoverController:
         os.environ[RESTARTS_ENV] = str(restarts_so_far() + 1)
         argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
         self._exec(argv[0] if os.path.isabs(argv[0]) else sys.executable, argv)
+
+
+def _call_with_timeout(fn, seconds: float):
+    """Runs `fn` on a helper thread; raises TimeoutError if it takes too long.
+
+    Recovery must never hang on a remote call to a half-dead task; an
+    abandoned call is cleaned up when the chief restarts itself.
+    """
+    result, error = [], []
+
+    def run():
+        try:
+            result.append(fn())
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread.
+            error.append(e)
+
+    thread = threading.Thread(target=run, daemon=True, name="tf_psplugin-failover-call")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    if error:
+        raise error[0]
+    return result[0] if result else None
 
 
 def _read_replica(var, worker_index: int) -> int:

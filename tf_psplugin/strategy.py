@@ -110,7 +110,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     def __init__(self, cluster_resolver=None, config: Optional[config_lib.ClusterConfig] = None,
                  embedding_updates: str = "sync", dense_placement: str = "allreduce",
                  placement: Optional[placement_lib.PlacementPolicy] = None,
-                 sharding: Optional[str] = None, collective_timeout_seconds: float = 120.0,
+                 sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
                  connect_timeout_seconds: float = 300.0,
                  failover: Optional[failover_lib.FailoverPolicy] = None,
                  log_placement: bool = True):

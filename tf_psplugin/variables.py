@@ -16,9 +16,9 @@ The model here is a primary copy on the chief plus one replica per worker:
   "replicas ahead". An eager read on the chief then waits for the in-flight
   synchronous steps and pulls worker 0's replica into the primary (all
   replicas are identical in synchronous training).
-* An eager write on the chief marks the variable "primary ahead"; the
-  coordinator pushes the primary to every replica before the next function
-  that uses it runs. New variables start "primary ahead", so every replica
+* An eager write on the chief (`assign*`, `scatter_*`, checkpoint restore,
+  `set_weights`) marks the variable "primary ahead"; the coordinator pushes
+  the primary to every replica before the next function that uses it runs. New variables start "primary ahead", so every replica
   starts from the same initial value.
 """
 
@@ -195,7 +195,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     @property
     def handle(self):
         if tf.executing_eagerly() or _in_save_context():
-            self._on_eager_access(write=not getattr(_local, "reading", False))
+            self._on_eager_access()
             return self._coordinator_instance.handle
         graph = tf.compat.v1.get_default_graph()
         outer = outermost_function_graph(graph)
@@ -217,14 +217,55 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
             return placeholder
         return graph.capture(placeholder)
 
-    def _read_variable_op(self, no_copy=False):
+    @property
+    def device(self):
         if tf.executing_eagerly():
-            _local.reading = True
-            try:
-                return super()._read_variable_op(no_copy=no_copy)
-            finally:
-                _local.reading = False
-        return super()._read_variable_op(no_copy=no_copy)
+            return self._coordinator_instance.device
+        return super().device
+
+    def _mark_written(self):
+        if tf.executing_eagerly():
+            self._on_eager_access()
+            self._primary_ahead = True
+
+    def handle_call_time_value(self):
+        """The handle a traced function gets when it is called.
+
+        On a worker (inside a dispatch) it is that worker's replica. On the
+        chief (a function run locally, e.g. `predict`, or TF's traced
+        checkpoint save) it is the primary, brought up to date first.
+        """
+        worker_closure, spec = super().handle_call_time_value()
+
+        def closure():
+            if coordinator_context.get_current_dispatch_context() is None:
+                self._on_eager_access()
+                return self._coordinator_instance.handle
+            return worker_closure()
+
+        return closure, spec
+
+    def _serialize_to_tensors(self):
+        # Checkpoints read the primary; TF may trace the read into a function,
+        # so bring the primary up to date eagerly first.
+        self._on_eager_access()
+        return self._coordinator_instance._serialize_to_tensors()  # pylint: disable=protected-access
+
+    def _restore_from_tensors(self, restored_tensors):
+        self._mark_written()
+        return self._coordinator_instance._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        self._mark_written()
+        return super().scatter_update(sparse_delta, use_locking=use_locking, name=name)
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        self._mark_written()
+        return super().scatter_add(sparse_delta, use_locking=use_locking, name=name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        self._mark_written()
+        return super().scatter_sub(sparse_delta, use_locking=use_locking, name=name)
 
     # -- writes inside a synchronous step wait for the table barrier ----------
 
@@ -238,6 +279,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         return list(self._end_of_step_fn(pending))
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
+        self._mark_written()
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
@@ -247,12 +289,14 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         return self._update_reduce_fn(self, delta)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        self._mark_written()
         delta = self._reduce_delta(delta)
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign_add(delta, use_locking=use_locking, name=name,
                                       read_value=read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        self._mark_written()
         delta = self._reduce_delta(delta)
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign_sub(delta, use_locking=use_locking, name=name,
@@ -263,11 +307,9 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     def _remote_vars(self):
         return [rv._get_values() for rv in self._per_worker_vars._values]  # pylint: disable=protected-access
 
-    def _on_eager_access(self, write: bool) -> None:
+    def _on_eager_access(self) -> None:
         if self._replicas_ahead:
             self.pull()
-        if write:
-            self._primary_ahead = True
 
     def pull(self, worker_index: Optional[int] = None) -> None:
         """Copies one worker's replica into the chief's primary copy.
@@ -280,15 +322,19 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
                 mode); default the coordinator's `preferred_replica` (worker 0,
                 or a survivor during failover).
         """
+        if not self._replicas_ahead:
+            return
+        wait = getattr(self._coordinator, "wait_for_sync_steps", None)
+        if wait is not None:
+            wait()
+            # A failed step triggers failover here; outside the lock, because
+            # recovery reads this variable again from another thread.
+            self._coordinator.check_health()
         if worker_index is None:
             worker_index = getattr(self._coordinator, "preferred_replica", 0)
         with self._sync_lock:
             if not self._replicas_ahead:
                 return
-            wait = getattr(self._coordinator, "wait_for_sync_steps", None)
-            if wait is not None:
-                wait()
-                self._coordinator.check_health()  # A failed step triggers failover here.
             remote = self._remote_vars()[worker_index]
             value = remote.read_value()
             with tf.device(self._coordinator_instance.device):
