@@ -1,0 +1,168 @@
+"""Failover tests: kill -9 real worker, PS and chief processes mid-training.
+
+Every run trains the same deterministic 60-step job (tests/cluster/scripts/
+failover_train.py, checkpoint every 10 steps) under a LocalCluster with
+--restart-failed semantics, and is compared with one uninterrupted run.
+"""
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.cluster import _cluster_util as cu
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "failover_train.py")
+TOTAL, EVERY = 60, 10
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def _steps(cluster):
+    return [int(line.split("STEP ")[1].split()[0])
+            for line in cluster.output("chief") if "STEP " in line]
+
+
+def _run(cluster, tmp_path, name, kills=(), kill_chief_at=None):
+    """Runs the job, killing `kills` ([(task, index, at_step)]) as steps pass."""
+    out, model_dir = str(tmp_path / f"{name}.json"), str(tmp_path / name)
+    cluster.start_servers()
+    killed = []
+
+    def killer():
+        seen = 0
+        for job, index, at in kills:
+            while True:
+                steps = _steps(cluster)
+                if len(steps) > seen and steps[-1] >= at:
+                    break
+                time.sleep(0.05)
+            seen = len(steps)
+            cluster.kill(job, index)
+            killed.append((job, index, steps[-1]))
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    command = [cu.PYTHON, SCRIPT, out, model_dir, str(TOTAL), str(EVERY)]
+    if kill_chief_at is None:
+        result = cluster.run_chief(command, timeout=600)
+    else:
+        first = threading.Thread(target=lambda: cluster.run_chief(command, timeout=600),
+                                 daemon=True)
+        first.start()
+        assert cu.wait_until(lambda: (_steps(cluster) or [0])[-1] >= kill_chief_at, 300)
+        cluster.kill("chief", 0)
+        killed.append(("chief", 0, _steps(cluster)[-1]))
+        first.join(60)
+        result = cluster.run_chief(command, timeout=600)  # The operator restarts the chief.
+    assert result.returncode == 0, result.stdout[-8000:]
+    with open(out) as f:
+        report = json.load(f)
+    report["killed"] = killed
+    report["log"] = result.stdout
+    return report
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from tf_psplugin.launch import LocalCluster
+
+    tmp = tmp_path_factory.mktemp("reference")
+    tracker = cu.ProcessTracker()
+    cluster = LocalCluster(2, 2, env=tracker.env())
+    try:
+        yield _run(cluster, tmp, "reference")
+    finally:
+        cluster.stop()
+        tracker.cleanup()
+
+
+def _max_diff(a, b):
+    return max(float(np.abs(np.array(x) - np.array(y)).max())
+               for x, y in zip(a["weights"], b["weights"]))
+
+
+def _resumed_steps(log):
+    return [int(line.split("RESUMED ")[1].split()[0]) for line in log.splitlines()
+            if "RESUMED " in line]
+
+
+@pytest.mark.timeout(900)
+def test_three_worker_kills_in_one_fit(reference, make_cluster, tmp_path):
+    cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True, max_restarts=6)
+    report = _run(cluster, tmp_path, "workers",
+                  kills=[("worker", 1, 10), ("worker", 0, 25), ("worker", 1, 40)])
+    assert len(report["killed"]) == 3
+    assert report["iterations"] == TOTAL
+    assert report["restarts"] == 3
+    resumed = _resumed_steps(report["log"])
+    assert len(resumed) == 3
+    for (_, _, killed_at), resumed_at in zip(report["killed"], resumed):
+        # Emergency checkpoint: only the in-flight step is lost; a half-applied
+        # step falls back to the periodic checkpoint (at most EVERY steps).
+        assert killed_at - EVERY <= resumed_at <= killed_at + 1
+    assert _max_diff(report, reference) == 0.0
+
+
+@pytest.mark.timeout(600)
+def test_ps_kill_resumes_from_checkpoint(reference, make_cluster, tmp_path):
+    cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True)
+    report = _run(cluster, tmp_path, "ps", kills=[("ps", 1, 25)])
+    assert report["iterations"] == TOTAL and report["restarts"] == 1
+    (resumed,) = _resumed_steps(report["log"])
+    killed_at = report["killed"][0][2]
+    assert killed_at - EVERY <= resumed <= killed_at  # Steps lost <= checkpoint interval.
+    assert "a PS task failed" in report["log"]
+    assert _max_diff(report, reference) == 0.0
+
+
+@pytest.mark.timeout(600)
+def test_chief_kill_then_restart_resumes(reference, make_cluster, tmp_path):
+    cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True)
+    report = _run(cluster, tmp_path, "chief", kill_chief_at=25)
+    assert report["iterations"] == TOTAL
+    (resumed,) = _resumed_steps(report["log"])
+    assert report["killed"][0][2] - EVERY <= resumed <= report["killed"][0][2]
+    assert _max_diff(report, reference) == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_worker_that_never_returns_stops_with_clear_error(make_cluster, tmp_path):
+    cluster = make_cluster(num_workers=2, num_ps=1)  # No restarts.
+    cluster.start_servers()
+    script = cu.python_script(tmp_path, f'''
+        import numpy as np, tensorflow as tf, tf_psplugin
+        from tf_psplugin import failover
+        tf_psplugin.start_server()
+        strategy = tf_psplugin.HybridParameterServerStrategy(
+            collective_timeout_seconds=10,
+            failover=failover.FailoverPolicy(recovery_timeout_seconds=5))
+        ids = np.zeros((64, 2), "int64"); y = np.zeros((64, 1), "float32")
+        ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
+        with strategy.scope():
+            m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
+                                     tf.keras.layers.Embedding(10, 2),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+            m.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
+        m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        print("READY", flush=True)
+        try:
+            m.fit(ds, epochs=1, steps_per_epoch=100000, verbose=0)
+        except failover.FailoverError as e:
+            print("RESULT", str(e).splitlines()[0])
+    ''')
+    done = []
+    thread = threading.Thread(
+        target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),
+        daemon=True)
+    thread.start()
+    assert cu.wait_until(lambda: any("READY" in l for l in cluster.output("chief")), 180)
+    cluster.kill("worker", 1)
+    thread.join(240)
+    result = done[0]
+    line = cu.result_line(result.stdout) or ""
+    assert "worker:1 at 127.0.0.1:" in line and "did not come back" in line, result.stdout[-4000:]
+    assert "Fix:" in line
