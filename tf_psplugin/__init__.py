@@ -11,9 +11,15 @@ has no ParameterServerStrategy; the message says what to install.
 
 from tf_psplugin import _compat  # noqa: F401  (raises ImportError on Keras 3)
 from tf_psplugin._version import __version__
+from tf_psplugin.checkpoint import (CheckpointError, CheckpointInfo, CheckpointManager,
+                                    ChiefCheckpoint, build_optimizer_slots, latest_checkpoint,
+                                    list_checkpoints, load_into)
 from tf_psplugin.config import ClusterConfig, ConfigError
 from tf_psplugin.config import resolve as resolve_cluster
 from tf_psplugin.coordinator import HybridClusterCoordinator
+from tf_psplugin.evaluator import EvaluatorError, run_evaluator
+from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
+from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
@@ -35,16 +41,30 @@ def start_server(config=None, argv=None):
 
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "ChiefCheckpoint",
     "ClusterConfig",
     "ConfigError",
+    "EvaluatorError",
+    "ExportError",
     "HybridClusterCoordinator",
     "HybridParameterServerStrategy",
+    "ModelDirError",
     "PlacementPolicy",
     "ReplicatedVariable",
     "StrategyError",
     "__version__",
+    "build_optimizer_slots",
     "current_worker_index",
     "embedding_table_scope",
+    "export_from_checkpoint",
+    "export_saved_model",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_into",
     "resolve_cluster",
+    "run_evaluator",
     "start_server",
 ]

@@ -41,6 +41,7 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin._compat import keras
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
@@ -290,6 +291,24 @@ class CheckpointManager:
         self._base_step = 0  # Step and input position at the last restore.
         self._base_position = 0
         self.latest: Optional[CheckpointInfo] = None
+        if self.is_writer and optimizer is not None:
+            # Failover saves what survives a dead worker through us.
+            failover_lib.register_checkpointer(self)
+
+    def save_emergency(self) -> Optional[str]:
+        """Saves the survivors' state during failover recovery (see failover.py).
+
+        The coordinator has already pointed eager reads at a surviving worker
+        and abandoned the failed step, so this is an ordinary save of the
+        last committed step.
+
+        Returns:
+            The checkpoint path, or None if nothing could be saved.
+        """
+        if self._optimizer is None:
+            return None
+        info = self.save(int(self._optimizer.iterations.numpy()))
+        return info.path if info is not None else None
 
     @property
     def model(self):
