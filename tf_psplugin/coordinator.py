@@ -48,15 +48,34 @@ class _StepPart:
         self.worker_index = worker_index
 
 
+class _SyncRemoteValue(coordinator_values.RemoteValueImpl):
+    """A step's RemoteValue whose errors go through the coordinator.
+
+    Fetching the result of a failed step (Keras progress callbacks do) must
+    start failover, or raise the step's *first* error rather than the
+    cancellation of a later step.
+    """
+
+    def __init__(self, coordinator, type_spec):
+        super().__init__(None, type_spec)
+        self._coordinator = coordinator
+
+    def _wait_and_maybe_error(self):
+        self._status_available_event.wait()
+        if self._error is not None:
+            self._coordinator.check_health()
+        super()._wait_and_maybe_error()
+
+
 class _SyncStep:
     """A function dispatched to every worker, with its result and status."""
 
-    def __init__(self, step_id, function, args, kwargs, output_spec, num_workers):
+    def __init__(self, coordinator, step_id, function, args, kwargs, output_spec, num_workers):
         self.step_id = step_id
         self.function = function
         self.args = args
         self.kwargs = kwargs
-        self.remote_value = coordinator_values.RemoteValueImpl(None, output_spec)
+        self.remote_value = _SyncRemoteValue(coordinator, output_spec)
         self.remaining = num_workers
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
@@ -160,7 +179,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 self._on_dispatch_error(e)
         with self._lock:
             self._step_counter += 1
-            step = _SyncStep(self._step_counter, closure._function, closure._args,  # pylint: disable=protected-access
+            step = _SyncStep(self, self._step_counter, closure._function, closure._args,  # pylint: disable=protected-access
                              closure._kwargs, closure._output_type_spec, self._num_workers)  # pylint: disable=protected-access
             self._inflight += 1
         for i, q in enumerate(self._queues):

@@ -343,8 +343,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def _say(message: str) -> None:
+    # absl's WARNING reaches stderr whether or not the script set up logging.
     logging.warning("tf_psplugin failover: %s", message)
-    print(f"tf_psplugin failover: {message}", flush=True)
 
 
 def worker_failure_summary(errors: Sequence[BaseException]) -> str:

@@ -166,3 +166,28 @@ def test_worker_that_never_returns_stops_with_clear_error(make_cluster, tmp_path
     line = cu.result_line(result.stdout) or ""
     assert "worker:1 at 127.0.0.1:" in line and "did not come back" in line, result.stdout[-4000:]
     assert "Fix:" in line
+
+
+@pytest.mark.timeout(900)
+def test_ctr_example_survives_worker_and_evaluator_kills_under_the_launcher(procs, tmp_path):
+    """The README's main job, launched by the CLI with --restart-failed, killed twice."""
+    model_dir, pid_file = str(tmp_path / "model"), str(tmp_path / "pids.json")
+    launcher = procs.popen([cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "2",
+                            "--evaluator", "--restart-failed", "--pid-file", pid_file, "--",
+                            cu.PYTHON, os.path.join(cu.REPO_ROOT, "keras_examples", "ctr.py"),
+                            "--model_dir", model_dir, "--train_steps", "300",
+                            "--vocab_size", "2000"])
+    reader = cu.LineReader(launcher)
+    assert reader.wait_for("ctr: step 100", timeout=400), reader.text()[-4000:]
+    tasks = cu.read_pid_file(pid_file)["tasks"]
+    os.kill(tasks["worker:1"], 9)
+    time.sleep(2)
+    os.kill(tasks["evaluator"], 9)
+    assert launcher.wait(timeout=600) == 0, reader.text()[-8000:]
+    log = reader.join()
+    assert "saved emergency checkpoint" in log or "latest periodic checkpoint" in log
+    assert "ctr: final step 300" in log
+    assert "restarting evaluator" in log
+    with open(os.path.join(model_dir, "eval", "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if line.strip()]
+    assert 300 in steps
