@@ -7,8 +7,8 @@ every task of the cluster started from the same command line), and must exit
 tasks by hand with `--job_name/--task_index/--*_hosts` flags, the other way
 the README documents.
 
-Not here: keras_examples/ctr.py and estimator_examples/ are tested by their
-owners' test modules. These tests run in both CI environments (TF 2.15 and
+Not here: keras_examples/ctr.py (tests/cluster/test_ctr_example.py) and
+estimator_examples/ (tests/cluster/test_estimator.py) have their own modules. These tests run in both CI environments (TF 2.15 and
 the newest TF with tf-keras, `make test`), so they hold the examples to both.
 """
 
