@@ -30,7 +30,6 @@ the plugin's table sharding), for comparison and for fully-async users.
 import functools
 import os
 import random
-import socket
 import time
 from typing import List, Optional
 
@@ -568,7 +567,8 @@ def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0
     deadline = time.monotonic() + timeout_seconds
     pending = list(tasks)
     while True:
-        pending = [(role, addr) for role, addr in pending if not _accepts(addr)]
+        pending = [(role, addr) for role, addr in pending
+                   if not failover_lib.accepts_connections(addr, timeout=2.0)]
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(poll_seconds)
@@ -579,16 +579,6 @@ def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0
             "(they run the same script, which calls tf_psplugin.start_server() first, or "
             "`python -m tf_psplugin.server`), check their addresses in TF_CONFIG / --worker_hosts "
             "/ --ps_hosts and the firewall, or raise connect_timeout_seconds.")
-
-
-def _accepts(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        with socket.create_connection((host, int(port)), timeout=2.0):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 def _unwrap(var):
