@@ -19,6 +19,7 @@ from tf_psplugin.config import resolve as resolve_cluster
 from tf_psplugin.coordinator import HybridClusterCoordinator
 from tf_psplugin.evaluator import EvaluatorError, run_evaluator
 from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
+from tf_psplugin.failover import FailoverError, FailoverPolicy
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
@@ -49,6 +50,8 @@ __all__ = [
     "ConfigError",
     "EvaluatorError",
     "ExportError",
+    "FailoverError",
+    "FailoverPolicy",
     "HybridClusterCoordinator",
     "HybridParameterServerStrategy",
     "ModelDirError",
