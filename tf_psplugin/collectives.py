@@ -19,6 +19,9 @@ import tensorflow as tf
 
 from tf_psplugin._tf_internal import collective_ops
 
+# Padded all-gathers use buffers of 2**b elements, b in this range.
+_MIN_BUCKET_LOG2, _MAX_BUCKET_LOG2 = 8, 40
+
 # Group keys below 100 are left to TF's own strategies.
 DEFAULT_GROUP_KEY = 7001
 
@@ -125,10 +128,8 @@ class CollectiveGroup:
         idx_len = tf.reduce_sum(all_counts, axis=1)  # per worker
         val_len = tf.reduce_sum(all_counts * width_t[tf.newaxis, :], axis=1)
         max_idx, max_val = tf.reduce_max(idx_len), tf.reduce_max(val_len)
-        pad_idx = tf.pad(flat_idx, [[0, max_idx - tf.shape(flat_idx, out_type=tf.int64)[0]]])
-        pad_val = tf.pad(flat_val, [[0, max_val - tf.shape(flat_val, out_type=tf.int64)[0]]])
-        g_idx = tf.reshape(self.all_gather(pad_idx), [self.group_size, -1])
-        g_val = tf.reshape(self.all_gather(pad_val), [self.group_size, -1])
+        g_idx = tf.reshape(self._all_gather_bucketed(flat_idx, max_idx), [self.group_size, -1])
+        g_val = tf.reshape(self._all_gather_bucketed(flat_val, max_val), [self.group_size, -1])
         per_var_idx: List[List[tf.Tensor]] = [[] for _ in range(k)]
         per_var_val: List[List[tf.Tensor]] = [[] for _ in range(k)]
         for w in range(self.group_size):
@@ -145,6 +146,33 @@ class CollectiveGroup:
             indices = tf.cast(tf.concat(per_var_idx[j], axis=0), s.indices.dtype)
             out.append(tf.IndexedSlices(tf.cast(values, s.values.dtype), indices, s.dense_shape))
         return out
+
+    def _all_gather_bucketed(self, flat: tf.Tensor, max_len: tf.Tensor) -> tf.Tensor:
+        """All-gathers a 1-D tensor padded to the power of two >= `max_len`.
+
+        A collective instance keeps the shape of its first execution (TF
+        2.15: "Shape mismatch in the collective instance N ... expected shape
+        [17000] but another member in the group expected shape [17264]" on
+        the next step whose longest buffer differs, e.g. with de-duplicated
+        ids). So every bucket size gets its own collective (own instance key,
+        assigned identically on every worker at trace time) and the step runs
+        the one its `max_len` (equal on every worker) selects.
+
+        Args:
+            flat: This worker's 1-D buffer, at most `max_len` long.
+            max_len: int64 scalar, the longest buffer of any worker.
+
+        Returns:
+            [group_size * bucket] gathered, padded buffers.
+        """
+        bounds = [1 << b for b in range(_MIN_BUCKET_LOG2, _MAX_BUCKET_LOG2 + 1)]
+        index = tf.reduce_sum(tf.cast(max_len > tf.constant(bounds, tf.int64), tf.int32))
+        length = tf.shape(flat, out_type=tf.int64)[0]
+
+        def branch(bound):
+            return lambda: self.all_gather(tf.pad(flat, [[0, bound - length]]))
+
+        return tf.switch_case(index, [branch(b) for b in bounds])
 
     def barrier(self, control_inputs: Sequence = ()) -> tf.Tensor:
         """A collective that completes only when every worker reached it.
