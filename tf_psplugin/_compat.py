@@ -21,9 +21,19 @@ _KERAS3_HELP = (
     "tf_psplugin needs Keras 2: ParameterServerStrategy is not supported by Keras 3, "
     "which is what tf.keras resolves to on TensorFlow {tf} here. Fix: either install "
     "TensorFlow 2.15 (`pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`), or keep TF "
-    "{tf} and `pip install tf-keras~={major}.{minor}` and set the environment variable "
+    "{tf} and `pip install 'tf-keras=={major}.{minor}.*'` and set the environment variable "
     "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported."
 )
+_LEGACY_ON_215_HELP = (
+    "tf_psplugin: TF_USE_LEGACY_KERAS is set, so TensorFlow {tf} looks for the tf-keras "
+    "package instead of its built-in Keras 2, and cannot import it ({error}). Fix: unset "
+    "TF_USE_LEGACY_KERAS (Keras 2.15 is built into TF 2.15), or `pip install "
+    "'tf-keras==2.15.*'`."
+)
+
+
+def _legacy_flag_set() -> bool:
+    return os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true")
 
 
 def _resolve_keras():
@@ -33,10 +43,7 @@ def _resolve_keras():
             f"tf_psplugin supports TensorFlow 2.15 to 2.21; found {tf.__version__}. "
             "Fix: `pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`."
         )
-    if TF_VERSION >= (2, 16) and os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() not in (
-        "1",
-        "true",
-    ):
+    if TF_VERSION >= (2, 16) and not _legacy_flag_set():
         raise ImportError(
             _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
             + " (TF_USE_LEGACY_KERAS is not set.)"
@@ -48,6 +55,8 @@ def _resolve_keras():
         root = keras_module.layers.Layer.__module__.split(".")[0]
         version = getattr(sys.modules.get(root), "__version__", "")
     except ImportError as e:  # tf-keras missing with TF_USE_LEGACY_KERAS=1.
+        if TF_VERSION < (2, 16):
+            raise ImportError(_LEGACY_ON_215_HELP.format(tf=tf.__version__, error=e)) from e
         raise ImportError(
             _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
             + f" ({e})"
@@ -55,7 +64,9 @@ def _resolve_keras():
     if str(version).startswith("3"):
         raise ImportError(
             _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])
-            + f" (tf.keras is Keras {version}.)"
+            + f" (tf.keras is Keras {version}"
+            + (": TF_USE_LEGACY_KERAS was set after tf.keras was first used; set it in the "
+               "environment before starting Python.)" if _legacy_flag_set() else ".)")
         )
     return keras_module
 
