@@ -27,6 +27,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("TF_PSPLUGIN_BENCH_PLUGIN_PATH"):  # A patched plugin copy to measure.
+    sys.path.insert(0, os.environ["TF_PSPLUGIN_BENCH_PLUGIN_PATH"])
 
 import tensorflow as tf  # noqa: E402
 

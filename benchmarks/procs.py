@@ -67,6 +67,18 @@ def current_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+PLUGIN_PATH_ENV = "TF_PSPLUGIN_BENCH_PLUGIN_PATH"
+
+
+def plugin_root() -> str:
+    """Directory holding the `tf_psplugin` the children import.
+
+    `$TF_PSPLUGIN_BENCH_PLUGIN_PATH` (set by ``run --plugin_path``) names a
+    patched copy to measure; children put it first on sys.path.
+    """
+    return os.path.abspath(os.environ.get(PLUGIN_PATH_ENV) or REPO_ROOT)
+
+
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """Environment for benchmark children: repo importable, quiet TF logs."""
     env = dict(os.environ)
@@ -209,8 +221,24 @@ def _free_ports(n: int) -> List[int]:
             s.close()
 
 
-def run_mwms(job: dict, num_workers: int, log_dir: str, timeout: float) -> dict:
-    """Runs `num_workers` MultiWorkerMirroredStrategy workers; returns worker 0's result."""
+def run_mwms(job: dict, num_workers: int, log_dir: str, timeout: float,
+             attempts: int = 3) -> dict:
+    """Runs `num_workers` MultiWorkerMirroredStrategy workers; returns worker 0's result.
+
+    A worker that cannot bind its port (free-port race) makes the group
+    restart on fresh ports, at most `attempts` times.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run_mwms_once(job, num_workers, log_dir, timeout)
+        except _PortClash:
+            if attempt == attempts:
+                raise BenchmarkProcessError(
+                    f"MWMS workers could not bind their ports {attempts} times") from None
+    raise AssertionError("unreachable")
+
+
+def _run_mwms_once(job: dict, num_workers: int, log_dir: str, timeout: float) -> dict:
     hosts = [f"127.0.0.1:{p}" for p in _free_ports(num_workers)]
     procs, logs, files = [], [], []
     try:
@@ -230,6 +258,8 @@ def run_mwms(job: dict, num_workers: int, log_dir: str, timeout: float) -> dict:
                 raise BenchmarkProcessError(f"MWMS timed out after {timeout:.0f} s; logs {logs}")
             if any(p.poll() not in (None, 0) for p in procs):
                 bad = next(i for i, p in enumerate(procs) if p.poll() not in (None, 0))
+                if "Could not start gRPC server" in _tail(logs[bad], 200):
+                    raise _PortClash()
                 raise BenchmarkProcessError(
                     f"MWMS worker {bad} exited {procs[bad].returncode}:\n{_tail(logs[bad])}")
             time.sleep(0.2)

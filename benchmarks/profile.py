@@ -21,10 +21,11 @@ import glob
 import gzip
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from benchmarks import procs, run
 
@@ -65,6 +66,59 @@ def summarize_xplane(path: str, top: int = 25) -> Dict[str, object]:
                 span_ps = max(span_ps, ev.offset_ps + ev.duration_ps)
     return {"trace_seconds": round(span_ps / 1e12, 3), "threads": threads,
             "top": [[k, round(v / 1e9, 2), counts[k]] for k, v in totals.most_common(top)]}
+
+
+# perf symbol -> category, first match wins (CPU profile of a whole process).
+CATEGORIES = (
+    ("compute", r"Eigen|gemm|sgemm|contraction|mkl|dnnl|onednn|_mm|avx|Relu|BiasAdd|Adagrad|"
+                r"Softplus|Sigmoid|Tanh|reduction|Reduce|Gather|Scatter|Unique|SegmentSum"),
+    ("rpc_grpc_proto", r"grpc|protobuf|proto2|absl::.*Cord|Rendezvous|RecvTensor|"
+                       r"tensorflow::eager::.*Service|EagerService|GrpcRemote|ToProtoField|"
+                       r"FromProtoField|TensorProto|WorkerService"),
+    ("collective", r"Collective|RingReducer|RingGatherer|HierarchicalTree|Permuter"),
+    ("executor_runtime", r"Executor|OpKernel|ProcessFunctionLibraryRuntime|FunctionLibrary|"
+                         r"KernelAndDevice|EagerOperation|EagerExecute|TensorHandle|"
+                         r"ThreadPool|Eigen::ThreadPool|NodeDef|AttrValue|tsl::|tensorflow::"),
+    ("memory", r"malloc|free|memcpy|memmove|memset|tcmalloc|_int_|cfree|operator new|"
+               r"operator delete"),
+    ("python", r"_PyEval|PyObject|_Py|Py[A-Z]"),
+    ("kernel_os", r"\[k\]"),
+)
+
+
+def perf_record(pid: int, out: str, seconds: float) -> Optional[subprocess.Popen]:
+    """Starts `perf record` of `pid` for `seconds` (None when perf is missing)."""
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    if shutil.which("perf") is None:
+        return None
+    return subprocess.Popen(
+        ["perf", "record", "-q", "-F", "299", "-p", str(pid), "-o", out, "--", "sleep",
+         f"{seconds:.1f}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarize_perf(path: str, top: int = 25) -> Dict[str, object]:
+    """Flat CPU profile from a perf.data file: top symbols and categories (in % of samples)."""
+    import re  # pylint: disable=g-import-not-at-top
+
+    text = subprocess.run(
+        ["perf", "report", "-i", path, "--stdio", "--no-children", "--sort", "dso,symbol",
+         "--percent-limit", "0.05"], capture_output=True, text=True, timeout=300).stdout
+    rows = []
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+(\[[.k]\])\s+(.*)", line)
+        if m:
+            rows.append((float(m.group(1)), m.group(2), m.group(3), m.group(4).strip()))
+    cats = collections.Counter()
+    for pct, dso, kind, sym in rows:
+        label = "other"
+        for name, pattern in CATEGORIES:
+            if re.search(pattern, f"{kind} {sym} {dso}"):
+                label = name
+                break
+        cats[label] += pct
+    return {"perf_categories_pct": {k: round(v, 1) for k, v in cats.most_common()},
+            "perf_top": [[round(p, 2), dso, sym[:120]] for p, dso, _, sym in rows[:top]]}
 
 
 def _trace(address: str, logdir: str, duration_ms: int, errors: list) -> None:
@@ -109,7 +163,14 @@ def profile_setup(args) -> List[dict]:
                 raise procs.BenchmarkProcessError(f"warm-up did not finish; log {log}")
             errors: List[str] = []
             tracers = []
-            for role in sorted(servers):
+            perfs = {}
+            if args.perf:
+                for role, pid in servers.items():
+                    out_path = os.path.join(profile_dir, f"perf-{role.replace(':', '-')}.data")
+                    proc = perf_record(pid, out_path, args.trace_ms / 1000.0)
+                    if proc is not None:
+                        perfs[role] = (proc, out_path)
+            for role in sorted(servers) if not args.no_xplane else []:
                 job_name, index = role.split(":")
                 address = cluster.config.cluster[job_name][int(index)]
                 logdir = os.path.join(profile_dir, role.replace(":", "-"))
@@ -118,9 +179,16 @@ def profile_setup(args) -> List[dict]:
                 tracers.append((role, logdir, t))
             for _, _, t in tracers:
                 t.join()
+            for proc, _ in perfs.values():
+                proc.wait(timeout=args.trace_ms / 1000.0 + 60)
             chief.join(timeout=args.timeout)
             done = result.get("done")
             bench = procs.parse_result(done.stdout, prefix="[chief] ") if done else {}
+    for role, (_, path) in sorted(perfs.items()):
+        rec = {"mode": "perf", "setup": args.setup, "variant": args.variant,
+               "steps_per_execution": args.steps_per_execution, "role": role, "perf_data": path}
+        rec.update(summarize_perf(path, args.top))
+        records.append(rec)
     for role, logdir, _ in tracers:
         files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb*"), recursive=True))
         rec = {"mode": "profile", "setup": args.setup, "variant": args.variant,
@@ -152,13 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--profile_dir", default=None)
+    p.add_argument("--perf", action="store_true",
+                   help="also sample every server's CPU with `perf record` (flat profile)")
+    p.add_argument("--no_xplane", action="store_true", help="skip the TF profiler traces")
+    p.add_argument("--plugin_path", default=None,
+                   help="profile the tf_psplugin found in this directory (a patched copy)")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plugin_path:
+        os.environ[procs.PLUGIN_PATH_ENV] = os.path.abspath(args.plugin_path)
     for rec in profile_setup(args):
         sys.stdout.write(json.dumps(rec) + "\n")
+        if rec["mode"] == "perf":
+            sys.stderr.write(f"\n{rec['role']} perf categories (% CPU samples): "
+                             f"{rec['perf_categories_pct']}\n")
+            for pct, dso, sym in rec["perf_top"]:
+                sys.stderr.write(f"  {pct:6.2f}% {dso[:28]:28s} {sym[:90]}\n")
         if rec["mode"] == "profile" and "top" in rec:
             sys.stderr.write(f"\n{rec['role']} ({rec['trace_seconds']} s traced, "
                              f"{rec['threads']} threads): total ms, count\n")

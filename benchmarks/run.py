@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
     p.add_argument("--log_dir", default=None, help="child logs (default: a temp dir)")
     p.add_argument("--output", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--plugin_path", default=None,
+                   help="measure the tf_psplugin package found in this directory instead "
+                        "(e.g. a patched copy); the chief imports it first")
     return p
 
 
@@ -358,6 +361,33 @@ def _table(text: str) -> None:
     sys.stderr.flush()
 
 
+def plugin_revision() -> str:
+    """Which tf_psplugin is measured: git commit (+dirty), content hash, location.
+
+    That is the repo's, or the patched copy given with --plugin_path.
+    """
+    import hashlib  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+
+    root = procs.plugin_root()
+    digest = hashlib.sha1()
+    pkg = os.path.join(root, "tf_psplugin")
+    for dirpath, _, files in sorted(os.walk(pkg)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    digest.update(f.read())
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "tf_psplugin"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "", ""
+    return (f"{head or 'no-git'}{'+dirty' if dirty else ''} "
+            f"sha1:{digest.hexdigest()[:10]} ({root})")
+
+
 def machine_info() -> dict:
     mem_gib = None
     try:
@@ -365,7 +395,7 @@ def machine_info() -> dict:
             mem_gib = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    return {"nproc": os.cpu_count(), "mem_gib": mem_gib,
+    return {"nproc": os.cpu_count(), "mem_gib": mem_gib, "plugin": plugin_revision(),
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0]}
@@ -373,6 +403,8 @@ def machine_info() -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.plugin_path:
+        os.environ[procs.PLUGIN_PATH_ENV] = os.path.abspath(args.plugin_path)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_bench_")
     os.makedirs(log_dir, exist_ok=True)
     out_file = open(args.output, "a", encoding="utf-8") if args.output else None  # noqa: SIM115

@@ -139,3 +139,18 @@ def test_real_mini_run(tmp_path):
         assert r["status"] == "ok", r.get("error")
         assert r["examples_per_sec"] > 0 and r["steps"] == 8
     assert set(lines[1]["peak_rss_mb"]) == {"chief", "worker:0", "worker:1", "ps:0", "ps:1"}
+
+
+def test_report_renders_every_mode(monkeypatch, capsys, tmp_path):
+    from benchmarks import report
+
+    monkeypatch.setattr(run, "run_job", lambda job, args, n, log_dir: _fake_result(1000.0))
+    out = tmp_path / "r.jsonl"
+    run.main(["--quick", "--setups", "single,stock_pss", "--log_dir", str(tmp_path),
+              "--output", str(out)])
+    records = [json.loads(ln) for ln in out.read_text().splitlines()]
+    records += balance.measure(num_rows=1000, num_features=1, batch=64, num_batches=1,
+                               shard_counts=(2,), sources=("frequency_sorted",))
+    text = report.render(records)
+    assert "| single | 1000 |" in text and "| frequency_sorted | 2 | interleaved |" in text
+    assert text.startswith("Machine: ")
