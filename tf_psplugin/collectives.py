@@ -6,17 +6,19 @@ Dense gradients are summed across workers with one packed all-reduce per step
 global sparse gradient and exactly one worker applies it to each PS shard.
 
 Instance keys are handed out at trace time, one per collective op, as
-MultiWorkerMirroredStrategy's CollectiveKeys do. Every worker traces the same
-function identically, so the keys match across workers; a collective reused
+MultiWorkerMirroredStrategy's CollectiveKeys do. The coordinator traces one
+copy of a step per worker, each in `CollectiveGroup.same_keys_per_trace`, so
+the copies of a collective share its key; a collective reused
 in later steps (or in a `tf.range` loop) is ordered by its data dependencies.
 """
 
-import itertools
+import contextlib
 import threading
 from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_psplugin import variables as variables_lib
 from tf_psplugin._tf_internal import collective_ops
 
 # Padded all-gathers use buffers of 2**b elements, b in this range.
@@ -44,12 +46,47 @@ class CollectiveGroup:
         self.group_key = int(group_key)
         self.timeout_seconds = float(timeout_seconds)
         self._lock = threading.Lock()
-        self._next_key = itertools.count(1)
+        self._next_key = 1
+        self._block_start = self._block_end = self._block_graph = None
 
     def next_instance_key(self) -> int:
         """Returns a fresh instance key (called while tracing)."""
         with self._lock:
-            return next(self._next_key)
+            if self._block_start is not None:
+                # Inside `same_keys_per_trace`: every function graph traced
+                # in the block numbers its collectives from the block's start.
+                graph = variables_lib.outermost_function_graph()
+                if graph is not self._block_graph:
+                    self._block_end = max(self._block_end, self._next_key)
+                    self._block_graph = graph
+                    self._next_key = self._block_start
+            key = self._next_key
+            self._next_key += 1
+            return key
+
+    @contextlib.contextmanager
+    def same_keys_per_trace(self):
+        """Gives every function traced in this block the same instance keys.
+
+        The coordinator traces one copy of a step per worker. The copies
+        issue the same collectives in the same order, and the copies of one
+        collective must share its instance key, so each trace numbers its
+        collectives from the key where the block began. (A tf.function that
+        creates variables is traced twice on its first call; both traces get
+        the same keys too.)
+        """
+        with self._lock:
+            outer = self._block_start
+            if outer is None:
+                self._block_start = self._block_end = self._next_key
+                self._block_graph = None
+        try:
+            yield
+        finally:
+            if outer is None:
+                with self._lock:
+                    self._next_key = max(self._block_end, self._next_key)
+                    self._block_start = self._block_end = self._block_graph = None
 
     def all_reduce(self, tensor: tf.Tensor, merge_op: str = "Add",
                    final_op: str = "Id") -> tf.Tensor:

@@ -5,7 +5,9 @@ Stock `ClusterCoordinator.schedule` sends each function to *one* free worker
 on *every* worker at once, because the step contains collectives among the
 workers. `HybridClusterCoordinator.schedule` therefore:
 
-1. traces the function once (as the stock coordinator does),
+1. traces the function once per worker (the strategy keys tf.function's
+   cache by device): a synchronous step differs between workers only in
+   which table-shard updates it applies,
 2. pushes any replicated variable whose chief copy is newer than the
    replicas (e.g. after `set_weights` or a checkpoint restore),
 3. queues one part of the step on each worker's own thread, each part
@@ -70,9 +72,9 @@ class _SyncRemoteValue(coordinator_values.RemoteValueImpl):
 class _SyncStep:
     """A function dispatched to every worker, with its result and status."""
 
-    def __init__(self, coordinator, step_id, function, args, kwargs, output_spec, num_workers):
+    def __init__(self, coordinator, step_id, functions, args, kwargs, output_spec, num_workers):
         self.step_id = step_id
-        self.function = function
+        self.functions = functions  # One per worker.
         self.args = args
         self.kwargs = kwargs
         self.remote_value = _SyncRemoteValue(coordinator, output_spec)
@@ -158,33 +160,67 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if not self._synchronous:
             return super().schedule(fn, args=args, kwargs=kwargs)
         self._raise_if_error()
-        extended = self.strategy.extended
-        with self.strategy.scope():
-            extended._being_scheduled = True  # pylint: disable=protected-access
-            extended.tracing_sync_step = True
-            try:
-                closure = cluster_coordinator.Closure(
-                    fn, self._cluster.closure_queue._cancellation_mgr,  # pylint: disable=protected-access
-                    args=args, kwargs=kwargs)
-            finally:
-                extended._being_scheduled = False  # pylint: disable=protected-access
-                extended.tracing_sync_step = False
-        concrete = getattr(closure, "_concrete_function", None)
-        if concrete is not None:
-            try:
+        closures = self._trace_per_worker(fn, args, kwargs)
+        used = {}
+        for closure in closures:
+            concrete = getattr(closure, "_concrete_function", None)
+            if concrete is not None:
                 for var in variables_lib.replicated_variables_used_by(concrete):
-                    var.push_if_needed()
-                    var.mark_dispatched()
-            except tf.errors.OpError as e:
-                self._on_dispatch_error(e)
+                    used[id(var)] = var
+        try:
+            for var in used.values():
+                var.push_if_needed()
+                var.mark_dispatched()
+        except tf.errors.OpError as e:
+            self._on_dispatch_error(e)
+        first = closures[0]
         with self._lock:
             self._step_counter += 1
-            step = _SyncStep(self, self._step_counter, closure._function, closure._args,  # pylint: disable=protected-access
-                             closure._kwargs, closure._output_type_spec, self._num_workers)  # pylint: disable=protected-access
+            step = _SyncStep(self, self._step_counter,
+                             [c._function for c in closures],  # pylint: disable=protected-access
+                             first._args, first._kwargs,  # pylint: disable=protected-access
+                             first._output_type_spec, self._num_workers)  # pylint: disable=protected-access
             self._inflight += 1
         for i, q in enumerate(self._queues):
             q.put(_StepPart(step, i))
         return step.remote_value
+
+    def _trace_per_worker(self, fn, args, kwargs):
+        """Returns one traced Closure per worker (one shared one for a concrete function).
+
+        A `tf.function` is traced under each worker's device; the strategy
+        makes the device part of the function's cache key, so each worker gets
+        its own graph (traced once, then looked up) in which
+        `extended.tracing_worker_index` was that worker's index.
+        """
+        extended = self.strategy.extended
+        per_worker = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
+            fn, tf.types.experimental.ConcreteFunction)
+        closures = []
+        with self.strategy.scope():
+            extended._being_scheduled = True  # pylint: disable=protected-access
+            extended.tracing_sync_step = True
+            try:
+                if not per_worker:
+                    closures.append(self._new_closure(fn, args, kwargs))
+                else:
+                    with extended.collective_group.same_keys_per_trace():
+                        for worker in self._cluster.workers:
+                            extended.tracing_worker_index = worker.worker_index
+                            with tf.device(worker.device_name):
+                                closures.append(self._new_closure(fn, args, kwargs))
+            finally:
+                extended._being_scheduled = False  # pylint: disable=protected-access
+                extended.tracing_sync_step = False
+                extended.tracing_worker_index = None
+        if len(closures) == 1:
+            closures = closures * self._num_workers
+        return closures
+
+    def _new_closure(self, fn, args, kwargs):
+        return cluster_coordinator.Closure(
+            fn, self._cluster.closure_queue._cancellation_mgr,  # pylint: disable=protected-access
+            args=args, kwargs=kwargs)
 
     def wait_for_sync_steps(self, timeout: Optional[float] = None) -> bool:
         """Blocks until no synchronous step is in flight (errors not raised).
@@ -327,7 +363,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 f"gone (the worker failed): {str(e)[:500]}") from e
         with tf.device(worker.device_name), context.executor_scope(worker_executor):
             with coordinator_context.with_dispatch_context(worker):
-                outputs = step.function(*args, **kwargs)
+                outputs = step.functions[worker.worker_index](*args, **kwargs)
         if worker.worker_index == 0:
             step.remote_value._set_values(outputs)  # pylint: disable=protected-access
             step.remote_value.get()  # Copy to the chief while the worker is alive.

@@ -16,12 +16,15 @@ running a coordinator) that changes three things:
   so Keras scales losses correctly.
 * **Updates** (`_update`): a replicated variable is updated locally on each
   worker (identically, since the gradients are identical). In ``"sync"``
-  mode each PS shard is updated by exactly one worker (shard `s` by worker
-  `s mod n`) with the global gradient, then every worker passes a collective
-  barrier before it may read tables again.
+  mode each PS shard is updated by exactly one worker (the shards of all
+  tables are dealt round-robin over the workers) with the global gradient,
+  then every worker passes a collective barrier before it may read tables
+  again.
 
 The coordinator (`coordinator.py`) runs every scheduled function on every
-worker, which is what makes the collectives meet.
+worker, which is what makes the collectives meet. It traces one copy of the
+step per worker (`_retrace_functions_for_each_device`), so a shard's update
+is simply absent from the other workers' graphs: no per-step `tf.cond`.
 
 With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
 the plugin's table sharding), for comparison and for fully-async users.
@@ -225,6 +228,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         return "allreduce" if self._dense_allreduce else "ps"
 
 
+# The coordinator's own device (it joins the cluster as job "chief").
+CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
+
+
 class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
     """The Extended half of `HybridParameterServerStrategy` (see module doc)."""
 
@@ -238,8 +245,19 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.log_placement = log_placement
         self.synchronous_dispatch = dense_allreduce
         self.tracing_sync_step = False
+        # The index of the worker whose copy of a synchronous step is being
+        # traced, or None when one trace serves every worker (see `_update`).
+        self.tracing_worker_index: Optional[int] = None
+        if dense_allreduce:
+            # Read by TF's function cache (function_context.make_function_context):
+            # with it set, the calling device is part of a tf.function's cache
+            # key, so the coordinator can trace one copy of a step per worker
+            # (it calls each under that worker's device) and `_update` can
+            # leave a table update out of every worker's trace but its owner's.
+            self._retrace_functions_for_each_device = True
         self.placement_records: List[placement_lib.PlacementRecord] = []
-        self._table_shard_owner = {}  # id(shard variable) -> shard index
+        self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
+        self._table_shards_created = 0
         self._creating_table = False
         self._creating_internal = False
         # A fresh group key per chief process: a restarted chief must not meet
@@ -329,10 +347,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _create_replicated(self, next_creator, kind: str, record: bool = True, **kwargs):
         kwargs.pop("caching_device", None)
-        var = variables_lib.ReplicatedVariable(
-            self._container_strategy(), next_creator,
-            end_of_step_fn=self._end_of_step, update_reduce_fn=self._reduce_on_read_update,
-            **kwargs)
+        # The primary copy belongs on the chief even when the variable is
+        # created while a step is traced under a worker's device (optimizer
+        # slots are created in the first trace; see `tracing_worker_index`).
+        with tf.device(CHIEF_DEVICE):
+            var = variables_lib.ReplicatedVariable(
+                self._container_strategy(), next_creator,
+                end_of_step_fn=self._end_of_step, update_reduce_fn=self._reduce_on_read_update,
+                **kwargs)
         if record:
             self._record(var, kind, devices=var.worker_devices())
         return var
@@ -344,7 +366,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         scheme = self.placement.sharding
         if num_shards < 2:
             var = self._create_variable_round_robin(next_creator, **kwargs)
-            self._table_shard_owner[id(_unwrap(var))] = 0
+            self._table_shard_owner[id(_unwrap(var))] = self._next_table_shard_owner()
             self._record(var, "table")
             return var
         self._creating_table = True
@@ -366,10 +388,21 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                     self._variable_partitioner = None
         finally:
             self._creating_table = False
-        for s, shard in enumerate(var.variables):
-            self._table_shard_owner[id(_unwrap(shard))] = s
+        for shard in var.variables:
+            self._table_shard_owner[id(_unwrap(shard))] = self._next_table_shard_owner()
         self._record(var, "table", devices=[v.device for v in var.variables])
         return var
+
+    def _next_table_shard_owner(self) -> int:
+        """The worker that applies sync updates to the next table shard created.
+
+        Round-robin over all shards of all tables, so the update work (and the
+        traffic to each PS) is spread over every worker; with as many workers
+        as PS tasks, worker i updates exactly the shards on ps:i.
+        """
+        owner = self._table_shards_created % max(self._num_workers, 1)
+        self._table_shards_created += 1
+        return owner
 
     def _record(self, var, kind: str, devices=None):
         try:
@@ -479,11 +512,13 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             return tf.nest.map_structure(self._local_results, result)
         if not self._in_sync_step():
             return super()._update(var, fn, args, kwargs, group)
-        table_shard = self._table_shard_owner.get(id(_unwrap(var)))
-        if table_shard is not None and not self._sync_embeddings:
+        table_owner = self._table_shard_owner.get(id(_unwrap(var)))
+        if table_owner is not None and not self._sync_embeddings:
             return super()._update(var, fn, args, kwargs, group)
-        owner = 0 if table_shard is None else table_shard % self._num_workers
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        # Every sync update to a PS variable (a table shard, its slots) is
+        # applied by one worker only: all workers hold the same reduced
+        # gradient, and applying it twice would be wrong.
+        owner = 0 if table_owner is None else table_owner
 
         def apply():
             with variables_lib.inside_variable_update():
@@ -492,8 +527,20 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             with tf.control_dependencies([r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
-        done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
-        if table_shard is not None:
+        if self.tracing_worker_index is not None:
+            # One trace per worker (see `tracing_worker_index`): the update
+            # exists only in the owner's graph. No tf.cond: a cond with its
+            # branch on a PS costs every worker a predicate, a pivot and each
+            # (dead) input sent to the PS, for every shard and step (measured
+            # 290 -> 155 sends per worker-step on 26 tables x 2 PS).
+            done = apply() if self.tracing_worker_index == owner else tf.constant(False)
+        else:
+            # One trace for every worker (a concrete function was scheduled).
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
+        if table_owner is not None:
+            # Also on non-owners: the end-of-step barrier is a collective that
+            # every worker must join once the step has any table update.
             variables_lib.add_pending_table_update(done)
         if group:
             return done

@@ -29,18 +29,23 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer,sharding,steps_per_execution", [
-    ("sgd", "interleaved", 1),
-    ("adagrad", "interleaved", 1),
-    ("adagrad", "contiguous", 1),
-    ("adagrad", "interleaved", 5),
-    ("adam_new", "interleaved", 1),
+@pytest.mark.parametrize("optimizer,sharding,steps_per_execution,variant,num_workers", [
+    ("sgd", "interleaved", 1, "plain", 2),
+    ("adagrad", "interleaved", 1, "plain", 2),
+    ("adagrad", "contiguous", 1, "plain", 2),
+    ("adagrad", "interleaved", 5, "plain", 2),
+    ("adam_new", "interleaved", 1, "plain", 2),
+    # Sparse row counts that change every step (ids de-duplicated before the
+    # lookup), and a worker that owns no table shard (3 workers, 2 shards).
+    ("adagrad", "interleaved", 1, "dedup", 3),
 ])
 def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding,
-                                                     steps_per_execution):
-    report, log = run_chief_script(make_cluster, tmp_path, "sync_equivalence.py",
-                                   [optimizer, sharding, "sync", str(steps_per_execution)])
-    assert report["num_replicas_in_sync"] == 2
+                                                     steps_per_execution, variant, num_workers):
+    report, log = run_chief_script(
+        make_cluster, tmp_path, "sync_equivalence.py",
+        [optimizer, sharding, "sync", str(steps_per_execution), variant],
+        num_workers=num_workers)
+    assert report["num_replicas_in_sync"] == num_workers
     assert report["replicas_identical"], "dense replicas diverged across workers"
     for name, diff in report["diffs"].items():
         assert diff <= 1e-5, f"{name}: max |diff| {diff} vs single-process training"
@@ -56,7 +61,7 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
         else:
             assert r["devices"] and all("/job:worker/" in d for d in r["devices"]), r
             assert sorted(d.replace("/replica:0", "") for d in r["devices"]) == [
-                "/job:worker/task:0", "/job:worker/task:1"], r
+                f"/job:worker/task:{i}" for i in range(num_workers)], r
     assert "tf_psplugin placement:" in log
 
 

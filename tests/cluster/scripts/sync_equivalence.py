@@ -16,12 +16,24 @@ import tf_psplugin
 
 OUT, OPT, SHARDING, UPDATES = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+# "dedup": the model looks up each distinct id once per batch, so the sparse
+# gradient's row count changes from step to step.
+DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
 STEPS, BATCH, VOCAB, DIM, FEATURES = 20, 8, 50, 4, 3
+
+
+class DedupEmbedding(tf.keras.layers.Embedding):
+    """An Embedding that fetches each distinct id of the batch once."""
+
+    def call(self, inputs):
+        unique, index = tf.unique(tf.reshape(inputs, [-1]))
+        rows = tf.gather(tf.nn.embedding_lookup(self.embeddings, unique), index)
+        return tf.reshape(rows, tf.concat([tf.shape(inputs), [self.output_dim]], 0))
 
 
 def make_model():
     inp = tf.keras.Input((FEATURES,), dtype="int64")
-    x = tf.keras.layers.Embedding(
+    x = (DedupEmbedding if DEDUP else tf.keras.layers.Embedding)(
         VOCAB, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=1))(inp)
     x = tf.keras.layers.Flatten()(x)
     x = tf.keras.layers.Dense(8, activation="relu",
