@@ -5,9 +5,9 @@ Stock `ClusterCoordinator.schedule` sends each function to *one* free worker
 on *every* worker at once, because the step contains collectives among the
 workers. `HybridClusterCoordinator.schedule` therefore:
 
-1. traces the function once per worker (the strategy keys tf.function's
-   cache by device): a synchronous step differs between workers only in
-   which table-shard updates it applies,
+1. traces the function once per update role (the strategy keys
+   tf.function's cache by device): a synchronous step differs between
+   workers only in which table-shard updates it applies,
 2. pushes any replicated variable whose chief copy is newer than the
    replicas (e.g. after `set_weights` or a checkpoint restore),
 3. queues one part of the step on each worker's own thread, each part
@@ -186,36 +186,41 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         return step.remote_value
 
     def _trace_per_worker(self, fn, args, kwargs):
-        """Returns one traced Closure per worker (one shared one for a concrete function).
+        """Returns one traced Closure per worker.
 
-        A `tf.function` is traced under each worker's device; the strategy
-        makes the device part of the function's cache key, so each worker gets
-        its own graph (traced once, then looked up) in which
-        `extended.tracing_worker_index` was that worker's index.
+        A `tf.function` is traced once per update role (the PS tasks whose
+        table shards a worker updates, `extended.update_role`), under the
+        device of the role's first worker: the strategy makes the device part
+        of the function's cache key, so each role gets its own graph (traced
+        once, then looked up) in which `extended.tracing_worker_index` named
+        that worker. Workers with the same role share the traced function
+        (traced graphs carry no worker device). A concrete function is
+        shared by every worker as it is.
         """
         extended = self.strategy.extended
-        per_worker = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
+        per_role = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
             fn, tf.types.experimental.ConcreteFunction)
-        closures = []
         with self.strategy.scope():
             extended._being_scheduled = True  # pylint: disable=protected-access
             extended.tracing_sync_step = True
             try:
-                if not per_worker:
-                    closures.append(self._new_closure(fn, args, kwargs))
-                else:
-                    with extended.collective_group.same_keys_per_trace():
-                        for worker in self._cluster.workers:
+                if not per_role:
+                    return [self._new_closure(fn, args, kwargs)] * self._num_workers
+                by_role = {}
+                closures = []
+                with extended.collective_group.same_keys_per_trace():
+                    for worker in self._cluster.workers:
+                        role = extended.update_role(worker.worker_index)
+                        if role not in by_role:
                             extended.tracing_worker_index = worker.worker_index
                             with tf.device(worker.device_name):
-                                closures.append(self._new_closure(fn, args, kwargs))
+                                by_role[role] = self._new_closure(fn, args, kwargs)
+                        closures.append(by_role[role])
+                return closures
             finally:
                 extended._being_scheduled = False  # pylint: disable=protected-access
                 extended.tracing_sync_step = False
                 extended.tracing_worker_index = None
-        if len(closures) == 1:
-            closures = closures * self._num_workers
-        return closures
 
     def _new_closure(self, fn, args, kwargs):
         return cluster_coordinator.Closure(

@@ -16,15 +16,16 @@ running a coordinator) that changes three things:
   so Keras scales losses correctly.
 * **Updates** (`_update`): a replicated variable is updated locally on each
   worker (identically, since the gradients are identical). In ``"sync"``
-  mode each PS shard is updated by exactly one worker (the shards of all
-  tables are dealt round-robin over the workers) with the global gradient,
+  mode each PS shard is updated by exactly one worker (worker `p mod n`
+  updates the shards on ps:p) with the global gradient,
   then every worker passes a collective barrier before it may read tables
   again.
 
 The coordinator (`coordinator.py`) runs every scheduled function on every
 worker, which is what makes the collectives meet. It traces one copy of the
-step per worker (`_retrace_functions_for_each_device`), so a shard's update
-is simply absent from the other workers' graphs: no per-step `tf.cond`.
+step per update role (`update_role`, `_retrace_functions_for_each_device`),
+so a shard's update is simply absent from the other workers' graphs: no
+per-step `tf.cond`.
 
 With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
 the plugin's table sharding), for comparison and for fully-async users.
@@ -257,7 +258,6 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             self._retrace_functions_for_each_device = True
         self.placement_records: List[placement_lib.PlacementRecord] = []
         self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
-        self._table_shards_created = 0
         self._creating_table = False
         self._creating_internal = False
         # A fresh group key per chief process: a restarted chief must not meet
@@ -366,7 +366,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         scheme = self.placement.sharding
         if num_shards < 2:
             var = self._create_variable_round_robin(next_creator, **kwargs)
-            self._table_shard_owner[id(_unwrap(var))] = self._next_table_shard_owner()
+            self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
             self._record(var, "table")
             return var
         self._creating_table = True
@@ -389,20 +389,29 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         finally:
             self._creating_table = False
         for shard in var.variables:
-            self._table_shard_owner[id(_unwrap(shard))] = self._next_table_shard_owner()
+            self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
         self._record(var, "table", devices=[v.device for v in var.variables])
         return var
 
-    def _next_table_shard_owner(self) -> int:
-        """The worker that applies sync updates to the next table shard created.
+    def _table_shard_owner_of(self, var) -> int:
+        """The worker that applies sync updates to a table shard: its PS index mod workers.
 
-        Round-robin over all shards of all tables, so the update work (and the
-        traffic to each PS) is spread over every worker; with as many workers
-        as PS tasks, worker i updates exactly the shards on ps:i.
+        With as many workers as PS tasks, worker i updates exactly the shards
+        on ps:i; with more workers than PS tasks the extra workers update
+        nothing and share one trace of the step (see `update_role`).
         """
-        owner = self._table_shards_created % max(self._num_workers, 1)
-        self._table_shards_created += 1
-        return owner
+        task = tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0
+        return int(task) % max(self._num_workers, 1)
+
+    def update_role(self, worker_index: int) -> tuple:
+        """The PS tasks whose table shards `worker_index` updates in sync mode.
+
+        Workers with equal roles run the same trace of a synchronous step,
+        so a step is traced at most min(workers, PS) + 1 times.
+        """
+        if not self._sync_embeddings:
+            return ()
+        return tuple(p for p in range(self._num_ps) if p % self._num_workers == worker_index)
 
     def _record(self, var, kind: str, devices=None):
         try:
@@ -528,8 +537,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 return tf.constant(True)
 
         if self.tracing_worker_index is not None:
-            # One trace per worker (see `tracing_worker_index`): the update
-            # exists only in the owner's graph. No tf.cond: a cond with its
+            # One trace per update role (see `tracing_worker_index`): the
+            # update exists only in the owner's graph. No tf.cond: a cond with its
             # branch on a PS costs every worker a predicate, a pivot and each
             # (dead) input sent to the PS, for every shard and step (measured
             # 290 -> 155 sends per worker-step on 26 tables x 2 PS).
