@@ -19,7 +19,7 @@ SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 # "dedup": the model looks up each distinct id once per batch, so the sparse
 # gradient's row count changes from step to step.
 DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
-STEPS, BATCH, VOCAB, DIM, FEATURES = 20, 8, 50, 4, 3
+STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
 
 class DedupEmbedding(tf.keras.layers.Embedding):
@@ -33,9 +33,15 @@ class DedupEmbedding(tf.keras.layers.Embedding):
 
 def make_model():
     inp = tf.keras.Input((FEATURES,), dtype="int64")
-    x = (DedupEmbedding if DEDUP else tf.keras.layers.Embedding)(
-        VOCAB, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=1))(inp)
-    x = tf.keras.layers.Flatten()(x)
+    embedding = DedupEmbedding if DEDUP else tf.keras.layers.Embedding
+    # Two tables, so each worker's updates to a PS cover several shards.
+    x = embedding(
+        VOCAB, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=1),
+        name="table_a")(inp)
+    y = embedding(
+        VOCAB2, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=4),
+        name="table_b")(tf.keras.layers.Lambda(lambda t: t % VOCAB2)(inp))
+    x = tf.keras.layers.Concatenate()([tf.keras.layers.Flatten()(x), tf.keras.layers.Flatten()(y)])
     x = tf.keras.layers.Dense(8, activation="relu",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
     out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
@@ -51,9 +57,19 @@ def make_optimizer():
 
 
 def logical_weights(model):
-    table = model.layers[1].embeddings
-    return [tf.convert_to_tensor(table).numpy()] + [
-        w.numpy() for layer in model.layers[2:] for w in layer.weights]
+    """Every layer's weights; a sharded table as its full logical value."""
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.layers.Embedding):
+            out.append(tf.convert_to_tensor(layer.embeddings).numpy())
+        else:
+            out.extend(w.numpy() for w in layer.weights)
+    return out
+
+
+def weight_names(model):
+    return [w.name for layer in model.layers for w in (
+        [layer.embeddings] if isinstance(layer, tf.keras.layers.Embedding) else layer.weights)]
 
 
 def main():
@@ -80,13 +96,16 @@ def main():
             replicas_identical &= all(np.array_equal(vals[0], x) for x in vals[1:])
 
     ref = make_model()
-    ref.set_weights(init)
+    for layer in ref.layers:  # Same layer order as logical_weights.
+        n = len(layer.weights)
+        layer.set_weights(init[:n])
+        init = init[n:]
     ref.compile(make_optimizer(), "mse")
     ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH * num_workers),
                        epochs=1, steps_per_epoch=STEPS, verbose=0)
-    diffs = {w.name: float(np.abs(a - b).max())
-             for a, b, w in zip(got, logical_weights(ref), ref.weights)}
-    table = model.layers[1].embeddings
+    diffs = {w: float(np.abs(a - b).max())
+             for a, b, w in zip(got, logical_weights(ref), weight_names(ref))}
+    table = model.get_layer("table_a").embeddings
     report = {
         "diffs": diffs,
         "replicas_identical": bool(replicas_identical),
