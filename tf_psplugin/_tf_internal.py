@@ -54,3 +54,14 @@ from tensorflow.python.distribute import input_util  # noqa: F401
 
 # ops.inside_function tells whether we are tracing (dataset build timing).
 from tensorflow.python.framework import ops  # noqa: F401
+
+# Private attributes (not imports) the plugin sets or reads, audited here too:
+# * `StrategyExtendedV2._retrace_functions_for_each_device` (strategy.py):
+#   TF's function cache (eager/polymorphic_function/function_context.py) puts
+#   the calling device into a tf.function's cache key when it is True; the
+#   coordinator relies on that to trace one copy of a sync step per update
+#   role. Read by the same code in TF 2.15.1 and 2.21.0.
+# * Closure internals `_function`, `_args`, `_kwargs`, `_output_type_spec`,
+#   `_concrete_function` and `closure_queue._cancellation_mgr`
+#   (coordinator.py): the stock Closure traces and wraps the function; we
+#   reuse it per role and dispatch its parts ourselves.
