@@ -18,64 +18,59 @@ def _rss(r: Dict) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in r.get("peak_rss_mb", {}).items())
 
 
+def _table(columns: List[str], rows: List[List[str]]) -> str:
+    """A Markdown table; a column named with a trailing ">" is right-aligned."""
+    header = [c.rstrip(">") for c in columns]
+    align = ["---:" if c.endswith(">") else "---" for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def throughput(records: List[Dict]) -> str:
-    lines = ["| setup | examples/s | x single | x stock PSS | examples/CPU-s | x single (CPU) "
-             "| x stock PSS (CPU) | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in records:
-        lines.append(
-            f"| {r['setup']} | {_fmt(r['examples_per_sec'], '.0f')} "
-            f"| {_fmt(r['ratio_to_single'], '.2f')} | {_fmt(r['ratio_to_stock_pss'], '.2f')} "
-            f"| {_fmt(r.get('examples_per_cpu_sec'), '.0f')} "
-            f"| {_fmt(r.get('cpu_ratio_to_single'), '.2f')} "
-            f"| {_fmt(r.get('cpu_ratio_to_stock_pss'), '.2f')} | {_rss(r)} |")
-    return "\n".join(lines)
+    return _table(
+        ["setup", "examples/s>", "x single>", "x stock PSS>", "examples/CPU-s>",
+         "x single (CPU)>", "x stock PSS (CPU)>", "peak RSS MiB"],
+        [[r["setup"], _fmt(r["examples_per_sec"], ".0f"), _fmt(r["ratio_to_single"], ".2f"),
+          _fmt(r["ratio_to_stock_pss"], ".2f"), _fmt(r.get("examples_per_cpu_sec"), ".0f"),
+          _fmt(r.get("cpu_ratio_to_single"), ".2f"), _fmt(r.get("cpu_ratio_to_stock_pss"), ".2f"),
+          _rss(r)] for r in records])
 
 
 def scaling(records: List[Dict]) -> str:
-    lines = ["| setup | workers | processes on cores | examples/s | examples/CPU-s | "
-             "peak RSS MiB |", "|---|---:|---|---:|---:|---|"]
-    for r in records:
-        lines.append(f"| {r['setup']} | {r['num_workers']} | {r['processes']} on {r['cpus']}"
-                     f"{' (oversubscribed)' if r['oversubscribed'] else ''} "
-                     f"| {_fmt(r['examples_per_sec'], '.0f')} "
-                     f"| {_fmt(r.get('examples_per_cpu_sec'), '.0f')} | {_rss(r)} |")
-    return "\n".join(lines)
+    return _table(
+        ["setup", "workers>", "processes on cores", "examples/s>", "examples/CPU-s>",
+         "peak RSS MiB"],
+        [[r["setup"], str(r["num_workers"]),
+          f"{r['processes']} on {r['cpus']}{' (oversubscribed)' if r['oversubscribed'] else ''}",
+          _fmt(r["examples_per_sec"], ".0f"), _fmt(r.get("examples_per_cpu_sec"), ".0f"), _rss(r)]
+         for r in records])
 
 
 def memory(records: List[Dict]) -> str:
-    lines = ["| table rows x 16 | (table + slots) per PS MiB | chief | worker:0 | worker:1 "
-             "| ps:0 | ps:1 | PS peak / share | (PS peak - idle PS) / share |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in records:
-        p = r.get("peak_rss_mb", {})
-        lines.append(
-            f"| {r['table_rows']:,} | {r['table_plus_slots_per_ps_mb']:.0f} "
-            f"| {_fmt(p.get('chief'), '.0f')} | {_fmt(p.get('worker:0'), '.0f')} "
-            f"| {_fmt(p.get('worker:1'), '.0f')} | {_fmt(p.get('ps:0'), '.0f')} "
-            f"| {_fmt(p.get('ps:1'), '.0f')} "
-            f"| {max(r['ps_peak_over_share'].values(), default=float('nan')):.2f} "
-            f"| {max(r['ps_growth_over_share'].values(), default=float('nan')):.2f} |")
-    return "\n".join(lines)
+    roles = ["chief", "worker:0", "worker:1", "ps:0", "ps:1"]
+    return _table(
+        ["table rows x 16>", "(table + slots) per PS MiB>"] + [f"{x}>" for x in roles]
+        + ["PS peak / share>", "(PS peak - idle PS) / share>"],
+        [[f"{r['table_rows']:,}", f"{r['table_plus_slots_per_ps_mb']:.0f}"]
+         + [_fmt(r.get("peak_rss_mb", {}).get(x), ".0f") for x in roles]
+         + [f"{max(r['ps_peak_over_share'].values(), default=float('nan')):.2f}",
+            f"{max(r['ps_growth_over_share'].values(), default=float('nan')):.2f}"]
+         for r in records])
 
 
 def balance(records: List[Dict]) -> str:
-    lines = ["| ids | PS shards | scheme | lookups max/mean | distinct rows max/mean |",
-             "|---|---:|---|---:|---:|"]
-    for r in records:
-        lines.append(f"| {r['ids']} | {r['num_shards']} | {r['scheme']} "
-                     f"| {r['max_over_mean']:.3f} | {r['unique_max_over_mean']:.3f} |")
-    return "\n".join(lines)
+    return _table(
+        ["ids", "PS shards>", "scheme", "lookups max/mean>", "distinct rows max/mean>"],
+        [[r["ids"], str(r["num_shards"]), r["scheme"], f"{r['max_over_mean']:.3f}",
+          f"{r['unique_max_over_mean']:.3f}"] for r in records])
 
 
 def ablation(records: List[Dict]) -> str:
-    lines = ["| setup | plugin | variant | steps_per_execution | examples/s | examples/CPU-s |",
-             "|---|---|---|---:|---:|---:|"]
-    for r in records:
-        lines.append(f"| {r['setup']} | {r['plugin'].split(' (')[-1].rstrip(')')} "
-                     f"| {r['variant']} | {r['steps_per_execution']} "
-                     f"| {_fmt(r['examples_per_sec'], '.0f')} "
-                     f"| {_fmt(r.get('examples_per_cpu_sec'), '.0f')} |")
-    return "\n".join(lines)
+    return _table(
+        ["setup", "plugin", "variant", "steps_per_execution>", "examples/s>", "examples/CPU-s>"],
+        [[r["setup"], r["plugin"].split(" (")[-1].rstrip(")"), r["variant"],
+          str(r["steps_per_execution"]), _fmt(r["examples_per_sec"], ".0f"),
+          _fmt(r.get("examples_per_cpu_sec"), ".0f")] for r in records])
 
 
 FORMATTERS = {"throughput": throughput, "scaling": scaling, "memory": memory,
