@@ -160,9 +160,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if not self._synchronous:
             return super().schedule(fn, args=args, kwargs=kwargs)
         self._raise_if_error()
-        closures = self._trace_per_worker(fn, args, kwargs)
+        closures = self._trace_per_role(fn, args, kwargs)
         used = {}
-        for closure in closures:
+        for closure in {id(c): c for c in closures}.values():  # Roles share closures.
             concrete = getattr(closure, "_concrete_function", None)
             if concrete is not None:
                 for var in variables_lib.replicated_variables_used_by(concrete):
@@ -185,7 +185,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             q.put(_StepPart(step, i))
         return step.remote_value
 
-    def _trace_per_worker(self, fn, args, kwargs):
+    def _trace_per_role(self, fn, args, kwargs):
         """Returns one traced Closure per worker.
 
         A `tf.function` is traced once per update role (the PS tasks whose
