@@ -536,15 +536,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             with tf.control_dependencies([r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
-        if self.tracing_worker_index is not None:
-            # One trace per update role (see `tracing_worker_index`): the
-            # update exists only in the owner's graph. No tf.cond: a cond with its
-            # branch on a PS costs every worker a predicate, a pivot and each
-            # (dead) input sent to the PS, for every shard and step (measured
-            # 290 -> 155 sends per worker-step on 26 tables x 2 PS).
+        if self.tracing_worker_index is not None and table_owner is not None:
+            # One trace per update role (see `update_role`): the table
+            # update exists only in the owner's graph. No tf.cond: a cond
+            # with its branch on a PS costs every worker a predicate, a pivot
+            # and each (dead) input sent to the PS, for every shard and step
+            # (benchmarks/README.md: 8.1k -> 14.7k examples/s, 26 tables).
             done = apply() if self.tracing_worker_index == owner else tf.constant(False)
         else:
-            # One trace for every worker (a concrete function was scheduled).
+            # One trace shared by several workers (a concrete function was
+            # scheduled, or a PS variable that is not a table: roles only
+            # describe table shards).
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
         if table_owner is not None:
