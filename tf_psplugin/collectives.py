@@ -7,7 +7,7 @@ global sparse gradient and exactly one worker applies it to each PS shard.
 
 Instance keys are handed out at trace time, one per collective op, as
 MultiWorkerMirroredStrategy's CollectiveKeys do. The coordinator traces one
-copy of a step per worker, each in `CollectiveGroup.same_keys_per_trace`, so
+copy of a step per update role, all in `CollectiveGroup.same_keys_per_trace`, so
 the copies of a collective share its key; a collective reused
 in later steps (or in a `tf.range` loop) is ordered by its data dependencies.
 """
@@ -68,25 +68,24 @@ class CollectiveGroup:
     def same_keys_per_trace(self):
         """Gives every function traced in this block the same instance keys.
 
-        The coordinator traces one copy of a step per worker. The copies
-        issue the same collectives in the same order, and the copies of one
-        collective must share its instance key, so each trace numbers its
-        collectives from the key where the block began. (A tf.function that
-        creates variables is traced twice on its first call; both traces get
-        the same keys too.)
+        The coordinator traces one copy of a step per update role. The
+        copies issue the same collectives in the same order, and the copies
+        of one collective must share its instance key, so each trace numbers
+        its collectives from the key where the block began. (A tf.function
+        that creates variables is traced twice on its first call; both traces
+        get the same keys too.) Not reentrant.
         """
         with self._lock:
-            outer = self._block_start
-            if outer is None:
-                self._block_start = self._block_end = self._next_key
-                self._block_graph = None
+            if self._block_start is not None:
+                raise RuntimeError("CollectiveGroup.same_keys_per_trace is not reentrant.")
+            self._block_start = self._block_end = self._next_key
+            self._block_graph = None
         try:
             yield
         finally:
-            if outer is None:
-                with self._lock:
-                    self._next_key = max(self._block_end, self._next_key)
-                    self._block_start = self._block_end = self._block_graph = None
+            with self._lock:
+                self._next_key = max(self._block_end, self._next_key)
+                self._block_start = self._block_end = self._block_graph = None
 
     def all_reduce(self, tensor: tf.Tensor, merge_op: str = "Add",
                    final_op: str = "Id") -> tf.Tensor:

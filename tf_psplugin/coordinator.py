@@ -114,6 +114,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
+        self._leaders = None  # See `_role_leaders`.
         # Which worker's replica eager reads pull from (a survivor after a failure).
         self.preferred_replica = 0
         # Set by the strategy: a failover.FailoverController, or None.
@@ -206,21 +207,27 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             try:
                 if not per_role:
                     return [self._new_closure(fn, args, kwargs)] * self._num_workers
-                by_role = {}
-                closures = []
+                by_leader = {}
                 with extended.collective_group.same_keys_per_trace():
-                    for worker in self._cluster.workers:
-                        role = extended.update_role(worker.worker_index)
-                        if role not in by_role:
-                            extended.tracing_worker_index = worker.worker_index
-                            with tf.device(worker.device_name):
-                                by_role[role] = self._new_closure(fn, args, kwargs)
-                        closures.append(by_role[role])
-                return closures
+                    for leader in self._role_leaders():
+                        if id(leader) not in by_leader:
+                            extended.tracing_worker_index = leader.worker_index
+                            with tf.device(leader.device_name):
+                                by_leader[id(leader)] = self._new_closure(fn, args, kwargs)
+                return [by_leader[id(leader)] for leader in self._role_leaders()]
             finally:
                 extended._being_scheduled = False  # pylint: disable=protected-access
                 extended.tracing_sync_step = False
                 extended.tracing_worker_index = None
+
+    def _role_leaders(self):
+        """For each worker, the first worker with its update role (computed once)."""
+        if self._leaders is None:
+            first = {}
+            self._leaders = [
+                first.setdefault(self.strategy.extended.update_role(w.worker_index), w)
+                for w in self._cluster.workers]
+        return self._leaders
 
     def _new_closure(self, fn, args, kwargs):
         return cluster_coordinator.Closure(

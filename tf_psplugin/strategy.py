@@ -246,15 +246,16 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.log_placement = log_placement
         self.synchronous_dispatch = dense_allreduce
         self.tracing_sync_step = False
-        # The index of the worker whose copy of a synchronous step is being
-        # traced, or None when one trace serves every worker (see `_update`).
+        # The worker whose update role (`update_role`) a synchronous step is
+        # being traced for, or None when one trace serves every worker.
         self.tracing_worker_index: Optional[int] = None
         if dense_allreduce:
             # Read by TF's function cache (function_context.make_function_context):
             # with it set, the calling device is part of a tf.function's cache
-            # key, so the coordinator can trace one copy of a step per worker
-            # (it calls each under that worker's device) and `_update` can
-            # leave a table update out of every worker's trace but its owner's.
+            # key, so the coordinator can trace one copy of a step per update
+            # role (it calls each under that role's first worker's device) and
+            # `_update` can leave a table update out of every trace but its
+            # owner's.
             self._retrace_functions_for_each_device = True
         self.placement_records: List[placement_lib.PlacementRecord] = []
         self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
@@ -400,8 +401,11 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         on ps:i; with more workers than PS tasks the extra workers update
         nothing and share one trace of the step (see `update_role`).
         """
-        task = tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0
-        return int(task) % max(self._num_workers, 1)
+        return self._owner_of_ps(tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0)
+
+    def _owner_of_ps(self, ps_index: int) -> int:
+        """The worker that applies sync updates to the table shards on ps:`ps_index`."""
+        return int(ps_index) % max(self._num_workers, 1)
 
     def update_role(self, worker_index: int) -> tuple:
         """The PS tasks whose table shards `worker_index` updates in sync mode.
@@ -411,7 +415,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """
         if not self._sync_embeddings:
             return ()
-        return tuple(p for p in range(self._num_ps) if p % self._num_workers == worker_index)
+        return tuple(p for p in range(self._num_ps) if self._owner_of_ps(p) == worker_index)
 
     def _record(self, var, kind: str, devices=None):
         try:
