@@ -14,7 +14,7 @@ in later steps (or in a `tf.range` loop) is ordered by its data dependencies.
 
 import contextlib
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -34,17 +34,22 @@ class CollectiveGroup:
     Args:
         group_size: Number of workers taking part.
         group_key: Integer naming the group; identical on every worker.
-        timeout_seconds: Collectives fail with DeadlineExceeded after this
-            long instead of hanging forever when a peer is gone. 0 = no limit.
+
+    Collectives are issued without a per-op timeout: TF's collective executor
+    (TF 2.15-2.21) arms the timeout by scheduling a closure on a *new OS
+    thread* per op (`Env::SchedClosureAfter`), which sleeps for the whole
+    timeout even when the op finished in a millisecond, so a job doing ~20
+    collectives a second with a 60 s timeout holds ~1,200 sleeping threads
+    per worker and dies of thread exhaustion after ~700 steps. A hung peer is
+    detected by the coordinator's step watchdog instead (one thread on the
+    chief, see `coordinator.py`).
     """
 
-    def __init__(self, group_size: int, group_key: int = DEFAULT_GROUP_KEY,
-                 timeout_seconds: float = 0.0):
+    def __init__(self, group_size: int, group_key: int = DEFAULT_GROUP_KEY):
         if group_size < 1:
             raise ValueError(f"CollectiveGroup.group_size must be >= 1, got {group_size}.")
         self.group_size = int(group_size)
         self.group_key = int(group_key)
-        self.timeout_seconds = float(timeout_seconds)
         self._lock = threading.Lock()
         self._next_key = 1
         self._block_start = self._block_end = self._block_graph = None
@@ -94,8 +99,7 @@ class CollectiveGroup:
             return tf.identity(tensor)
         return collective_ops.all_reduce_v2(
             tensor, group_size=self.group_size, group_key=self.group_key,
-            instance_key=self.next_instance_key(), merge_op=merge_op, final_op=final_op,
-            timeout=self.timeout_seconds)
+            instance_key=self.next_instance_key(), merge_op=merge_op, final_op=final_op)
 
     def all_gather(self, tensor: tf.Tensor) -> tf.Tensor:
         """Concatenates every worker's tensor along axis 0 (equal shapes)."""
@@ -103,7 +107,7 @@ class CollectiveGroup:
             return tf.identity(tensor)
         return collective_ops.all_gather_v2(
             tensor, group_size=self.group_size, group_key=self.group_key,
-            instance_key=self.next_instance_key(), timeout=self.timeout_seconds)
+            instance_key=self.next_instance_key())
 
     def all_reduce_packed(self, tensors: Sequence[tf.Tensor], mean: bool = False) -> List[tf.Tensor]:
         """Sums (or averages) a list of dense tensors with one collective.
@@ -234,11 +238,3 @@ def _row_width(s: tf.IndexedSlices) -> int:
     for d in shape:
         width *= int(d)
     return width
-
-
-def split_dense_sparse(values: Sequence) -> Tuple[List[int], List[int]]:
-    """Returns the positions of dense tensors and of IndexedSlices."""
-    dense, sparse = [], []
-    for i, v in enumerate(values):
-        (sparse if isinstance(v, tf.IndexedSlices) else dense).append(i)
-    return dense, sparse

@@ -23,12 +23,21 @@ strategy's existing coordinator), so no user code changes.
 Errors: the first failure of any part is kept and raised by the next
 `schedule`, `join` or `done`, like the stock coordinator; later queued steps
 are cancelled. Worker recovery is handled in `failover.py`.
+
+Hung peers: a worker that stops answering (SIGSTOP, a partitioned network, a
+wedged host) raises no error; its peers just wait in the step's
+collectives. One watchdog thread on the chief (TF's `coordinator/watchdog.py`
+pattern) fails any step part that has run longer than the strategy's
+`collective_timeout_seconds` with `DeadlineExceededError` naming the step and
+the workers still in it, which goes through failover like any task failure.
+This replaces per-op collective timeouts, which cost one sleeping OS thread
+per collective op on the workers (see `collectives.py`).
 """
 
 import queue
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 from absl import logging
@@ -80,6 +89,7 @@ class _SyncStep:
         self.remote_value = _SyncRemoteValue(coordinator, output_spec)
         self.remaining = num_workers
         self.error: Optional[BaseException] = None
+        self.timed_out = False  # Set once by the watchdog.
         self.done = threading.Event()
 
 
@@ -120,6 +130,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # Set by the strategy: a failover.FailoverController, or None.
         self.failover = None
         self.recovering = False
+        # worker index -> (step, monotonic start) of the part it is running.
+        self._running: Dict[int, Tuple[_SyncStep, float]] = {}
+        self.step_timeout_seconds = float(
+            getattr(strategy.extended, "step_timeout_seconds", 0.0) or 0.0)
+        self._stopped = threading.Event()
         if self._synchronous:
             for worker in self._cluster.workers:
                 q = queue.Queue()
@@ -127,6 +142,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                                      name=f"tf_psplugin-sync-worker-{worker.worker_index}",
                                      daemon=True)
                 self._queues.append(q)
+                self._threads.append(t)
+                t.start()
+            if self.step_timeout_seconds > 0:
+                t = threading.Thread(target=self._watchdog_loop, name="tf_psplugin-step-watchdog",
+                                     daemon=True)
                 self._threads.append(t)
                 t.start()
 
@@ -251,6 +271,12 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         with self._lock:
             return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
 
+    def running_parts(self) -> Dict[int, Tuple[int, float]]:
+        """Worker index -> (step id, seconds running) of the parts running now."""
+        now = time.monotonic()
+        with self._lock:
+            return {i: (step.step_id, now - start) for i, (step, start) in self._running.items()}
+
     def check_health(self) -> None:
         """Raises (or recovers from) the first error of a finished step, if any."""
         if self._synchronous and not self.recovering:
@@ -331,9 +357,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
 
         if self.failover is not None and failover_lib.is_task_failure(err):
-            # Give healthy parts a moment to finish; parts stuck in a
-            # collective with the dead peer are abandoned by the restart.
-            self.wait_for_sync_steps(timeout=10.0)
+            # Recovery lets healthy parts finish; parts stuck in a collective
+            # with the dead peer are abandoned by the restart.
             self.recovering = True
             self.failover.recover(self, err)  # Restarts the chief; raises if it cannot.
         raise err
@@ -353,6 +378,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 error = tf.errors.CancelledError(
                     None, None, "tf_psplugin: step cancelled after an earlier step failed.")
             else:
+                with self._lock:
+                    self._running[worker.worker_index] = (step, time.monotonic())
                 try:
                     outputs = self._execute(step, worker, worker_executor)
                 except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
@@ -381,8 +408,50 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             step.remote_value.get()  # Copy to the chief while the worker is alive.
         return outputs
 
+    def _watchdog_loop(self):
+        """Fails steps whose parts make no progress (see the module docstring).
+
+        Polls often enough to notice a hang within ~10% of the timeout and at
+        most every 5 s; costs one sleeping thread on the chief in all.
+        """
+        limit = self.step_timeout_seconds
+        poll = min(max(limit / 10.0, 0.05), 5.0)
+        while not self._stopped.wait(poll):
+            self._fail_hung_step(limit)
+
+    def _fail_hung_step(self, limit: float) -> Optional[BaseException]:
+        """Fails the oldest step with a part running longer than `limit` s."""
+        now = time.monotonic()
+        with self._lock:
+            hung = [(start, i, step) for i, (step, start) in self._running.items()
+                    if now - start > limit and not step.timed_out]
+            if not hung:
+                return None
+            _, _, step = min(hung, key=lambda h: (h[0], h[1]))
+            workers = sorted(i for i, (s, _) in self._running.items() if s is step)
+            step.timed_out = True
+            names = ", ".join(f"worker:{i} (/job:worker/replica:0/task:{i})" for i in workers)
+            error = tf.errors.DeadlineExceededError(
+                None, None,
+                f"tf_psplugin: step {step.step_id} made no progress for {limit:g} s on {names}: "
+                "a worker is hung or unreachable, or the step is slower than "
+                "collective_timeout_seconds. Fix: check those workers (and the network between "
+                "them); if steps are legitimately that slow, raise "
+                "HybridParameterServerStrategy(collective_timeout_seconds=...).")
+            if step.error is None:
+                step.error = error
+            self._error = self._error or error
+            self._idle.notify_all()
+            set_remote_error = 0 in workers
+        logging.error("%s", error.message)
+        if set_remote_error:
+            step.remote_value._set_error(error)  # pylint: disable=protected-access
+        return error
+
     def _finish_part(self, step, worker_index, outputs, error):
         with self._lock:
+            if self._running.get(worker_index, (None,))[0] is step:
+                del self._running[worker_index]
             if error is not None and step.error is None:
                 step.error = error
                 if not isinstance(error, tf.errors.CancelledError) or self._error is None:
@@ -402,6 +471,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                     self._idle.notify_all()
 
     def __del__(self):
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
         for q in getattr(self, "_queues", []):
             q.put(_STOP)
         try:
@@ -416,12 +488,3 @@ def _new_sync_executor():
     # A synchronous executor per dispatch thread, as the stock Worker uses one.
     return executor.new_executor(enable_async=False)
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Polls `predicate` until true or `timeout` seconds pass."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

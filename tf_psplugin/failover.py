@@ -8,9 +8,9 @@ does survive every single failure is (a) the shared `model_dir` and (b) the
 processes that did not die. So recovery is:
 
 1. **Detect.** The coordinator sees the failed step (RPC errors within a
-   second or two of a kill; a hung peer surfaces as a collective timeout,
-   `collective_timeout_seconds`). The failed tasks are read from the errors
-   and confirmed by probing every task's port.
+   second or two of a kill; a hung peer surfaces through the coordinator's
+   step watchdog after `collective_timeout_seconds`). The failed tasks are
+   read from the errors and confirmed by probing every task's port.
 2. **Save what survives (worker failure).** If the dead task was a worker,
    the tables on the PS tasks and the dense replicas on any surviving worker
    are intact. Two per-worker counters tell whether the failed step was
@@ -23,6 +23,10 @@ processes that did not die. So recovery is:
 3. **Wait** for every failed task to accept connections again (the launcher's
    `--restart-failed`, or a Kubernetes pod restart), up to
    `recovery_timeout_seconds`; otherwise stop with an error naming the task.
+   When nothing will restart a task (`FailoverPolicy.task_restarts` False;
+   the launcher says so through `TF_PSPLUGIN_TASK_RESTARTS=0` when run without
+   `--restart-failed`), the chief stops at once after step 2, naming the dead
+   task and the checkpoint to resume from, and leaves the healthy tasks alone.
    We stop rather than continue with fewer workers: the collective group
    size, the global batch and the data sharding are all functions of the
    worker count, and silently changing them changes the model you train.
@@ -38,6 +42,7 @@ restarts the chief. The evaluator never joins the training cluster, so its
 failure cannot affect training.
 """
 
+import atexit
 import dataclasses
 import os
 import re
@@ -45,12 +50,25 @@ import socket
 import sys
 import threading
 import time
-from typing import Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import model_dir as model_dir_lib
+
 RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
+# "1" if failed workers/PS tasks are restarted by something (the launcher's
+# --restart-failed, a scheduler), "0" if not; read when
+# FailoverPolicy.task_restarts is None. The launcher sets it for every task.
+TASK_RESTARTS_ENV = "TF_PSPLUGIN_TASK_RESTARTS"
+# How long recovery waits for in-flight step parts to end before going on
+# without them. A survivor's part blocks in its next collective with the dead
+# peer (measured on TF 2.15: it never errors out without a per-op timeout) and
+# only ends when its worker restarts; the wait lets a survivor that was past
+# the step's last collective finish its updates, so the step counters read
+# for the emergency checkpoint are settled.
+_SETTLE_SECONDS = 10.0
 
 _TASK_RE = re.compile(r"/job:(worker|ps)/replica:\d+/task:(\d+)")
 _TASK_FAILURE_ERRORS = (
@@ -77,12 +95,28 @@ class FailoverPolicy:
             back before stopping with an error.
         max_restarts: How many times the chief may restart itself in place.
         poll_seconds: Probe interval while waiting.
+        task_restarts: Whether something restarts a failed worker or PS task
+            (the launcher's --restart-failed, a Kubernetes restart policy).
+            False: the chief saves what survives and stops at once with an
+            error naming the dead task. None (default): read
+            `TF_PSPLUGIN_TASK_RESTARTS` ("0"/"1"), which the launcher sets;
+            unset means True (a scheduler is assumed to restart tasks).
     """
 
     enabled: bool = True
     recovery_timeout_seconds: float = 300.0
     max_restarts: int = 20
     poll_seconds: float = 0.5
+    task_restarts: Optional[bool] = None
+
+    def restarts_expected(self) -> bool:
+        """`task_restarts`, or what the launcher said, or True."""
+        if self.task_restarts is not None:
+            return bool(self.task_restarts)
+        value = os.environ.get(TASK_RESTARTS_ENV, "").strip().lower()
+        if value in ("0", "false", "no"):
+            return False
+        return True
 
 
 def is_task_failure(error: BaseException) -> bool:
@@ -114,6 +148,33 @@ def accepts_connections(address: str, timeout: float = 1.0) -> bool:
 
 _checkpointers: List = []
 
+# Hung tasks this process gave up on (see `_exit_if_wedged`).
+_wedged: Set[Tuple[str, int]] = set()
+
+
+def _exit_if_wedged() -> None:
+    """At exit, skips TensorFlow's shutdown if a peer is hung.
+
+    Why: when the interpreter finalizes, TF frees every traced function and
+    tells each remote task to drop it (`context.remove_function`), with no
+    deadline. A hung task (stopped, wedged) accepts the connection and never
+    answers, so the chief would never exit after raising FailoverError
+    (measured on TF 2.15 with a SIGSTOPped worker). Registered when this
+    module is imported, so it runs after the atexit handlers that user code
+    registers later (atexit is last-in, first-out), and `finally` blocks have
+    run by then too; only TF's own shutdown is skipped.
+    """
+    if not _wedged:
+        return
+    _say("exiting without TensorFlow's shutdown: %s hung and would block it forever" % (
+        ", ".join(f"{j}:{i}" for j, i in sorted(_wedged))))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+atexit.register(_exit_if_wedged)
+
 
 def register_checkpointer(checkpointer) -> None:
     """Registers what saves the emergency checkpoint during recovery.
@@ -125,6 +186,19 @@ def register_checkpointer(checkpointer) -> None:
     """
     if checkpointer not in _checkpointers:
         _checkpointers.append(checkpointer)
+
+
+def _latest_checkpoint() -> Optional[str]:
+    """The newest complete checkpoint in a registered checkpointer's model_dir."""
+    for checkpointer in reversed(_checkpointers):
+        model_dir = getattr(checkpointer, "model_dir", None)
+        try:
+            info = model_dir_lib.latest_checkpoint(model_dir) if model_dir else None
+        except Exception:  # noqa: BLE001 - only used to word an error message.
+            info = None
+        if info is not None:
+            return info.path
+    return None
 
 
 def unregister_checkpointer(checkpointer) -> None:
@@ -157,6 +231,7 @@ class FailoverController:
         spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
         self._addresses = {(job, i): addr for job in ("worker", "ps")
                            for i, addr in enumerate(spec.get(job, []))}
+        self._hung: Set[Tuple[str, int]] = set()  # Accept connections, never answer.
 
     def recover(self, coordinator, error: BaseException) -> None:
         """Recovers from `error` (never returns normally: restarts the chief).
@@ -167,18 +242,24 @@ class FailoverController:
         """
         start = time.monotonic()
         _say(f"a training step failed: {type(error).__name__}: {_first_line(error)}")
-        # Surviving workers are stuck in the failed step's collectives until
-        # they time out; a remote call to them would queue behind that.
-        timeout = self._strategy.extended.collective_group.timeout_seconds
-        if not coordinator.wait_until_idle(timeout=(timeout + 15) if timeout else 60):
-            _say("in-flight steps did not finish; going on without them")
+        # Parts of the failed step on surviving workers end when their
+        # collectives see the dead peer's RPC errors; parts stuck with a hung
+        # peer never do (they end when their worker restarts).
+        if not coordinator.wait_until_idle(timeout=_SETTLE_SECONDS):
+            stuck = coordinator.running_parts()
+            _say("step part(s) still running on %s; going on without them" % (
+                ", ".join(f"worker:{i} (step {sid}, {secs:.0f} s)"
+                          for i, (sid, secs) in sorted(stuck.items())) or "no worker"))
         failed = self._failed_tasks(error)
         _say("failed task(s): " + (", ".join(f"{j}:{i}" for j, i in sorted(failed)) or "unknown"))
+        saved = None
         if failed and all(job == "worker" for job, _ in failed):
-            self._save_what_survives(coordinator, failed)
+            saved = self._save_what_survives(coordinator, failed)
         elif any(job == "ps" for job, _ in failed):
             _say("a PS task failed: its table shards are lost; resuming from the latest "
                  "periodic checkpoint")
+        if not self.policy.restarts_expected():
+            self._stop_without_restarts(failed, saved, error)
         failed |= self._restart_surviving_workers(coordinator, failed)
         if restarts_so_far() >= self.policy.max_restarts:
             raise FailoverError(
@@ -202,17 +283,58 @@ class FailoverController:
             if not accepts_connections(address):
                 failed.add(task)
         if not failed:
-            failed = {t for t in tasks_named_in(error) if t in self._addresses}
+            named = {t for t in tasks_named_in(error) if t in self._addresses}
+            # A hung task (the watchdog's error names every worker still in
+            # the step) accepts connections but does not answer; workers
+            # merely waiting in a collective for it still serve reads.
+            failed = self._unresponsive_workers(sorted(named)) or named
         return failed
 
-    def _save_what_survives(self, coordinator, failed) -> None:
-        extended = self._strategy.extended
+    def _unresponsive_workers(self, tasks) -> Set[Tuple[str, int]]:
+        """Workers among `tasks` that do not answer a read of their step counter."""
+        counters = getattr(self._strategy.extended, "committed_steps", None)
+        if counters is None:
+            return set()
+        silent = set()
+        for job, index in tasks:
+            if job != "worker":
+                continue
+            try:
+                _call_with_timeout(lambda i=index: _read_replica(counters, i), 5.0)
+            except TimeoutError:
+                silent.add((job, index))
+            except (tf.errors.OpError, ValueError):
+                pass  # It answered, with an error: not hung.
+        if silent:
+            _say("not answering (hung): " + ", ".join(f"{j}:{i}" for j, i in sorted(silent)))
+        self._hung |= silent
+        return silent
+
+    def _stop_without_restarts(self, failed, saved, error) -> None:
+        """Raises FailoverError naming the dead tasks (nothing restarts them)."""
+        names = ", ".join(f"{j}:{i} at {self._addresses[(j, i)]}" for j, i in sorted(failed)
+                          if (j, i) in self._addresses) or "an unidentified task"
+        _wedged.update(t for t in failed if t in self._hung)
+        latest = saved or _latest_checkpoint()
+        resume = (f"resume from checkpoint {latest}" if latest else
+                  "no checkpoint was written, so a rerun starts over")
+        raise FailoverError(
+            f"{names} failed and nothing will restart it (FailoverPolicy.task_restarts is "
+            f"False, or {TASK_RESTARTS_ENV}=0: the launcher runs without --restart-failed); "
+            f"training stopped, the healthy tasks were left running; {resume}. Fix: restart the "
+            "failed task and rerun the chief, or launch with --restart-failed (a scheduler "
+            f"restart policy and {TASK_RESTARTS_ENV}=1 on Kubernetes) so the job recovers by "
+            "itself.") from error
+
+    def _save_what_survives(self, coordinator, failed) -> Optional[str]:
+        """Saves the emergency checkpoint if it is safe; returns its path."""
         survivors = [i for i in range(coordinator.num_workers) if ("worker", i) not in failed]
         if not survivors or not _checkpointers:
             if not _checkpointers:
                 _say("no checkpointer registered: nothing to save (add tf_psplugin's checkpoint "
                      "callback to keep progress across failures)")
-            return
+            return None
+        extended = self._strategy.extended
         for survivor in survivors:
             try:
                 reduced, committed = _call_with_timeout(lambda: (
@@ -225,20 +347,23 @@ class FailoverController:
                 _say(f"the failed step was half-applied on worker:{survivor} (reduced {reduced}, "
                      f"committed {committed}): not saving it; the latest periodic checkpoint "
                      "will be used so no update is applied twice")
-                return
+                return None
             coordinator.preferred_replica = survivor
+            saved = None
             for checkpointer in list(_checkpointers):
                 try:
                     path = _call_with_timeout(checkpointer.save_emergency, 120.0)
                 except (tf.errors.OpError, OSError, ValueError, TimeoutError) as e:
                     _say(f"emergency checkpoint failed ({type(e).__name__}: {_first_line(e)}); "
                          "the latest periodic checkpoint will be used")
-                    return
+                    return None
                 if path:
+                    saved = path
                     _say(f"saved emergency checkpoint {path} from worker:{survivor}'s replicas "
                          f"({committed} committed steps): only the in-flight step is lost")
-            return
+            return saved
         _say("no surviving worker could be read: the latest periodic checkpoint will be used")
+        return None
 
     def _restart_surviving_workers(self, coordinator, failed) -> Set[Tuple[str, int]]:
         """Makes the surviving workers restart too; returns them.
@@ -346,10 +471,3 @@ def _say(message: str) -> None:
     # absl's WARNING reaches stderr whether or not the script set up logging.
     logging.warning("tf_psplugin failover: %s", message)
 
-
-def worker_failure_summary(errors: Sequence[BaseException]) -> str:
-    """One line naming the tasks blamed by a list of errors (for logs)."""
-    tasks = set()
-    for e in errors:
-        tasks |= tasks_named_in(e)
-    return ", ".join(f"{j}:{i}" for j, i in sorted(tasks)) or "unknown"

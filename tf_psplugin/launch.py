@@ -44,6 +44,7 @@ import uuid
 from typing import Dict, IO, List, Optional, Sequence
 
 from tf_psplugin import config as config_lib
+from tf_psplugin import failover as failover_lib
 from tf_psplugin.config import ClusterConfig, ConfigError
 
 __all__ = ["LocalCluster", "main"]
@@ -232,6 +233,9 @@ class LocalCluster:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env[LAUNCH_ID_ENV] = self.launch_id
+        # Tells the chief's failover whether a dead worker/PS will come back
+        # (else it stops at once instead of waiting for it).
+        env[failover_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
         return env
 
     def _spawn(self, task: _Task) -> None:

@@ -55,6 +55,11 @@ EMBEDDING_UPDATES = ("sync", "async")
 DENSE_PLACEMENTS = ("allreduce", "ps")
 
 
+# Not the global `random`: `tf.keras.utils.set_random_seed` seeds that, and a
+# restarted chief would then draw the same "fresh" collective group key.
+_FRESH = random.SystemRandom()
+
+
 class StrategyError(ValueError):
     """The strategy cannot be built or used as asked; the message names the fix."""
 
@@ -96,8 +101,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         placement: A `PlacementPolicy` (which variables are tables, sharding).
         sharding: Shortcut for ``placement.sharding``: ``"interleaved"``
             (default) or ``"contiguous"``.
-        collective_timeout_seconds: Collectives fail instead of hanging when a
-            worker is gone for this long (0 = wait forever).
+        collective_timeout_seconds: A synchronous step that makes no progress
+            on some worker for this long (a peer hung or unreachable) fails
+            with `DeadlineExceededError` naming the workers, and goes through
+            failover; one watchdog thread on the chief enforces it (0 = wait
+            forever). Dead peers surface at once through RPC errors. Set it
+            above your slowest step (`steps_per_execution` steps).
         connect_timeout_seconds: How long to wait for every worker and PS to
             accept connections before giving up with an error that names the
             missing tasks (tasks may start in any order).
@@ -145,6 +154,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 "the cluster has no worker task to run training steps. Fix: add worker "
                 "addresses to TF_CONFIG 'worker' (or --worker_hosts); with no chief given, "
                 "the first worker becomes the chief, so give at least two worker hosts.")
+        if not collective_timeout_seconds >= 0:
+            raise StrategyError(
+                f"collective_timeout_seconds={collective_timeout_seconds!r} must be >= 0 "
+                "(0 = no limit). Fix: pass a number of seconds above your slowest step.")
         self._dense_allreduce = dense_placement == "allreduce"
         self._collective_timeout = float(collective_timeout_seconds)
         wait_for_tasks(spec, connect_timeout_seconds)
@@ -264,8 +277,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # A fresh group key per chief process: a restarted chief must not meet
         # collective state that the workers cached for its predecessor.
         self.collective_group = collectives_lib.CollectiveGroup(
-            self._num_workers, group_key=random.randint(10_000, 2**30),
-            timeout_seconds=collective_timeout_seconds)
+            self._num_workers, group_key=_FRESH.randint(10_000, 2**30))
+        # Enforced by the coordinator's watchdog, not by the collective ops.
+        self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
         self.committed_steps = None
 

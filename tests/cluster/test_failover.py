@@ -7,6 +7,7 @@ failover_train.py, checkpoint every 10 steps) under a LocalCluster with
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -129,43 +130,106 @@ def test_chief_kill_then_restart_resumes(reference, make_cluster, tmp_path):
     assert _max_diff(report, reference) == 0.0
 
 
-@pytest.mark.timeout(300)
-def test_worker_that_never_returns_stops_with_clear_error(make_cluster, tmp_path):
-    cluster = make_cluster(num_workers=2, num_ps=1)  # No restarts.
-    cluster.start_servers()
-    script = cu.python_script(tmp_path, f'''
-        import numpy as np, tensorflow as tf, tf_psplugin
-        from tf_psplugin import failover
-        tf_psplugin.start_server()
-        strategy = tf_psplugin.HybridParameterServerStrategy(
-            collective_timeout_seconds=10,
-            failover=failover.FailoverPolicy(recovery_timeout_seconds=5))
-        ids = np.zeros((64, 2), "int64"); y = np.zeros((64, 1), "float32")
-        ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
-        with strategy.scope():
-            m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
-                                     tf.keras.layers.Embedding(10, 2),
-                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
-            m.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
-        m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
-        print("READY", flush=True)
-        try:
-            m.fit(ds, epochs=1, steps_per_epoch=100000, verbose=0)
-        except failover.FailoverError as e:
-            print("RESULT", str(e).splitlines()[0])
-    ''')
+_SMALL_JOB = '''
+    import os, signal, time
+    import numpy as np, tensorflow as tf, tf_psplugin
+    from tf_psplugin import failover
+    tf_psplugin.start_server()
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        collective_timeout_seconds=10,
+        failover=failover.FailoverPolicy(recovery_timeout_seconds=5, task_restarts={restarts}))
+    ids = np.zeros((64, 2), "int64"); y = np.zeros((64, 1), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
+    with strategy.scope():
+        m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
+                                 tf.keras.layers.Embedding(10, 2),
+                                 tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        m.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
+    m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    print("READY", flush=True)
+    try:
+        m.fit(ds, epochs=1, steps_per_epoch=100000, verbose=0)
+    except failover.FailoverError as e:
+        print("RESULT", str(e).splitlines()[0], flush=True)
+        print("STOPPED_AT", time.monotonic(), flush=True)
+        raise SystemExit(3)
+'''
+
+
+def _fault_then_wait(cluster, tmp_path, restarts, fault):
+    """Runs the small job, applies `fault(cluster)` once it trains; returns (result, t_fault)."""
+    script = cu.python_script(tmp_path, _SMALL_JOB.format(restarts=restarts))
     done = []
     thread = threading.Thread(
         target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),
         daemon=True)
     thread.start()
     assert cu.wait_until(lambda: any("READY" in l for l in cluster.output("chief")), 180)
-    cluster.kill("worker", 1)
+    time.sleep(1.0)  # Well inside the second fit.
+    faulted = time.monotonic()
+    fault(cluster)
     thread.join(240)
-    result = done[0]
+    assert done, "the chief did not stop"
+    return done[0], faulted
+
+
+def _stopped_after(result, faulted):
+    line = cu.result_line(result.stdout, "STOPPED_AT") or ""
+    return float(line.split()[-1]) - faulted
+
+
+@pytest.mark.timeout(300)
+def test_dead_worker_without_restarts_stops_at_once_and_spares_the_healthy(make_cluster,
+                                                                          tmp_path):
+    """The launcher's default (no --restart-failed): no waiting, no aborts."""
+    cluster = make_cluster(num_workers=2, num_ps=1)  # Sets TF_PSPLUGIN_TASK_RESTARTS=0.
+    cluster.start_servers()
+    result, faulted = _fault_then_wait(cluster, tmp_path, None,
+                                       lambda c: c.kill("worker", 1))
+    line = cu.result_line(result.stdout) or ""
+    assert result.returncode == 3, result.stdout[-4000:]
+    assert "worker:1 at 127.0.0.1:" in line and "nothing will restart it" in line, line
+    assert "worker:0" not in line and "Fix:" in line, line
+    # Detection is immediate (RPC error) and recovery only waits for in-flight
+    # parts to settle (failover._SETTLE_SECONDS): far below recovery_timeout.
+    assert _stopped_after(result, faulted) < 30.0, result.stdout[-4000:]
+    pids = cluster.pids()
+    assert cu.pid_alive(pids["worker:0"]) and cu.pid_alive(pids["ps:0"]), (
+        "healthy tasks must not be aborted when no restart is coming")
+    assert "asked surviving worker" not in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_worker_that_never_returns_stops_with_clear_error(make_cluster, tmp_path):
+    """Restarts promised (a scheduler) but the task never comes back."""
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    result, _ = _fault_then_wait(cluster, tmp_path, True, lambda c: c.kill("worker", 1))
     line = cu.result_line(result.stdout) or ""
     assert "worker:1 at 127.0.0.1:" in line and "did not come back" in line, result.stdout[-4000:]
     assert "Fix:" in line
+
+
+@pytest.mark.timeout(300)
+def test_hung_worker_is_detected_by_the_step_watchdog(make_cluster, tmp_path):
+    """A stopped (not dead) worker raises no RPC error: the watchdog must fire."""
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    try:
+        result, faulted = _fault_then_wait(cluster, tmp_path, None,
+                                           lambda c: c.kill("worker", 1, signal.SIGSTOP))
+    finally:
+        cluster.kill("worker", 1, signal.SIGKILL)
+    # TF's own shutdown would wait forever for the hung worker; the plugin
+    # ends the process after the script's exit handlers (exit status 1).
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "exiting without TensorFlow's shutdown: worker:1 hung" in result.stdout
+    assert "made no progress for 10 s" in result.stdout, result.stdout[-4000:]
+    line = cu.result_line(result.stdout) or ""
+    assert "worker:1 at 127.0.0.1:" in line and "nothing will restart it" in line, line
+    assert "worker:0" not in line, line  # Waiting in a collective is not hung.
+    # collective_timeout_seconds=10, polled every second, plus the settle wait.
+    assert 10.0 <= _stopped_after(result, faulted) < 45.0, result.stdout[-4000:]
 
 
 @pytest.mark.timeout(900)

@@ -1,0 +1,177 @@
+"""Failover and the step watchdog, without a cluster.
+
+The watchdog and the no-restart path are decided by a few lines of logic
+each; these tests drive them with fake steps and a fake strategy (one
+listening socket stands in for a healthy task, a closed port for a dead one).
+The multi-process behaviour is in tests/cluster/test_failover.py.
+"""
+
+import socket
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+
+from tf_psplugin import coordinator as coordinator_lib
+from tf_psplugin import failover
+
+
+def _bare_coordinator(num_workers=2, timeout=5.0):
+    """A HybridClusterCoordinator with only the state the watchdog reads."""
+    # ClusterCoordinator.__new__ wants a strategy; the watchdog needs none.
+    coord = object.__new__(coordinator_lib.HybridClusterCoordinator)
+    coord._lock = threading.Lock()  # pylint: disable=protected-access
+    coord._idle = threading.Condition(coord._lock)  # pylint: disable=protected-access
+    coord._running = {}  # pylint: disable=protected-access
+    coord._error = None  # pylint: disable=protected-access
+    coord._inflight = 0  # pylint: disable=protected-access
+    coord._num_workers = num_workers  # pylint: disable=protected-access
+    coord.step_timeout_seconds = timeout
+    coord.recovering = False
+    return coord
+
+
+def _step(coord, step_id, num_workers=2):
+    return coordinator_lib._SyncStep(  # pylint: disable=protected-access
+        coord, step_id, [None] * num_workers, (), {}, tf.TensorSpec([], tf.float32), num_workers)
+
+
+def test_watchdog_fails_a_step_stuck_longer_than_the_limit_and_names_its_workers():
+    coord = _bare_coordinator()
+    step = _step(coord, 7)
+    now = time.monotonic()
+    coord._running = {0: (step, now - 12.0), 1: (step, now - 11.0)}  # pylint: disable=protected-access
+    error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
+    assert isinstance(error, tf.errors.DeadlineExceededError)
+    assert "step 7 made no progress for 10 s" in error.message
+    assert failover.is_task_failure(error)
+    assert failover.tasks_named_in(error) == {("worker", 0), ("worker", 1)}
+    assert coord._error is error and step.error is error  # pylint: disable=protected-access
+    # Worker 0's part carries the step's result: its RemoteValue fails too.
+    assert step.remote_value._status_available_event.is_set()  # pylint: disable=protected-access
+    # A hang is reported once, not at every poll.
+    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+
+
+def test_watchdog_leaves_steps_within_the_limit_alone():
+    coord = _bare_coordinator()
+    step = _step(coord, 1)
+    coord._running = {0: (step, time.monotonic() - 3.0)}  # pylint: disable=protected-access
+    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+    assert coord._error is None and step.error is None  # pylint: disable=protected-access
+
+
+def test_watchdog_names_only_the_workers_still_in_the_oldest_hung_step():
+    coord = _bare_coordinator(num_workers=3)
+    old, new = _step(coord, 3, 3), _step(coord, 4, 3)
+    now = time.monotonic()
+    coord._running = {1: (old, now - 30.0), 2: (old, now - 29.0),  # pylint: disable=protected-access
+                      0: (new, now - 20.0)}
+    error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
+    assert "step 3 " in error.message
+    assert failover.tasks_named_in(error) == {("worker", 1), ("worker", 2)}
+    # Worker 0 is not in the failed step: step 3's result is not worker 0's to fail.
+    assert not old.remote_value._status_available_event.is_set()  # pylint: disable=protected-access
+
+
+def test_a_finished_part_is_no_longer_watched():
+    coord = _bare_coordinator(num_workers=1)
+    step = _step(coord, 1, 1)
+    coord._inflight = 1  # pylint: disable=protected-access
+    coord._running = {0: (step, time.monotonic() - 60.0)}  # pylint: disable=protected-access
+    coord._finish_part(step, 0, None, None)  # pylint: disable=protected-access
+    assert coord._running == {}  # pylint: disable=protected-access
+    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+
+
+def test_watchdog_thread_fires_within_the_limit_plus_one_poll():
+    coord = _bare_coordinator(timeout=0.5)
+    coord._stopped = threading.Event()  # pylint: disable=protected-access
+    step = _step(coord, 2)
+    coord._running = {0: (step, time.monotonic())}  # pylint: disable=protected-access
+    thread = threading.Thread(target=coord._watchdog_loop, daemon=True)  # pylint: disable=protected-access
+    start = time.monotonic()
+    thread.start()
+    with coord._lock:  # pylint: disable=protected-access
+        assert coord._idle.wait_for(lambda: coord._error is not None, timeout=5.0)  # pylint: disable=protected-access
+    assert 0.5 <= time.monotonic() - start < 2.0
+    coord._stopped.set()  # pylint: disable=protected-access
+    thread.join(2.0)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("policy,env,expected", [
+    (failover.FailoverPolicy(), None, True),
+    (failover.FailoverPolicy(), "0", False),
+    (failover.FailoverPolicy(), "1", True),
+    (failover.FailoverPolicy(task_restarts=True), "0", True),
+    (failover.FailoverPolicy(task_restarts=False), "1", False),
+])
+def test_restarts_expected_from_policy_then_launcher(policy, env, expected, monkeypatch):
+    if env is None:
+        monkeypatch.delenv(failover.TASK_RESTARTS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(failover.TASK_RESTARTS_ENV, env)
+    assert policy.restarts_expected() is expected
+
+
+class _FakeResolver:
+    def __init__(self, spec):
+        self._spec = spec
+
+    def cluster_spec(self):
+        return tf.train.ClusterSpec(self._spec)
+
+
+class _FakeStrategy:
+    def __init__(self, spec):
+        self._cluster_resolver = _FakeResolver(spec)
+
+
+class _FakeCoordinator:
+    num_workers = 2
+    preferred_replica = 0
+
+    def wait_until_idle(self, timeout):
+        return True
+
+    def running_parts(self):
+        return {}
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatch):
+    healthy = socket.socket()
+    healthy.bind(("127.0.0.1", 0))
+    healthy.listen(16)
+    up = f"127.0.0.1:{healthy.getsockname()[1]}"
+    dead = f"127.0.0.1:{_closed_port()}"
+    spec = {"chief": [up], "worker": [up, dead], "ps": [up]}
+    execs, aborts = [], []
+    controller = failover.FailoverController(
+        _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=False,
+                                                     recovery_timeout_seconds=300),
+        exec_fn=lambda *a: execs.append(a))
+    monkeypatch.setattr(failover, "_checkpointers", [])
+    monkeypatch.setattr(controller, "_restart_surviving_workers",
+                        lambda *a: aborts.append(a) or set())
+    error = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
+    start = time.monotonic()
+    try:
+        with pytest.raises(failover.FailoverError) as raised:
+            controller.recover(_FakeCoordinator(), error)
+    finally:
+        healthy.close()
+    message = str(raised.value)
+    assert time.monotonic() - start < 10.0  # Not recovery_timeout_seconds.
+    assert f"worker:1 at {dead} failed and nothing will restart it" in message
+    assert "no checkpoint was written" in message and "Fix:" in message
+    assert "worker:0" not in message
+    assert raised.value.__cause__ is error
+    assert not execs and not aborts  # The chief is not replaced; healthy workers live on.
