@@ -14,6 +14,9 @@ with ``job["role"]`` one of:
   ``stock_pss``, ``hybrid_sync`` or ``hybrid_async``.
 * ``mwms_worker``: one MultiWorkerMirroredStrategy worker (TF_CONFIG set by
   the parent); every worker runs this, worker 0 reports the throughput.
+* ``soak_chief``: a ``ps_chief`` that trains for ``job["duration_seconds"]``
+  of wall-clock time instead of a number of epochs and prints
+  ``SOAK_PROGRESS {json}`` after every epoch (see `benchmarks.soak`).
 
 Timing: `model.fit` runs ``1 + timed_epochs`` epochs of ``steps_per_epoch``
 steps; epoch 0 is the warm-up (tracing, first RPCs, cache fill) and is not
@@ -33,7 +36,8 @@ if os.environ.get("TF_PSPLUGIN_BENCH_PLUGIN_PATH"):  # A patched plugin copy to 
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
-from benchmarks.procs import RESULT_PREFIX, cpu_seconds, peak_rss_mb  # noqa: E402
+from benchmarks.procs import (  # noqa: E402
+    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb)
 
 
 class EpochTimer(tf.keras.callbacks.Callback):
@@ -115,9 +119,13 @@ def _stock_pss_strategy(job):
         resolver, variable_partitioner=partitioner)
 
 
-def run_ps_chief(job):
+def _build_ps_chief(job):
+    """Strategy, compiled model and dataset of a PS-cluster setup, as every mode uses them.
+
+    Returns:
+        ``(model, dataset, examples_per_step, per_step_batch)``.
+    """
     setup = job["setup"]
-    t0 = time.perf_counter()
     if setup == "stock_pss":
         strategy = _stock_pss_strategy(job)
         per_step_batch = job["global_batch"]  # Each async step: one worker, one full batch.
@@ -140,6 +148,12 @@ def run_ps_chief(job):
         model = model_lib.build_model(spec)
         model_lib.compile_model(model, spec, job["steps_per_execution"])
     ds = model_lib.make_dataset(spec, per_step_batch, pool)
+    return model, ds, examples_per_step, per_step_batch
+
+
+def run_ps_chief(job):
+    t0 = time.perf_counter()
+    model, ds, examples_per_step, per_step_batch = _build_ps_chief(job)
     built = time.perf_counter() - t0
     result = _fit_and_time(model, ds, job, examples_per_step)
     result["startup_seconds"] = built
@@ -166,7 +180,80 @@ def run_mwms_worker(job):
     return result
 
 
-RUNNERS = {"single": run_single, "ps_chief": run_ps_chief, "mwms_worker": run_mwms_worker}
+class SoakProgress(tf.keras.callbacks.Callback):
+    """Prints cumulative progress after every epoch and stops at a wall-clock deadline.
+
+    Keras allows only epoch-level callbacks under ParameterServerStrategy, and
+    it joins the coordinator before `on_epoch_end`, so the step count printed
+    there has really been executed. Each line is
+    ``SOAK_PROGRESS {"epoch", "steps", "examples", "t", "mono", "loss"}``:
+    ``t`` is seconds since training began, ``mono`` the same instant on
+    `time.monotonic()` (CLOCK_MONOTONIC, one clock for every process on a
+    Linux host, so the parent can place it on its own time axis). One line
+    with ``steps`` 0 is printed when training begins.
+
+    Args:
+        steps_per_epoch: Steps in one epoch.
+        examples_per_step: Examples one step trains on (all workers together).
+        duration_seconds: Training stops at the first epoch end after this
+            many seconds since training began.
+    """
+
+    def __init__(self, steps_per_epoch, examples_per_step, duration_seconds):
+        super().__init__()
+        self.steps_per_epoch = steps_per_epoch
+        self.examples_per_step = examples_per_step
+        self.duration_seconds = duration_seconds
+        self.start = None
+        self.steps = 0
+        self.epochs = 0
+
+    def _say(self, epoch, logs):
+        now = time.monotonic()
+        loss = (logs or {}).get("loss")
+        line = {"epoch": epoch, "steps": self.steps,
+                "examples": self.steps * self.examples_per_step,
+                "t": round(now - self.start, 3), "mono": now,
+                "loss": None if loss is None else float(loss)}
+        sys.stdout.write(SOAK_PROGRESS_PREFIX + json.dumps(line) + "\n")
+        sys.stdout.flush()
+        return now
+
+    def on_train_begin(self, logs=None):
+        self.start = time.monotonic()
+        self._say(-1, None)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs = epoch + 1
+        self.steps = self.epochs * self.steps_per_epoch
+        if self._say(epoch, logs) - self.start >= self.duration_seconds:
+            self.model.stop_training = True
+
+
+def run_soak_chief(job):
+    model, ds, examples_per_step, per_step_batch = _build_ps_chief(job)
+    progress = SoakProgress(job["steps_per_epoch"], examples_per_step, job["duration_seconds"])
+    callbacks = [progress]
+    if job.get("checkpoint_every_secs") and job["setup"] != "stock_pss":
+        # What a real job does for hours: periodic checkpoints with keep-N
+        # retention (the soak watches the model_dir's files and the chief's
+        # RSS across saves). Stock PSS has no plugin checkpoint callback.
+        import tf_psplugin  # pylint: disable=g-import-not-at-top
+
+        callbacks.append(tf_psplugin.ChiefCheckpoint(
+            job["model_dir"], save_every_secs=job["checkpoint_every_secs"], max_to_keep=3))
+    # Far more epochs than the deadline allows: SoakProgress stops the fit.
+    history = model.fit(ds, epochs=10**7, steps_per_epoch=job["steps_per_epoch"], verbose=0,
+                        callbacks=callbacks)
+    trained = time.monotonic() - progress.start
+    return {"steps": progress.steps, "epochs": progress.epochs, "train_seconds": trained,
+            "examples_per_sec": progress.steps * examples_per_step / trained,
+            "per_worker_batch": per_step_batch,
+            "final_loss": float(history.history["loss"][-1]) if history.history else None}
+
+
+RUNNERS = {"single": run_single, "ps_chief": run_ps_chief, "mwms_worker": run_mwms_worker,
+           "soak_chief": run_soak_chief}
 
 
 def main(argv):

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT_PREFIX = "BENCH_RESULT "
+# Printed by the soak chief after every epoch (benchmarks/child.py, benchmarks/soak.py).
+SOAK_PROGRESS_PREFIX = "SOAK_PROGRESS "
 
 
 class BenchmarkProcessError(RuntimeError):
@@ -162,14 +164,30 @@ def run_ps_cluster(job: dict, num_workers: int, num_ps: int, log_dir: str,
         log = os.path.join(log_dir, f"{job['setup']}.log")
         try:
             return _run_ps_cluster_once(job, num_workers, num_ps, log, timeout)
-        except _PortClash:
+        except PortClash:
             if attempt == attempts:
                 raise BenchmarkProcessError(
                     f"servers could not bind their ports {attempts} times; log {log}") from None
 
 
-class _PortClash(Exception):
-    pass
+class PortClash(Exception):
+    """A server could not bind its port (free-port race): restart on fresh ports."""
+
+
+def wait_until_serving(cluster, count: int, log: str, timeout: float = 300.0) -> None:
+    """Waits until `count` servers of a `LocalCluster` print ``serving at``.
+
+    Raises:
+        PortClash: a server could not bind its port; start a new cluster.
+        BenchmarkProcessError: the servers did not come up within `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while sum("serving at" in ln for ln in cluster.output()) < count:
+        if any("could not start its server" in ln for ln in cluster.output()):
+            raise PortClash()
+        if time.monotonic() > deadline:
+            raise BenchmarkProcessError(f"servers did not start; log {log}")
+        time.sleep(0.2)
 
 
 def _run_ps_cluster_once(job, num_workers, num_ps, log, timeout):
@@ -179,13 +197,7 @@ def _run_ps_cluster_once(job, num_workers, num_ps, log, timeout):
         with LocalCluster(num_workers=num_workers, num_ps=num_ps, servers="builtin",
                           env=child_env(), output=out, grace_period=2.0) as cluster:
             cluster.start_servers()
-            deadline = time.monotonic() + min(timeout, 300)
-            while sum("serving at" in ln for ln in cluster.output()) < num_workers + num_ps:
-                if any("could not start its server" in ln for ln in cluster.output()):
-                    raise _PortClash()
-                if time.monotonic() > deadline:
-                    raise BenchmarkProcessError(f"servers did not start; log {log}")
-                time.sleep(0.2)
+            wait_until_serving(cluster, num_workers + num_ps, log, timeout=min(timeout, 300))
             servers = {role: pid for role, pid in cluster.pids().items() if role != "chief"}
             baseline = {role: current_rss_mb(pid) for role, pid in servers.items()}
             job = dict(job, cpu_pids=servers)
@@ -231,7 +243,7 @@ def run_mwms(job: dict, num_workers: int, log_dir: str, timeout: float,
     for attempt in range(1, attempts + 1):
         try:
             return _run_mwms_once(job, num_workers, log_dir, timeout)
-        except _PortClash:
+        except PortClash:
             if attempt == attempts:
                 raise BenchmarkProcessError(
                     f"MWMS workers could not bind their ports {attempts} times") from None
@@ -259,7 +271,7 @@ def _run_mwms_once(job: dict, num_workers: int, log_dir: str, timeout: float) ->
             if any(p.poll() not in (None, 0) for p in procs):
                 bad = next(i for i, p in enumerate(procs) if p.poll() not in (None, 0))
                 if "Could not start gRPC server" in _tail(logs[bad], 200):
-                    raise _PortClash()
+                    raise PortClash()
                 raise BenchmarkProcessError(
                     f"MWMS worker {bad} exited {procs[bad].returncode}:\n{_tail(logs[bad])}")
             time.sleep(0.2)
