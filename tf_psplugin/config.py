@@ -103,6 +103,7 @@ class _Names:
         return {
             "TF_CONFIG": f"TF_CONFIG.cluster.{job}",
             "flags": f"--{job}_hosts",
+            "cluster_resolver": f"cluster_resolver.cluster_spec()[{job!r}]",
         }.get(self.source, f"cluster.{job}")
 
     def entry(self, job: str, index: int) -> str:
@@ -528,6 +529,43 @@ def from_tf_config(tf_config: Union[str, Mapping[str, Any]]) -> ClusterConfig:
         raise ConfigError("TF_CONFIG.rpc_layer", f"{rpc_layer!r} is not a protocol name",
                           'use "grpc" or drop the key')
     return _build(cluster, task_type, task_index, rpc_layer, names)
+
+
+def validate_cluster_spec(cluster: Mapping[str, Any], source: str = "cluster_resolver") -> None:
+    """Validates a cluster given as a dict or `tf.train.ClusterSpec` (e.g. a resolver's).
+
+    The checks `from_tf_config` applies to TF_CONFIG's cluster: known jobs,
+    host:port addresses, at most one chief, at least one PS, a chief or a
+    worker, no address used twice. Indexed (sparse) job dicts are read in
+    index order.
+
+    Args:
+      cluster: ``{"worker": [...], "ps": [...], ...}`` or a ClusterSpec.
+      source: Names the input in messages, e.g. ``"cluster_resolver"``.
+
+    Raises:
+      ConfigError: naming the field and the fix.
+    """
+    if hasattr(cluster, "as_dict"):
+        cluster = cluster.as_dict()
+    field = f"{source}.cluster_spec()"
+    if not isinstance(cluster, Mapping) or not cluster:
+        raise ConfigError(field, f"must be a non-empty cluster, got {cluster!r}",
+                          'describe {"chief": [...], "worker": [...], "ps": [...]}')
+    plain: Dict[str, List[str]] = {}
+    for job, hosts in cluster.items():
+        if job not in JOBS:
+            close = difflib.get_close_matches(str(job), JOBS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{field}[{job!r}]", f"is not a known job{hint}",
+                              f"use only the jobs {', '.join(JOBS)}")
+        if isinstance(hosts, Mapping):  # ClusterSpec.as_dict() of a sparse job.
+            hosts = [hosts[i] for i in sorted(hosts)]
+        if isinstance(hosts, str) or not isinstance(hosts, (list, tuple)) or not hosts:
+            raise ConfigError(f"{field}[{job!r}]", f"must be a non-empty list of 'host:port', "
+                              f"got {hosts!r}", f"list at least one address for {job}")
+        plain[job] = list(hosts)
+    _validate_cluster(plain, _Names(source))
 
 
 # --- Flags -----------------------------------------------------------------

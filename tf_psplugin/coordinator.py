@@ -20,9 +20,14 @@ strategy installs this coordinator when it is constructed, and
 `ClusterCoordinator(strategy)` returns it (TF's `__new__` returns the
 strategy's existing coordinator), so no user code changes.
 
-Errors: the first failure of any part is kept and raised by the next
-`schedule`, `join` or `done`, like the stock coordinator; later queued steps
-are cancelled. Worker recovery is handled in `failover.py`.
+Errors (the stock coordinator's contract): the first failure of any part is
+kept and raised once by the next `schedule`, `join` or `done`; every step
+scheduled before that raise and not yet finished is cancelled (its
+RemoteValue raises `CancelledError`), so the next `schedule`/`join` starts
+clean. An error in a per-worker input (a dataset function that fails on the
+workers) is raised as TF's `ClosureInputError` with the original as
+`original_exception`, and is a task failure only if the original is one.
+Worker recovery is handled in `failover.py`.
 
 Hung peers: a worker that stops answering (SIGSTOP, a partitioned network, a
 wedged host) raises no error; its peers just wait in the step's
@@ -81,8 +86,12 @@ class _SyncRemoteValue(coordinator_values.RemoteValueImpl):
 class _SyncStep:
     """A function dispatched to every worker, with its result and status."""
 
-    def __init__(self, coordinator, step_id, functions, args, kwargs, output_spec, num_workers):
+    def __init__(self, coordinator, step_id, functions, args, kwargs, output_spec, num_workers,
+                 generation=0):
         self.step_id = step_id
+        # Steps of an older generation than the coordinator's were scheduled
+        # before an error was raised to the user: they are cancelled.
+        self.generation = generation
         self.functions = functions  # One per worker.
         self.args = args
         self.kwargs = kwargs
@@ -121,6 +130,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._inflight = 0
         self._error: Optional[BaseException] = None
         self._step_counter = 0
+        self._generation = 0  # Bumped each time an error is raised to the user.
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
@@ -177,6 +187,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         Raises:
             Exception: the first error of a previously scheduled step.
         """
+        if not isinstance(fn, (tf.types.experimental.GenericFunction,
+                               tf.types.experimental.ConcreteFunction)):
+            raise TypeError(
+                "HybridClusterCoordinator.schedule only accepts a `tf.function` or a concrete "
+                f"function, got {type(fn).__name__}. Fix: decorate it with @tf.function.")
         self._maybe_log_placement()
         if not self._synchronous:
             return super().schedule(fn, args=args, kwargs=kwargs)
@@ -200,7 +215,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             step = _SyncStep(self, self._step_counter,
                              [c._function for c in closures],  # pylint: disable=protected-access
                              first._args, first._kwargs,  # pylint: disable=protected-access
-                             first._output_type_spec, self._num_workers)  # pylint: disable=protected-access
+                             first._output_type_spec, self._num_workers,  # pylint: disable=protected-access
+                             self._generation)
             self._inflight += 1
         for i, q in enumerate(self._queues):
             q.put(_StepPart(step, i))
@@ -352,6 +368,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
     def _raise_if_error(self):
         with self._lock:
             err, self._error = self._error, None
+            if err is not None:
+                # Everything scheduled so far belongs to the failed batch.
+                self._generation += 1
         if err is None:
             return
         from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
@@ -373,10 +392,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             outputs = None
             error = None
             with self._lock:
-                cancelled = self._error is not None
+                cancelled = self._error is not None or step.generation < self._generation
             if cancelled:
                 error = tf.errors.CancelledError(
-                    None, None, "tf_psplugin: step cancelled after an earlier step failed.")
+                    None, None, "tf_psplugin: step cancelled after an earlier step failed; "
+                    "schedule it again.")
             else:
                 with self._lock:
                     self._running[worker.worker_index] = (step, time.monotonic())
@@ -386,20 +406,24 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                     error = e
                     logging.error("tf_psplugin: worker %d failed step %d: %r",
                                   worker.worker_index, step.step_id, e)
-            self._finish_part(step, worker.worker_index, outputs, error)
+            self._finish_part(step, worker.worker_index, outputs, error, cancelled)
+            # Keep nothing of the step (its inputs hold the user's iterators).
+            del part, step, outputs, error
 
     def _execute(self, step, worker, worker_executor):
         args = cluster_coordinator._select_worker_slice(worker.worker_index, step.args)  # pylint: disable=protected-access
         kwargs = cluster_coordinator._select_worker_slice(worker.worker_index, step.kwargs)  # pylint: disable=protected-access
-        try:
-            args = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args)
-            kwargs = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs)
-        except (AssertionError, cluster_coordinator.ClosureAbortedError) as e:
-            # TF marks a dead worker's resources (its iterator) aborted and
-            # reports that as an AssertionError; it is a task failure.
-            raise tf.errors.UnavailableError(
-                None, None, f"inputs on /job:worker/replica:0/task:{worker.worker_index} are "
-                f"gone (the worker failed): {str(e)[:500]}") from e
+        # As the stock Closure.execute_on: a per-worker input (iterator) whose
+        # creation failed is a ClosureInputError wrapping the original error
+        # (the user's dataset error, or a dead worker's UnavailableError).
+        error = (cluster_coordinator._get_error_from_remote_values(args)  # pylint: disable=protected-access
+                 or cluster_coordinator._get_error_from_remote_values(kwargs))  # pylint: disable=protected-access
+        if error is not None:
+            if not isinstance(error, cluster_coordinator.ClosureInputError):
+                error = cluster_coordinator.ClosureInputError(error)
+            raise error
+        args = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args)
+        kwargs = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs)
         with tf.device(worker.device_name), context.executor_scope(worker_executor):
             with coordinator_context.with_dispatch_context(worker):
                 outputs = step.functions[worker.worker_index](*args, **kwargs)
@@ -448,14 +472,20 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             step.remote_value._set_error(error)  # pylint: disable=protected-access
         return error
 
-    def _finish_part(self, step, worker_index, outputs, error):
+    def _finish_part(self, step, worker_index, outputs, error, cancelled=False):
         with self._lock:
             if self._running.get(worker_index, (None,))[0] is step:
                 del self._running[worker_index]
             if error is not None and step.error is None:
                 step.error = error
-                if not isinstance(error, tf.errors.CancelledError) or self._error is None:
-                    self._error = self._error or error
+                # Our own cancellations and errors of a batch whose error was
+                # already raised add nothing new; a real error replaces a
+                # derived CancelledError (a peer's failure seen from afar).
+                if step.generation == self._generation and not cancelled and (
+                        self._error is None
+                        or (isinstance(self._error, tf.errors.CancelledError)
+                            and not isinstance(error, tf.errors.CancelledError))):
+                    self._error = error
                 self._idle.notify_all()
             step.remaining -= 1
             finished = step.remaining == 0

@@ -120,7 +120,15 @@ class FailoverPolicy:
 
 
 def is_task_failure(error: BaseException) -> bool:
-    """Whether an error from a step means a task died or hung (vs. a bug)."""
+    """Whether an error from a step means a task died or hung (vs. a bug).
+
+    TF's `ClosureInputError`/`ClosureAbortedError` (a per-worker input that
+    could not be built) are judged by the error they wrap: a dead worker's
+    iterator is a task failure, the user's failing dataset function is not.
+    """
+    original = getattr(error, "original_exception", None)
+    if original is not None and original is not error:
+        return is_task_failure(original)
     if not isinstance(error, _TASK_FAILURE_ERRORS):
         return False
     if isinstance(error, (tf.errors.InternalError, tf.errors.NotFoundError)):

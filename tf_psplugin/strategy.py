@@ -739,6 +739,12 @@ def _resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig
         if cluster_resolver.task_type not in (None, "chief"):
             raise StrategyError(_not_chief_message(cluster_resolver.task_type,
                                                    cluster_resolver.task_id))
+        # Before connecting: a spec that can never work fails now, not after
+        # connect_timeout_seconds of "cannot reach".
+        try:
+            config_lib.validate_cluster_spec(cluster_resolver.cluster_spec())
+        except config_lib.ConfigError as e:
+            raise StrategyError(f"cannot use the cluster resolver: {e}") from None
         return cluster_resolver
     if config is None:
         try:

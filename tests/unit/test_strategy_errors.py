@@ -5,6 +5,7 @@ names what is wrong and the fix.
 """
 
 import socket
+import time
 
 import pytest
 import tensorflow as tf
@@ -31,8 +32,27 @@ def _addr():
 
 def test_no_ps_task():
     resolver = _resolver({"chief": [_addr()], "worker": [_addr()]})
-    with pytest.raises(tf_psplugin.StrategyError, match=r"no PS task.*Fix:.*ps"):
+    with pytest.raises(tf_psplugin.StrategyError,
+                       match=r"\['ps'\]: no parameter server is given.*Fix:.*ps"):
         tf_psplugin.HybridParameterServerStrategy(resolver)
+
+
+@pytest.mark.parametrize("cluster,needle", [
+    ({"chief": ["A", "B"], "worker": ["C"], "ps": ["D"]},
+     r"\['chief'\]: lists 2 addresses but a cluster has at most one chief"),
+    ({"chief": ["A"], "workers": ["C"], "ps": ["D"]},
+     r"\['workers'\]: is not a known job \(did you mean 'worker'\?\)"),
+    ({"chief": ["A"], "worker": ["C"], "ps": ["A"]}, r"address .* is used twice"),
+])
+def test_resolver_that_can_never_work_fails_before_connecting(cluster, needle):
+    """Not after connect_timeout_seconds (300 s) of 'cannot reach'."""
+    addresses = {}
+    cluster = {job: [addresses.setdefault(h, _addr()) for h in hosts]
+               for job, hosts in cluster.items()}
+    start = time.monotonic()
+    with pytest.raises(tf_psplugin.StrategyError, match=needle + r".*Fix:"):
+        tf_psplugin.HybridParameterServerStrategy(_resolver(cluster))
+    assert time.monotonic() - start < 5.0
 
 
 def test_no_worker_task():

@@ -1,0 +1,180 @@
+"""The ClusterCoordinator contract, checked against one cluster in one chief.
+
+Used by tests/cluster/test_coordinator_contract.py. Each check prints
+`CHECK <name> ok` or `CHECK <name> FAIL <why>`; the script goes on after a
+failed check so one run reports them all, and ends with `DONE`.
+
+What stock ParameterServerStrategy does, and this must do too:
+* `schedule` only takes a tf.function (TypeError otherwise);
+* an error in a per-worker dataset function is the user's error
+  (`ClosureInputError` wrapping the original), raised once, no failover, and
+  the cluster stays usable;
+* once an error is raised, the steps scheduled before it are cancelled and
+  the next `join` starts clean;
+* a deleted per-worker dataset and iterator are freed;
+* a second strategy in the same process trains too.
+"""
+
+import gc
+import os
+import sys
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+import tf_psplugin
+from tf_psplugin import failover
+from tf_psplugin._tf_internal import cluster_coordinator
+
+ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
+
+
+def check(name, ok, why=""):
+    print(f"CHECK {name} {'ok' if ok else 'FAIL ' + str(why)[:400]}", flush=True)
+
+
+def good_dataset_fn(_=None):
+    return tf.data.Dataset.range(1_000_000).map(lambda x: tf.cast(x % 7, tf.float32)).batch(4)
+
+
+def bad_dataset_fn(_=None):
+    # Fails at run time on the worker, not while tracing on the chief: the
+    # reshape's input size (5) is unknown until the random op runs.
+    n = tf.random.uniform([], 5, 6, dtype=tf.int32)
+    return tf.data.Dataset.from_tensor_slices(tf.reshape(tf.range(n), [2, -1]))
+
+
+@tf.function
+def sum_step(iterator):
+    return tf.reduce_sum(next(iterator))
+
+
+@tf.function
+def failing_step(iterator):
+    x = next(iterator)
+    tf.debugging.assert_less(tf.reduce_sum(x), -1.0, message="user assertion in the step")
+    return tf.reduce_sum(x)
+
+
+def check_schedule_rejects_python_functions(coordinator, it):
+    try:
+        coordinator.schedule(lambda i: 1, args=(it,))
+    except TypeError as e:
+        check("schedule_typeerror", "tf.function" in str(e), e)
+    else:
+        check("schedule_typeerror", False, "a Python function was accepted")
+
+
+def check_input_error_is_the_users(coordinator):
+    bad = iter(coordinator.create_per_worker_dataset(bad_dataset_fn))
+    coordinator.schedule(sum_step, args=(bad,))
+    try:
+        coordinator.join()
+    except cluster_coordinator.ClosureInputError as e:
+        original = e.original_exception
+        check("input_error_type", isinstance(original, tf.errors.InvalidArgumentError),
+              repr(original))
+        check("input_error_not_a_failure", not failover.is_task_failure(e), e)
+    except Exception as e:  # pylint: disable=broad-except
+        check("input_error_type", False, f"{type(e).__name__}: {e}")
+    else:
+        check("input_error_type", False, "join() raised nothing")
+    check("input_error_no_restart", os.environ.get(failover.RESTARTS_ENV, "0") == "0",
+          os.environ.get(failover.RESTARTS_ENV))
+    try:
+        coordinator.join()
+        check("input_error_raised_once", True)
+    except Exception as e:  # pylint: disable=broad-except
+        check("input_error_raised_once", False, f"{type(e).__name__}: {e}")
+
+
+def check_errors_cancel_pending_steps(coordinator, it):
+    coordinator.schedule(failing_step, args=(it,))
+    pending = [coordinator.schedule(sum_step, args=(it,)) for _ in range(5)]
+    raised = 0
+    try:
+        coordinator.join()
+    except tf.errors.InvalidArgumentError as e:
+        raised += 1
+        check("step_error_is_users", "user assertion" in str(e), e)
+    cancelled = 0
+    for remote in pending:
+        try:
+            remote.fetch()
+        except tf.errors.CancelledError:
+            cancelled += 1
+        except Exception as e:  # pylint: disable=broad-except
+            check("pending_cancelled", False, f"{type(e).__name__}: {e}")
+    try:
+        coordinator.join()
+        coordinator.join()
+    except Exception as e:  # pylint: disable=broad-except
+        raised += 1
+        check("error_raised_once", False, f"raised again: {type(e).__name__}: {e}")
+    check("error_raised_once", raised == 1, raised)
+    check("pending_cancelled", cancelled == len(pending), f"{cancelled} of {len(pending)}")
+
+
+def check_still_usable(coordinator, it):
+    try:
+        value = coordinator.schedule(sum_step, args=(it,))
+        coordinator.join()
+        check("still_usable", float(value.fetch()) >= 0, value.fetch())
+    except Exception as e:  # pylint: disable=broad-except
+        check("still_usable", False, f"{type(e).__name__}: {e}")
+
+
+def check_per_worker_dataset_freed(coordinator):
+    ds = coordinator.create_per_worker_dataset(good_dataset_fn)
+    it = iter(ds)
+    coordinator.schedule(sum_step, args=(it,))
+    coordinator.join()
+    refs = [weakref.ref(ds), weakref.ref(it)]
+    del ds, it
+    gc.collect()
+    alive = [r for r in refs if r() is not None]
+    check("per_worker_dataset_freed", not alive,
+          [gc.get_referrers(r())[:3] for r in alive])
+
+
+def fit_small_model(strategy, seed):
+    tf.keras.utils.set_random_seed(seed)  # Also seeds Python's `random`.
+    ids = np.random.default_rng(seed).integers(0, 50, size=(256, 2)).astype("int64")
+    y = (ids.sum(axis=1, keepdims=True) % 2).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(16).repeat()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
+                                     tf.keras.layers.Embedding(50, 4),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
+    history = model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
+    return history.history["loss"][-1]
+
+
+def main():
+    tf_psplugin.start_server()
+    policy = failover.FailoverPolicy(task_restarts=True)  # A user error must not trigger it.
+    strategy = tf_psplugin.HybridParameterServerStrategy(failover=policy)
+    coordinator = ClusterCoordinator(strategy)
+    good = iter(coordinator.create_per_worker_dataset(good_dataset_fn))
+    check_schedule_rejects_python_functions(coordinator, good)
+    check_input_error_is_the_users(coordinator)
+    check_still_usable(coordinator, good)
+    check_errors_cancel_pending_steps(coordinator, good)
+    check_still_usable(coordinator, good)
+    check_per_worker_dataset_freed(coordinator)
+    try:
+        first = fit_small_model(strategy, seed=1)
+        second_strategy = tf_psplugin.HybridParameterServerStrategy(failover=policy)
+        second = fit_small_model(second_strategy, seed=1)
+        check("second_strategy_trains", np.isfinite(first) and np.isfinite(second),
+              (first, second))
+    except Exception as e:  # pylint: disable=broad-except
+        check("second_strategy_trains", False, f"{type(e).__name__}: {e}")
+    print("DONE", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The ClusterCoordinator contract the plugin inherits from stock PSS.
+
+One chief runs every check against one cluster (tests/cluster/scripts/
+coordinator_contract.py); each check is asserted here by name, so a failure
+names what broke.
+"""
+
+import os
+
+import pytest
+
+from tests.cluster import _cluster_util as cu
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "coordinator_contract.py")
+CHECKS = (
+    "schedule_typeerror",  # A Python function is refused, as TF does.
+    "input_error_type",  # A failing dataset function: ClosureInputError(original).
+    "input_error_not_a_failure",  # ... which is not a task failure,
+    "input_error_no_restart",  # ... so failover never ran,
+    "input_error_raised_once",  # ... and the next join is clean.
+    "still_usable",
+    "step_error_is_users",
+    "error_raised_once",  # Raised by one join, not again.
+    "pending_cancelled",  # Steps scheduled before the raise are cancelled.
+    "per_worker_dataset_freed",
+    "second_strategy_trains",  # Two strategies in one process (collective keys).
+)
+
+pytestmark = [pytest.mark.cluster]
+
+
+@pytest.mark.timeout(600)
+def test_coordinator_contract(make_cluster):
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    result = cluster.run_chief([cu.PYTHON, SCRIPT], timeout=500)
+    lines = [l.split("CHECK ", 1)[1] for l in result.stdout.splitlines() if "CHECK " in l]
+    verdicts = {}
+    for line in lines:
+        name, verdict = (line.split(" ", 1) + [""])[:2]
+        verdicts.setdefault(name, []).append(verdict)
+    failed = {name: v for name, v in verdicts.items() if any(x != "ok" for x in v)}
+    assert not failed, failed
+    missing = [name for name in CHECKS if name not in verdicts]
+    assert not missing, (missing, result.stdout[-6000:])
+    assert result.returncode == 0 and "DONE" in result.stdout, result.stdout[-6000:]
