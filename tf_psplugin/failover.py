@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from typing import Iterable, List, Optional, Set, Tuple
 
 import tensorflow as tf
@@ -154,7 +155,9 @@ def accepts_connections(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-_checkpointers: List = []
+# Weak: a checkpoint manager (and the model it references) lives as long as
+# the user's code keeps it; a notebook that builds many models frees them.
+_checkpointers: List["weakref.ref"] = []
 
 # Hung tasks this process gave up on (see `_exit_if_wedged`).
 _wedged: Set[Tuple[str, int]] = set()
@@ -192,13 +195,20 @@ def register_checkpointer(checkpointer) -> None:
             (saves now; returns the path) — the plugin's checkpoint callback
             and `CheckpointManager` register themselves.
     """
-    if checkpointer not in _checkpointers:
-        _checkpointers.append(checkpointer)
+    if checkpointer not in _live_checkpointers():
+        _checkpointers.append(weakref.ref(checkpointer))
+
+
+def _live_checkpointers() -> List:
+    """The registered checkpointers still alive, oldest first (dead ones dropped)."""
+    live = [c for c in (ref() for ref in list(_checkpointers)) if c is not None]
+    _checkpointers[:] = [weakref.ref(c) for c in live]
+    return live
 
 
 def _latest_checkpoint() -> Optional[str]:
     """The newest complete checkpoint in a registered checkpointer's model_dir."""
-    for checkpointer in reversed(_checkpointers):
+    for checkpointer in reversed(_live_checkpointers()):
         model_dir = getattr(checkpointer, "model_dir", None)
         try:
             info = model_dir_lib.latest_checkpoint(model_dir) if model_dir else None
@@ -207,12 +217,6 @@ def _latest_checkpoint() -> Optional[str]:
         if info is not None:
             return info.path
     return None
-
-
-def unregister_checkpointer(checkpointer) -> None:
-    """Removes a checkpointer registered with `register_checkpointer`."""
-    if checkpointer in _checkpointers:
-        _checkpointers.remove(checkpointer)
 
 
 def restarts_so_far() -> int:
@@ -337,8 +341,9 @@ class FailoverController:
     def _save_what_survives(self, coordinator, failed) -> Optional[str]:
         """Saves the emergency checkpoint if it is safe; returns its path."""
         survivors = [i for i in range(coordinator.num_workers) if ("worker", i) not in failed]
-        if not survivors or not _checkpointers:
-            if not _checkpointers:
+        checkpointers = _live_checkpointers()
+        if not survivors or not checkpointers:
+            if not checkpointers:
                 _say("no checkpointer registered: nothing to save (add tf_psplugin's checkpoint "
                      "callback to keep progress across failures)")
             return None
@@ -358,7 +363,7 @@ class FailoverController:
                 return None
             coordinator.preferred_replica = survivor
             saved = None
-            for checkpointer in list(_checkpointers):
+            for checkpointer in checkpointers:
                 try:
                     path = _call_with_timeout(checkpointer.save_emergency, 120.0)
                 except (tf.errors.OpError, OSError, ValueError, TimeoutError) as e:

@@ -359,11 +359,6 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
                 self._primary_ahead = False
             return True
 
-    def copy_replica(self, src: int, dst: int) -> None:
-        """Copies worker `src`'s replica to worker `dst` (worker recovery)."""
-        remotes = self._remote_vars()
-        remotes[dst].assign(remotes[src].read_value())
-
     def mark_dispatched(self) -> None:
         """Called by the coordinator when a function using this variable runs."""
         self._replicas_ahead = True

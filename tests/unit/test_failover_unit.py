@@ -6,9 +6,11 @@ listening socket stands in for a healthy task, a closed port for a dead one).
 The multi-process behaviour is in tests/cluster/test_failover.py.
 """
 
+import gc
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 import tensorflow as tf
@@ -175,3 +177,23 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     assert "worker:0" not in message
     assert raised.value.__cause__ is error
     assert not execs and not aborts  # The chief is not replaced; healthy workers live on.
+
+
+def test_registered_checkpointers_do_not_outlive_their_owner(monkeypatch):
+    """A notebook that builds many models must not keep every one alive."""
+    monkeypatch.setattr(failover, "_checkpointers", [])
+
+    class Checkpointer:
+        def save_emergency(self):
+            return None
+
+    kept, dropped = Checkpointer(), Checkpointer()
+    failover.register_checkpointer(kept)
+    failover.register_checkpointer(dropped)
+    failover.register_checkpointer(kept)  # Once only.
+    assert failover._live_checkpointers() == [kept, dropped]  # pylint: disable=protected-access
+    probe = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert probe() is None
+    assert failover._live_checkpointers() == [kept]  # pylint: disable=protected-access
