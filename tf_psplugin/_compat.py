@@ -11,9 +11,63 @@ Everything else in the package imports Keras from here (`keras`), never
 """
 
 import os
+import re
 import sys
+import tempfile
 
-import tensorflow as tf
+# absl-style C++ log lines: severity letter, then MMDD (I0000 00:00:... port.cc:153] ...).
+_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} ")
+_ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog() is called"
+
+
+def _import_tensorflow():
+    """Imports TensorFlow, honouring TF_CPP_MIN_LOG_LEVEL for its import-time lines.
+
+    Why: TF 2.21 (measured with tensorflow-cpu 2.21.0 from PyPI, Nov 2026)
+    prints its oneDNN and CPU-feature INFO lines through absl logging while it
+    is imported, ignoring TF_CPP_MIN_LOG_LEVEL, so every command-line tool of
+    the plugin (config, launch, server) opened with TF chatter before its own
+    one-line messages. While TF is imported, stderr (fd 2) goes to a
+    temporary file; afterwards every line is written back except C++ log
+    lines below the requested level and absl's preamble about them. Errors
+    and anything else are replayed untouched; with the level unset (0)
+    nothing is captured.
+    """
+    try:
+        level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") or 0)
+    except ValueError:
+        level = 0
+    if level < 1 or "tensorflow" in sys.modules:
+        import tensorflow  # pylint: disable=g-import-not-at-top
+
+        return tensorflow
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            import tensorflow  # pylint: disable=g-import-not-at-top
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode("utf-8", "replace")
+            kept = []
+            for line in text.splitlines(keepends=True):
+                match = _CPP_LOG_LINE.match(line)
+                if line.startswith(_ABSL_PREAMBLE):
+                    continue
+                if match and "IWEF".index(match.group(1)) < level:
+                    continue
+                kept.append(line)
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+    return tensorflow
+
+
+tf = _import_tensorflow()
 
 TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 

@@ -63,6 +63,12 @@ warnings.filterwarnings(
     "ignore", category=RuntimeWarning,
     message=r"'tf_psplugin\.(config|server|launch)' found in sys\.modules after import")
 
+# "1" if failed workers/PS tasks are restarted by something (the launcher's
+# --restart-failed, a scheduler), "0" if not. The launcher sets it for every
+# task; the chief's failover reads it (failover.FailoverPolicy.task_restarts).
+# Defined here, not in failover.py, so the launcher needs no TensorFlow import.
+TASK_RESTARTS_ENV = "TF_PSPLUGIN_TASK_RESTARTS"
+
 JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker", "ps")
 _SERVER_JOBS = ("worker", "ps")

@@ -56,13 +56,12 @@ from typing import Iterable, List, Optional, Set, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import config as config_lib
 from tf_psplugin import model_dir as model_dir_lib
 
 RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
-# "1" if failed workers/PS tasks are restarted by something (the launcher's
-# --restart-failed, a scheduler), "0" if not; read when
-# FailoverPolicy.task_restarts is None. The launcher sets it for every task.
-TASK_RESTARTS_ENV = "TF_PSPLUGIN_TASK_RESTARTS"
+# Read when FailoverPolicy.task_restarts is None (see config.py).
+TASK_RESTARTS_ENV = config_lib.TASK_RESTARTS_ENV
 # How long recovery waits for in-flight step parts to end before going on
 # without them. A survivor's part blocks in its next collective with the dead
 # peer (measured on TF 2.15: it never errors out without a per-op timeout) and

@@ -44,7 +44,6 @@ import uuid
 from typing import Dict, IO, List, Optional, Sequence
 
 from tf_psplugin import config as config_lib
-from tf_psplugin import failover as failover_lib
 from tf_psplugin.config import ClusterConfig, ConfigError
 
 __all__ = ["LocalCluster", "main"]
@@ -235,7 +234,7 @@ class LocalCluster:
         env[LAUNCH_ID_ENV] = self.launch_id
         # Tells the chief's failover whether a dead worker/PS will come back
         # (else it stops at once instead of waiting for it).
-        env[failover_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
+        env[config_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
         return env
 
     def _spawn(self, task: _Task) -> None:
