@@ -65,3 +65,7 @@ from tensorflow.python.framework import ops  # noqa: F401
 #   `_concrete_function` and `closure_queue._cancellation_mgr`
 #   (coordinator.py): the stock Closure traces and wraps the function; we
 #   reuse it per role and dispatch its parts ourselves.
+# * `cluster_coordinator._get_error_from_remote_values` and
+#   `ClosureInputError` (coordinator.py `_execute`): a per-worker input whose
+#   creation failed must raise what the stock `Closure.execute_on` raises, so
+#   user errors and dead workers are told apart the same way.
