@@ -24,7 +24,11 @@ Errors (the stock coordinator's contract): the first failure of any part is
 kept and raised once by the next `schedule`, `join` or `done`; every step
 scheduled before that raise and not yet finished is cancelled (its
 RemoteValue raises `CancelledError`), so the next `schedule`/`join` starts
-clean. An error in a per-worker input (a dataset function that fails on the
+clean. A step is cancelled on every worker or on none (the first worker
+thread to reach it decides), because a part that runs while a peer's part
+was cancelled would wait in the step's collectives forever. A `fetch` of a
+RemoteValue that is not ready also raises (or recovers from) the first error
+once one is pending: its worker thread may be stuck behind the failed step. An error in a per-worker input (a dataset function that fails on the
 workers) is raised as TF's `ClosureInputError` with the original as
 `original_exception`, and is a task failure only if the original is one.
 Worker recovery is handled in `failover.py`.
@@ -52,6 +56,8 @@ from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_c
 from tf_psplugin._tf_internal import coordinator_values
 
 _STOP = object()
+# How often a blocked RemoteValue fetch looks for a coordinator error.
+_FETCH_POLL_SECONDS = 0.5
 
 
 class _StepPart:
@@ -72,12 +78,26 @@ class _SyncRemoteValue(coordinator_values.RemoteValueImpl):
     cancellation of a later step.
     """
 
-    def __init__(self, coordinator, type_spec):
+    def __init__(self, coordinator, type_spec, generation=0):
         super().__init__(None, type_spec)
         self._coordinator = coordinator
+        self._generation = generation
 
     def _wait_and_maybe_error(self):
-        self._status_available_event.wait()
+        # Worker 0's dispatch thread sets this value. After an earlier step
+        # failed, that thread can be stuck in a collective of a step its peers
+        # cancelled, so a fetch also wakes on the coordinator's first error
+        # (which the watchdog reports for a stuck part) instead of waiting on
+        # the value alone forever.
+        while not self._status_available_event.wait(_FETCH_POLL_SECONDS):
+            if self._coordinator.has_pending_error():
+                self._coordinator.check_health()
+            elif self._coordinator.generation > self._generation:
+                # Scheduled before an error that was already raised: cancelled
+                # (its worker thread may never reach it).
+                raise tf.errors.CancelledError(
+                    None, None, "tf_psplugin: step cancelled after an earlier step failed; "
+                    "schedule it again.")
         if self._error is not None:
             self._coordinator.check_health()
         super()._wait_and_maybe_error()
@@ -95,10 +115,14 @@ class _SyncStep:
         self.functions = functions  # One per worker.
         self.args = args
         self.kwargs = kwargs
-        self.remote_value = _SyncRemoteValue(coordinator, output_spec)
+        self.remote_value = _SyncRemoteValue(coordinator, output_spec, generation)
         self.remaining = num_workers
         self.error: Optional[BaseException] = None
         self.timed_out = False  # Set once by the watchdog.
+        # Decided by the first worker thread that picks the step up, and then
+        # the same for every worker: a part that runs while a peer's part was
+        # cancelled waits in the step's collectives forever.
+        self.cancelled: Optional[bool] = None
         self.done = threading.Event()
 
 
@@ -293,6 +317,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         with self._lock:
             return {i: (step.step_id, now - start) for i, (step, start) in self._running.items()}
 
+    @property
+    def generation(self) -> int:
+        """How many errors were raised so far (steps of older ones are cancelled)."""
+        with self._lock:
+            return self._generation
+
+    def has_pending_error(self) -> bool:
+        """Whether a step failed and its error has not been raised yet."""
+        with self._lock:
+            return self._error is not None
+
     def check_health(self) -> None:
         """Raises (or recovers from) the first error of a finished step, if any."""
         if self._synchronous and not self.recovering:
@@ -392,7 +427,10 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             outputs = None
             error = None
             with self._lock:
-                cancelled = self._error is not None or step.generation < self._generation
+                if step.cancelled is None:
+                    step.cancelled = (self._error is not None
+                                      or step.generation < self._generation)
+                cancelled = step.cancelled
             if cancelled:
                 error = tf.errors.CancelledError(
                     None, None, "tf_psplugin: step cancelled after an earlier step failed; "

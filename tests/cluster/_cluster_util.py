@@ -261,6 +261,15 @@ class LineReader:
         self._thread.join(timeout)
         return self.text()
 
+    def wait_exit(self, proc: subprocess.Popen, timeout: float, tail: int = 12000) -> int:
+        """`proc`'s exit code; on timeout, fails the test with the output so far."""
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"process {proc.pid} still running after {timeout:g} s; its output:\n"
+                + self.text()[-tail:]) from None
+
 
 def read_pid_file(path: str) -> Dict:
     """Reads a `tf_psplugin.launch --pid-file` JSON ({} if it does not exist yet)."""

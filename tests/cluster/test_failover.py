@@ -247,7 +247,7 @@ def test_ctr_example_survives_worker_and_evaluator_kills_under_the_launcher(proc
     os.kill(tasks["worker:1"], 9)
     time.sleep(2)
     os.kill(tasks["evaluator"], 9)
-    assert launcher.wait(timeout=600) == 0, reader.text()[-8000:]
+    assert reader.wait_exit(launcher, timeout=600) == 0, reader.text()[-8000:]
     log = reader.join()
     assert "saved emergency checkpoint" in log or "latest periodic checkpoint" in log
     assert "ctr: final step 300" in log

@@ -103,6 +103,70 @@ def test_watchdog_thread_fires_within_the_limit_plus_one_poll():
     assert not thread.is_alive()
 
 
+def _errors_coordinator():
+    coord = _bare_coordinator()
+    coord._generation = 0  # pylint: disable=protected-access
+    coord._synchronous = True  # pylint: disable=protected-access
+    coord.failover = None
+    return coord
+
+
+@pytest.mark.timeout(60)  # Before the fix this waited forever.
+def test_a_fetch_behind_a_failed_step_raises_its_error_instead_of_waiting_forever():
+    # Step 8's value is set by worker 0's thread, which is stuck in step 7.
+    coord = _errors_coordinator()
+    later = _step(coord, 8)
+    error = tf.errors.DeadlineExceededError(None, None, "step 7 made no progress")
+    coord._error = error  # pylint: disable=protected-access
+    start = time.monotonic()
+    with pytest.raises(tf.errors.DeadlineExceededError, match="step 7"):
+        later.remote_value.fetch()
+    assert time.monotonic() - start < 5.0
+    assert coord._error is None and coord.generation == 1  # Raised once.  # pylint: disable=protected-access
+
+
+@pytest.mark.timeout(60)  # Before the fix this waited forever.
+def test_a_fetch_of_a_step_scheduled_before_a_raised_error_is_cancelled():
+    coord = _errors_coordinator()
+    old = _step(coord, 3)  # generation 0, never finished
+    coord._generation = 1  # An error was raised to the user since.  # pylint: disable=protected-access
+    with pytest.raises(tf.errors.CancelledError, match="earlier step failed"):
+        old.remote_value.fetch()
+
+
+@pytest.mark.timeout(60)  # Before the fix this waited forever.
+def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error(monkeypatch):
+    coord = _errors_coordinator()
+    coord._generation = 0  # pylint: disable=protected-access
+    ran = []
+    monkeypatch.setattr(coordinator_lib, "_new_sync_executor", lambda: None)
+    monkeypatch.setattr(coord, "_execute", lambda step, worker, ex: ran.append(
+        (step.step_id, worker.worker_index)), raising=False)
+
+    class _Worker:
+        def __init__(self, index):
+            self.worker_index = index
+
+    started, later = _step(coord, 1), _step(coord, 2)
+    coord._inflight = 2  # pylint: disable=protected-access
+
+    def run_parts(worker_index, *steps):
+        q = __import__("queue").Queue()
+        for step in steps:
+            q.put(coordinator_lib._StepPart(step, worker_index))  # pylint: disable=protected-access
+        q.put(coordinator_lib._STOP)  # pylint: disable=protected-access
+        coord._worker_loop(_Worker(worker_index), q)  # pylint: disable=protected-access
+
+    run_parts(0, started)  # Worker 0 starts step 1 before anything failed.
+    coord._error = tf.errors.UnavailableError(None, None, "worker:1 gone")  # pylint: disable=protected-access
+    run_parts(1, started, later)  # Then a failure is recorded.
+    run_parts(0, later)
+    # Step 1 ran on both workers (a lone part would wait in its collectives
+    # forever); step 2, reached after the failure, is cancelled on both.
+    assert ran == [(1, 0), (1, 1)]
+    assert started.cancelled is False and later.cancelled is True
+
+
 @pytest.mark.parametrize("policy,env,expected", [
     (failover.FailoverPolicy(), None, True),
     (failover.FailoverPolicy(), "0", False),
