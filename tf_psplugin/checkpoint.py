@@ -41,6 +41,7 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import checkpoint_write
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin._compat import keras
@@ -68,7 +69,7 @@ _CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
 # --- Distributed state: in-flight steps, replicas, slots ----------------------
 
 
-class _TrainingState(tf.train.experimental.PythonState):
+class _TrainingState(checkpoint_write.FedPythonState):
     """Python state saved in every checkpoint: step and input position."""
 
     def __init__(self):
@@ -273,7 +274,7 @@ class CheckpointManager:
         # The save counter is created here, before any step runs and
         # (documented) outside strategy.scope(), so it is a plain chief
         # variable; ChiefCheckpoint makes its root even earlier.
-        self._root = _root if _root is not None else tf.train.Checkpoint()
+        self._root = _root if _root is not None else checkpoint_write.TracedWriteCheckpoint()
         _ = self._root.save_counter
         objects = {"model": model, "optimizer": optimizer, "training_state": self._state}
         objects.update(extra or {})
@@ -577,7 +578,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._periodic = bool(save_every_steps or save_every_secs)
         # Created now, typically outside strategy.scope(), so the checkpoint's
         # save counter is a plain chief variable, not a replicated one.
-        self._root = tf.train.Checkpoint()
+        self._root = checkpoint_write.TracedWriteCheckpoint()
         _ = self._root.save_counter
         self.manager: Optional[CheckpointManager] = None
         self.restored: Optional[CheckpointInfo] = None

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 import tf_psplugin
 from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin import checkpoint_write
 from tf_psplugin import export as export_lib
 from tf_psplugin.data import SyntheticCTR
 from _ctr_model import build_ctr_model, compile_ctr_model
@@ -135,6 +136,12 @@ report["export"] = export_lib.export_saved_model(m2, os.path.join(out, "export")
                                                  model_fn=model_fn)
 report["listing"] = sorted(os.listdir(model_dir))
 report["table_shards"] = table_shards(m2)
+# Repeated multi-device saves reuse one traced write (TF's eager path traces
+# a new function per save, which stays registered on every PS task).
+traced = checkpoint_write.TracedWriteCheckpoint(model=m2, optimizer=m2.optimizer)
+for i in range(3):
+    traced.write(os.path.join(out, "traced", "w%d" % i))
+report["traced_write_traces"] = traced._traced_write[1].experimental_get_tracing_count()
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 print("RESULT ok")
@@ -327,6 +334,7 @@ def test_resume_is_exact_and_only_checkpoint_files_are_written(trained):
     assert report["m2_replicas_pushed"], "restored dense values did not reach the workers"
     assert report["replicas_identical"]
     assert report["table_shards"] == 2
+    assert report["traced_write_traces"] == 1
     # Restore + resume at the recorded input position == never stopping.
     _assert_same(out / "ref6.npz", out / "uninterrupted6.npz")
     # Only the chief's checkpoint files: no temp dirs, no other task's files.

@@ -1,0 +1,99 @@
+"""checkpoint_write: checkpoint writes traced once, values and layout unchanged."""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tf_psplugin import checkpoint_write
+
+
+class _State(checkpoint_write.FedPythonState):
+    def __init__(self, value=0):
+        self.value = value
+
+    def serialize(self):
+        return str(self.value)
+
+    def deserialize(self, string_value):
+        self.value = int(string_value)
+
+
+class _PlainState(tf.train.experimental.PythonState):
+    def __init__(self, value=0):
+        self.value = value
+
+    def serialize(self):
+        return str(self.value)
+
+    def deserialize(self, string_value):
+        self.value = int(string_value)
+
+
+def _read(path, **objects):
+    tf.train.Checkpoint(**objects).read(path).assert_consumed()
+    return objects
+
+
+def _tracing_count(ckpt):
+    return ckpt._traced_write[1].experimental_get_tracing_count()  # pylint: disable=protected-access
+
+
+def test_writes_trace_once_and_save_current_values(tmp_path):
+    var, state = tf.Variable([1.0, 2.0]), _State(1)
+    ckpt = checkpoint_write.TracedWriteCheckpoint(v=var, state=state)
+    for i in range(4):
+        var.assign([float(i), float(i) + 0.5])
+        state.value = 10 + i
+        ckpt.write(str(tmp_path / f"ck{i}"))
+    assert _tracing_count(ckpt) == 1
+    for i in range(4):
+        got = _read(str(tmp_path / f"ck{i}"), v=tf.Variable([0.0, 0.0]), state=_State())
+        np.testing.assert_array_equal(got["v"].numpy(), [i, i + 0.5])
+        assert got["state"].value == 10 + i
+
+
+def test_file_layout_is_tf_own(tmp_path):
+    var, state = tf.Variable([1.0, 2.0]), _State(3)
+    checkpoint_write.TracedWriteCheckpoint(v=var, state=state).write(str(tmp_path / "a" / "ck"))
+    tf.train.Checkpoint(v=var, state=state).write(str(tmp_path / "b" / "ck"))
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))
+    a = tf.train.load_checkpoint(str(tmp_path / "a" / "ck")).get_variable_to_shape_map()
+    b = tf.train.load_checkpoint(str(tmp_path / "b" / "ck")).get_variable_to_shape_map()
+    assert a == b
+
+
+def test_retraced_when_the_checkpointed_objects_change(tmp_path):
+    ckpt = checkpoint_write.TracedWriteCheckpoint(v=tf.Variable(1.0))
+    ckpt.write(str(tmp_path / "one"))
+    ckpt.w = tf.Variable(2.0)  # e.g. optimizer slots created after a first save.
+    ckpt.write(str(tmp_path / "two"))
+    got = _read(str(tmp_path / "two"), v=tf.Variable(0.0), w=tf.Variable(0.0))
+    assert (got["v"].numpy(), got["w"].numpy()) == (1.0, 2.0)
+    assert _tracing_count(ckpt) == 1  # The new function; the old one is dropped.
+
+
+def test_other_python_state_takes_tf_own_path(tmp_path):
+    plain = _PlainState(1)
+    ckpt = checkpoint_write.TracedWriteCheckpoint(state=plain)
+    for value in (5, 6):
+        plain.value = value
+        ckpt.write(str(tmp_path / f"ck{value}"))
+        assert _read(str(tmp_path / f"ck{value}"), state=_PlainState())["state"].value == value
+    assert ckpt._traced_write is None  # pylint: disable=protected-access
+
+
+def test_checkpoint_manager_keeps_its_bookkeeping(tmp_path):
+    var = tf.Variable(0.0)
+    ckpt = checkpoint_write.TracedWriteCheckpoint(v=var)
+    manager = tf.train.CheckpointManager(ckpt, str(tmp_path), max_to_keep=2)
+    for step in (1, 2, 3):
+        var.assign(float(step))
+        manager.save(checkpoint_number=step)
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-2", "ckpt-3"]
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-3")
+    assert not any(name.startswith("ckpt-1.") for name in os.listdir(tmp_path))
+    restored = tf.Variable(0.0)
+    tf.train.Checkpoint(v=restored).read(manager.latest_checkpoint).assert_existing_objects_matched()
+    assert restored.numpy() == 3.0
+    assert _tracing_count(ckpt) == 1

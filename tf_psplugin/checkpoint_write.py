@@ -1,0 +1,123 @@
+"""Checkpoint writes through one traced function, so saving leaks nothing.
+
+Why this module exists: TF's `MultiDeviceSaver.save`, called eagerly with
+more than one device (every parameter-server cluster), wraps each save in a
+*new* `tf.function` (functional_saver.py: "this will cause a function
+re-trace on each save"). Each of those functions is registered on every
+remote task, and TF cannot release multi-device component functions there
+(it logs "Releasing a multi-device component handle on a remote device is not
+yet implemented"). So every save left memory behind on the chief and on
+every PS task: in the 60-minute soak, PS RSS grew 14%/h with a checkpoint
+every 120 s and stayed flat without checkpoints; 300 saves of a small model
+grew each PS by ~60 MB. Traced once, the same 300 saves grow nothing and run
+3x faster.
+
+`TracedWriteCheckpoint` is a `tf.train.Checkpoint` whose writes run one
+cached `tf.function` that takes the file prefix as an argument; it is traced
+again only when the set of checkpointed objects changes (e.g. optimizer slots
+created after a first save). What a function would freeze at trace time is
+fed in instead: the object graph is part of the cache key, and the Python
+state (`FedPythonState`: step and input position) is an argument. A
+checkpoint holding other `PythonState` objects, or asked for an async write,
+is written by TF's own path unchanged.
+
+Checkpoints written this way are byte-for-byte the same format: TF's eager
+multi-device save already ran inside a `tf.function`.
+"""
+
+import copy
+import os
+from typing import Any, List, Optional, Tuple
+
+import tensorflow as tf
+
+
+class FedPythonState(tf.train.experimental.PythonState):
+    """A `PythonState` whose value can be fed into a traced checkpoint write.
+
+    TF's `PythonState` turns `serialize()` into a constant under
+    `init_scope`: inside a traced write that constant would be the value at
+    trace time forever. `TracedWriteCheckpoint` passes the current value as a
+    function argument and sets it here while tracing.
+    """
+
+    _fed_value: Optional[tf.Tensor] = None
+
+    def _serialize_to_tensors(self):
+        # Trackable's saveable protocol (documented for custom trackables);
+        # the key is whatever TF's PythonState uses (`py_state`).
+        tensors = super()._serialize_to_tensors()
+        if self._fed_value is None:
+            return tensors
+        fed = {}
+        for key, tensor in tensors.items():
+            # On the device TF's constant would have: the saver writes one
+            # file per device, and the layout must not change.
+            with tf.device(tensor.device):
+                fed[key] = tf.identity(self._fed_value)
+        return fed
+
+
+class TracedWriteCheckpoint(tf.train.Checkpoint):
+    """`tf.train.Checkpoint` whose eager writes reuse one traced function."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._traced_write: Optional[Tuple[Any, Any, List[FedPythonState]]] = None
+
+    def _write(self, file_prefix, options=None):
+        # `_write` is where `Checkpoint.write`, `Checkpoint.save` and
+        # `tf.train.CheckpointManager.save` all end (TF 2.15.1 and 2.21.0,
+        # same signature); overriding it is the only way to change how the
+        # manager writes. Inside our own trace, TF's path runs unchanged.
+        options = options or tf.train.CheckpointOptions()
+        if (not tf.executing_eagerly() or isinstance(file_prefix, tf.Tensor)
+                or getattr(options, "experimental_enable_async_checkpoint", False)):
+            return super()._write(file_prefix, options=options)
+        objects = list(tf.train.TrackableView(self).descendants())
+        states = [obj for obj in objects if isinstance(obj, tf.train.experimental.PythonState)]
+        if any(not isinstance(state, FedPythonState) for state in states):
+            return super()._write(file_prefix, options=options)
+        callbacks = list(getattr(options, "experimental_write_callbacks", None) or [])
+        inner = copy.copy(options)
+        if callbacks:
+            inner.experimental_write_callbacks = None
+        key = (tuple(id(obj) for obj in objects), inner.experimental_io_device)
+        if self._traced_write is None or self._traced_write[0] != key:
+            # Only the newest function is kept: an older one holds variables
+            # of a model that is no longer checkpointed.
+            self._traced_write = (key, self._trace_write(inner, states), states)
+        _, write, states = self._traced_write
+        tf.io.gfile.makedirs(os.path.dirname(file_prefix))  # TF does this for str prefixes only.
+        write(tf.constant(file_prefix, tf.string),
+              [tf.constant(state.serialize(), tf.string) for state in states])
+        for callback in callbacks:  # What TF's `_write` does after a write.
+            callback(file_prefix) if _takes_argument(callback) else callback()
+        return file_prefix
+
+    def _trace_write(self, options, states):
+        base_write = super()._write
+        # The eager default device in full (this task's CPU). TF builds the
+        # object-graph tensor under `device("/cpu:0")`, which eagerly resolves
+        # to this name but stays partial inside a function, where the saver
+        # would take it for another device and write one more data file.
+        host = tf.constant(0).device
+
+        @tf.function(autograph=False, jit_compile=False)
+        def write(prefix, values):
+            for state, value in zip(states, values):
+                state._fed_value = value  # pylint: disable=protected-access
+            try:
+                with tf.device(host):
+                    return base_write(prefix, options=options)
+            finally:
+                for state in states:
+                    state._fed_value = None  # pylint: disable=protected-access
+
+        return write
+
+
+def _takes_argument(callback) -> bool:
+    import inspect  # pylint: disable=g-import-not-at-top
+
+    return len(inspect.signature(callback).parameters) == 1
