@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 
 # absl-style C++ log lines: severity letter, then MMDD (I0000 00:00:... port.cc:153] ...).
 _CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} ")
@@ -86,17 +87,41 @@ _LEGACY_ON_215_HELP = (
 )
 
 
+# The newest TensorFlow minor the whole suite ran on (make test-tflatest).
+LAST_TESTED_TF = (2, 21)
+# Set to 1 to import tf_psplugin on a newer TensorFlow anyway (with a warning).
+ALLOW_UNTESTED_TF_ENV = "TF_PSPLUGIN_ALLOW_UNTESTED_TF"
+
+
+def _check_tf_version() -> None:
+    """Raises ImportError for TF outside 2.15..LAST_TESTED_TF (newer: unless allowed)."""
+    tested = "{}.{}".format(*LAST_TESTED_TF)
+    if TF_VERSION < (2, 15):
+        raise ImportError(
+            f"tf_psplugin supports TensorFlow 2.15 to {tested}; found {tf.__version__}. "
+            "Fix: `pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`."
+        )
+    if TF_VERSION[0] != 2 or TF_VERSION > LAST_TESTED_TF:
+        message = (
+            f"tf_psplugin was tested with TensorFlow 2.15 to {tested}; found {tf.__version__}, "
+            "whose distribute internals the plugin subclasses have not been checked "
+            "(tf_psplugin/_tf_internal.py lists them).")
+        if os.environ.get(ALLOW_UNTESTED_TF_ENV, "0").lower() in ("1", "true"):
+            warnings.warn(message + f" Running anyway because {ALLOW_UNTESTED_TF_ENV} is set.",
+                          RuntimeWarning, stacklevel=3)
+            return
+        raise ImportError(
+            message + f" Fix: `pip install 'tensorflow-cpu=={tested}.*' 'tf-keras=={tested}.*'`, "
+            f"or set {ALLOW_UNTESTED_TF_ENV}=1 to try this version anyway.")
+
+
 def _legacy_flag_set() -> bool:
     return os.environ.get("TF_USE_LEGACY_KERAS", "0").lower() in ("1", "true")
 
 
 def _resolve_keras():
     """Returns the Keras 2 module behind `tf.keras`, or raises ImportError."""
-    if TF_VERSION < (2, 15):
-        raise ImportError(
-            f"tf_psplugin supports TensorFlow 2.15 to 2.21; found {tf.__version__}. "
-            "Fix: `pip install 'tensorflow-cpu==2.15.1' 'numpy<2'`."
-        )
+    _check_tf_version()
     if TF_VERSION >= (2, 16) and not _legacy_flag_set():
         raise ImportError(
             _KERAS3_HELP.format(tf=tf.__version__, major=TF_VERSION[0], minor=TF_VERSION[1])

@@ -203,3 +203,38 @@ def test_this_environment_resolved_keras_2():
     assert str(_compat.KERAS_VERSION).startswith("2."), _compat.KERAS_VERSION
     assert _compat.KERAS_PACKAGE == ("tf_keras" if NEW_TF else "keras")
     assert _compat.HAS_ESTIMATOR == (not NEW_TF)
+
+
+@pytest.mark.parametrize("version", ["2.22.0", "2.30.1", "3.0.0"])
+def test_simulated_tf_newer_than_last_tested_is_refused(monkeypatch, version):
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED_TF_ENV, raising=False)
+    _simulate(monkeypatch, version, "1", layer_module="tf_keras.src.engine.base_layer")
+    with pytest.raises(ImportError) as info:
+        _compat._resolve_keras()  # pylint: disable=protected-access
+    message = str(info.value)
+    assert f"tested with TensorFlow 2.15 to 2.21; found {version}" in message, message
+    assert "pip install 'tensorflow-cpu==2.21.*' 'tf-keras==2.21.*'" in message, message
+    assert f"{_compat.ALLOW_UNTESTED_TF_ENV}=1" in message and "\n" not in message
+
+
+def test_simulated_newer_tf_allowed_by_the_environment_warns(monkeypatch):
+    fake_tf_keras = types.ModuleType("tf_keras")
+    fake_tf_keras.__version__ = "2.22.0"
+    monkeypatch.setitem(sys.modules, "tf_keras", fake_tf_keras)
+    monkeypatch.setenv(_compat.ALLOW_UNTESTED_TF_ENV, "1")
+    _simulate(monkeypatch, "2.22.0", "1", layer_module="tf_keras.src.engine.base_layer")
+    with pytest.warns(RuntimeWarning, match=r"found 2\.22\.0.*Running anyway"):
+        keras = _compat._resolve_keras()  # pylint: disable=protected-access
+    assert keras.layers.Layer.__module__.startswith("tf_keras.")
+
+
+def test_last_tested_tf_is_the_newest_ci_runs():
+    # setup.cfg's tflatest extra pins what `make test-tflatest` installs.
+    import configparser
+    import os as os_lib
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os_lib.path.join(os_lib.path.dirname(__file__), "..", "..", "setup.cfg"))
+    pins = cfg["options.extras_require"]["tflatest"]
+    tested = "{}.{}".format(*_compat.LAST_TESTED_TF)
+    assert re.search(rf"tensorflow(-cpu)?\s*==\s*{re.escape(tested)}\b", pins), pins
