@@ -69,3 +69,9 @@ from tensorflow.python.framework import ops  # noqa: F401
 #   `ClosureInputError` (coordinator.py `_execute`): a per-worker input whose
 #   creation failed must raise what the stock `Closure.execute_on` raises, so
 #   user errors and dead workers are told apart the same way.
+# * `tf.train.Checkpoint._write` overridden and `PythonState.
+#   _serialize_to_tensors` extended (checkpoint_write.py): every
+#   `Checkpoint.write`/`save` and `CheckpointManager.save` ends in `_write`,
+#   and TF's eager multi-device save traces a new function per save that the
+#   PS tasks never release (RSS grew with every checkpoint). Same signature
+#   and callback handling in TF 2.15.1 and 2.21.0.

@@ -27,7 +27,7 @@ multi-device save already ran inside a `tf.function`.
 
 import copy
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import tensorflow as tf
 
@@ -58,12 +58,26 @@ class FedPythonState(tf.train.experimental.PythonState):
         return fed
 
 
+class _WriteCache:
+    """The traced write and its key, in a plain (untracked) object.
+
+    Stored directly on the checkpoint, a tf.function (a Trackable) would
+    become one of the checkpointed objects and change the key at every save.
+    """
+
+    def __init__(self):
+        self.key: Any = None
+        self.write: Any = None
+        self.states: List[FedPythonState] = []
+        self.traces = 0  # How many write functions were built (tests, diagnostics).
+
+
 class TracedWriteCheckpoint(tf.train.Checkpoint):
     """`tf.train.Checkpoint` whose eager writes reuse one traced function."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._traced_write: Optional[Tuple[Any, Any, List[FedPythonState]]] = None
+        self._write_cache = _WriteCache()
 
     def _write(self, file_prefix, options=None):
         # `_write` is where `Checkpoint.write`, `Checkpoint.save` and
@@ -83,14 +97,15 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
         if callbacks:
             inner.experimental_write_callbacks = None
         key = (tuple(id(obj) for obj in objects), inner.experimental_io_device)
-        if self._traced_write is None or self._traced_write[0] != key:
+        cache = self._write_cache
+        if cache.write is None or cache.key != key:
             # Only the newest function is kept: an older one holds variables
             # of a model that is no longer checkpointed.
-            self._traced_write = (key, self._trace_write(inner, states), states)
-        _, write, states = self._traced_write
+            cache.key, cache.write, cache.states = key, self._trace_write(inner, states), states
+            cache.traces += 1
         tf.io.gfile.makedirs(os.path.dirname(file_prefix))  # TF does this for str prefixes only.
-        write(tf.constant(file_prefix, tf.string),
-              [tf.constant(state.serialize(), tf.string) for state in states])
+        cache.write(tf.constant(file_prefix, tf.string),
+                    [tf.constant(state.serialize(), tf.string) for state in cache.states])
         for callback in callbacks:  # What TF's `_write` does after a write.
             callback(file_prefix) if _takes_argument(callback) else callback()
         return file_prefix

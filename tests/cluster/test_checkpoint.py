@@ -141,7 +141,8 @@ report["table_shards"] = table_shards(m2)
 traced = checkpoint_write.TracedWriteCheckpoint(model=m2, optimizer=m2.optimizer)
 for i in range(3):
     traced.write(os.path.join(out, "traced", "w%d" % i))
-report["traced_write_traces"] = traced._traced_write[1].experimental_get_tracing_count()
+report["traced_write_traces"] = (traced._write_cache.traces
+                                 * traced._write_cache.write.experimental_get_tracing_count())
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 print("RESULT ok")

@@ -154,3 +154,18 @@ def test_report_renders_every_mode(monkeypatch, capsys, tmp_path):
     text = report.render(records)
     assert "| single | 1000 |" in text and "| frequency_sorted | 2 | interleaved |" in text
     assert text.startswith("Machine: ")
+
+
+def test_checkpoint_saves_summary_per_100_saves():
+    from benchmarks import checkpoint_saves
+
+    result = {"first": {"ps0": 400.0, "ps1": 410.0, "chief": 500.0},
+              "last": {"ps0": 460.0, "ps1": 410.0, "chief": 530.0},
+              "seconds": 20.0, "exact": True}
+    rec = checkpoint_saves.summarize("tf_checkpoint", 200, 20, result)
+    assert rec["ps0_rss_mb_per_100_saves"] == 30.0
+    assert rec["ps1_rss_mb_per_100_saves"] == 0.0
+    assert rec["chief_rss_mb_per_100_saves"] == 15.0
+    assert rec["seconds_per_save"] == 0.1 and rec["restore_exact"] is True
+    with pytest.raises(SystemExit):
+        checkpoint_saves.main(["--saves", "0"])

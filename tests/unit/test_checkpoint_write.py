@@ -36,7 +36,16 @@ def _read(path, **objects):
 
 
 def _tracing_count(ckpt):
-    return ckpt._traced_write[1].experimental_get_tracing_count()  # pylint: disable=protected-access
+    """Traces of every write function the checkpoint built (1: one, reused)."""
+    cache = ckpt._write_cache  # pylint: disable=protected-access
+    return cache.traces * cache.write.experimental_get_tracing_count()
+
+
+def test_the_traced_write_is_not_itself_checkpointed(tmp_path):
+    ckpt = checkpoint_write.TracedWriteCheckpoint(v=tf.Variable(1.0))
+    before = len(list(tf.train.TrackableView(ckpt).descendants()))
+    ckpt.write(str(tmp_path / "ck"))
+    assert len(list(tf.train.TrackableView(ckpt).descendants())) == before
 
 
 def test_writes_trace_once_and_save_current_values(tmp_path):
@@ -70,7 +79,7 @@ def test_retraced_when_the_checkpointed_objects_change(tmp_path):
     ckpt.write(str(tmp_path / "two"))
     got = _read(str(tmp_path / "two"), v=tf.Variable(0.0), w=tf.Variable(0.0))
     assert (got["v"].numpy(), got["w"].numpy()) == (1.0, 2.0)
-    assert _tracing_count(ckpt) == 1  # The new function; the old one is dropped.
+    assert ckpt._write_cache.traces == 2  # pylint: disable=protected-access
 
 
 def test_other_python_state_takes_tf_own_path(tmp_path):
@@ -80,7 +89,7 @@ def test_other_python_state_takes_tf_own_path(tmp_path):
         plain.value = value
         ckpt.write(str(tmp_path / f"ck{value}"))
         assert _read(str(tmp_path / f"ck{value}"), state=_PlainState())["state"].value == value
-    assert ckpt._traced_write is None  # pylint: disable=protected-access
+    assert ckpt._write_cache.traces == 0  # pylint: disable=protected-access
 
 
 def test_checkpoint_manager_keeps_its_bookkeeping(tmp_path):
