@@ -389,7 +389,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if self._logged_placement:
             return
         self._logged_placement = True
-        report = getattr(self.strategy, "placement_report", None)
+        report = getattr(self.strategy, "placement_summary", None)
         if report is not None and getattr(self.strategy.extended, "log_placement", False):
             logging.info("%s", report())
 

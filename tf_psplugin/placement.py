@@ -193,3 +193,49 @@ def format_report(records: Sequence[PlacementRecord]) -> str:
     dense = sum(r.num_bytes for r in records if r.kind.startswith(KIND_DENSE))
     lines.append(f"  total: tables {tables / 2**20:.2f} MiB on PS, dense {dense / 2**20:.2f} MiB per worker")
     return "\n".join(lines)
+
+
+def _short_device(device: str) -> str:
+    return device.replace("/replica:0", "").replace("/device:CPU:0", "")
+
+
+def _devices(records: Sequence[PlacementRecord]) -> str:
+    return ", ".join(sorted({_short_device(d) for r in records for d in r.devices}))
+
+
+def format_summary(records: Sequence[PlacementRecord]) -> str:
+    """A short placement report for the log: tables in full, the rest grouped.
+
+    Tables are what a user checks (are they sharded, on which PS, how big);
+    dense variables, optimizer slots and metric counters are summarised by
+    kind with their count and size. `format_report` keeps the full list.
+
+    Args:
+        records: What was placed.
+
+    Returns:
+        A few human-readable lines.
+    """
+    tables = [r for r in records if r.kind == KIND_TABLE]
+    lines = [f"tf_psplugin placement: {len(tables)} embedding table(s) on the PS tasks"]
+    for r in tables:
+        lines.append(
+            f"  table  {r.name:40s} {str(list(r.shape)):18s} {r.dtype:8s} "
+            f"{r.num_bytes / 2**20:9.2f} MiB  sharded on {_devices([r])}")
+    groups = {}
+    for r in records:
+        if r.kind != KIND_TABLE:
+            groups.setdefault(r.kind, []).append(r)
+    labels = {"table-slot": "table optimizer slots", KIND_DENSE: "dense variables",
+              "dense-slot": "dense optimizer slots", "ps": "variables on PS (not sharded)"}
+    for kind in sorted(groups, key=lambda k: (list(labels).index(k) if k in labels else 99, k)):
+        group = groups[kind]
+        size = sum(r.num_bytes for r in group) / 2**20
+        where = ("one replica on each of " if kind.startswith(KIND_DENSE) else "on ") + _devices(group)
+        lines.append(f"  {labels.get(kind, kind)}: {len(group)}, {size:.2f} MiB, {where}")
+    table_bytes = sum(r.num_bytes for r in records if r.kind.startswith(KIND_TABLE))
+    dense_bytes = sum(r.num_bytes for r in records if r.kind.startswith(KIND_DENSE))
+    lines.append(f"  total: tables {table_bytes / 2**20:.2f} MiB on PS, dense "
+                 f"{dense_bytes / 2**20:.2f} MiB per worker "
+                 "(every variable: strategy.placement_report())")
+    return "\n".join(lines)

@@ -228,8 +228,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         return list(self._extended.placement_records)
 
     def placement_report(self) -> str:
-        """A human-readable placement table (logged once at the first step)."""
+        """Every placed variable, one line each, with shape, size and devices."""
         return placement_lib.format_report(self._extended.placement_records)
+
+    def placement_summary(self) -> str:
+        """Tables in full, the rest grouped by kind (logged once at the first step)."""
+        return placement_lib.format_summary(self._extended.placement_records)
 
     @property
     def embedding_updates(self) -> str:

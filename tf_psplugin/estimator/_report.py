@@ -3,7 +3,8 @@
 Why this module exists: an Estimator builds its graph inside
 ``train_and_evaluate``, out of the user's reach, so the only way to see the
 placement the plugin chose is from a session hook. The hook logs the shared
-placement report (`tf_psplugin.placement.format_report`) when training starts
+placement summary (`tf_psplugin.placement.format_summary`: tables in full,
+the rest grouped) when training starts
 and can write it as JSON, one file per task -- which is also how the cluster
 tests assert "tables on PS, dense on the workers".
 """
@@ -106,7 +107,7 @@ class PlacementReportHook(tf.compat.v1.train.SessionRunHook):
     def begin(self):
         """Collects the placement once the graph is complete."""
         records = placement_records(self._policy)
-        logging.info("%s", placement.format_report(records))
+        logging.info("%s", placement.format_summary(records))
         if self._output_dir:
             tf.io.gfile.makedirs(self._output_dir)
             path = os.path.join(self._output_dir, f"placement_{_task_name()}.json")
