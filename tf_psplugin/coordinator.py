@@ -394,7 +394,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             logging.info("%s", report())
 
     def _on_dispatch_error(self, error):
-        """A push to the workers failed: recover like a failed step, or raise."""
+        """A push to or read from the workers failed: recover like a failed step, or raise."""
         with self._lock:
             self._error = self._error or error
         self._raise_if_error()

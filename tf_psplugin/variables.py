@@ -336,10 +336,22 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
             if not self._replicas_ahead:
                 return
             remote = self._remote_vars()[worker_index]
-            value = remote.read_value()
-            with tf.device(self._coordinator_instance.device):
-                self._coordinator_instance.assign(tf.identity(value))
-            self._replicas_ahead = False
+            try:
+                value = remote.read_value()
+            except tf.errors.OpError as e:
+                # The worker died after the last step finished: no step
+                # failed, so nothing else will start failover.
+                error = e
+            else:
+                with tf.device(self._coordinator_instance.device):
+                    self._coordinator_instance.assign(tf.identity(value))
+                self._replicas_ahead = False
+                return
+        # Outside the lock: recovery reads this variable from a survivor.
+        on_error = getattr(self._coordinator, "_on_dispatch_error", None)
+        if on_error is None or getattr(self._coordinator, "recovering", False):
+            raise error  # During recovery the caller (failover) handles it.
+        on_error(error)  # Recovers (restarts the chief) or raises.
 
     def push_if_needed(self, worker_indices=None) -> bool:
         """Copies the primary to every (or the given) worker replica if stale.
