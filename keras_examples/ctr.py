@@ -180,9 +180,12 @@ def train(config):
     print(f"ctr: training steps {start_step}..{FLAGS.train_steps} on {workers} worker(s) x "
           f"{FLAGS.batch_size} examples, {config.num_ps} PS task(s)")
     progress = Progress(FLAGS.log_every_steps, start_step, examples_per_step)
+    # tf_psplugin: training curves in <model_dir>/train, beside the evaluator's eval/.
+    curves = tf_psplugin.TrainingSummaries(model_dir, every_n_steps=FLAGS.log_every_steps,
+                                           examples_per_step=examples_per_step)
     start = time.monotonic()
     history = model.fit(train_dataset(offset), epochs=1, steps_per_epoch=remaining, verbose=2,
-                        callbacks=[checkpoints, progress])
+                        callbacks=[checkpoints, progress, curves])
     rate = progress.examples_per_sec(remaining, time.monotonic() - start)
     ceiling = generator().expected_auc(num_examples=50_000) if FLAGS.data == "synthetic" else None
     print(f"ctr: final step {int(model.optimizer.iterations.numpy())}  "
@@ -190,6 +193,7 @@ def train(config):
           f"{rate:,.0f} examples/s"
           + (f"  (expected AUC ceiling {ceiling:.4f})" if ceiling else ""), flush=True)
     print(f"ctr: checkpoint {checkpoints.manager.latest.path}", flush=True)
+    print(f"ctr: curves: tensorboard --logdir {model_dir} (train/ and eval/)", flush=True)
     if FLAGS.export_dir:
         path = tf_psplugin.export.export_saved_model(  # tf_psplugin: full tables, no cluster.
             model, FLAGS.export_dir, model_fn=model_fn, overwrite=True)

@@ -23,6 +23,7 @@ from tf_psplugin.failover import FailoverError, FailoverPolicy
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
+from tf_psplugin.summaries import TrainingSummaries
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
 
 
@@ -58,6 +59,7 @@ __all__ = [
     "PlacementPolicy",
     "ReplicatedVariable",
     "StrategyError",
+    "TrainingSummaries",
     "__version__",
     "build_optimizer_slots",
     "current_worker_index",

@@ -56,9 +56,17 @@ def test_ctr_demo_trains_checkpoints_evaluates_and_exports(procs, tmp_path):
     assert "[evaluator] ctr evaluator: step 20" in out
     assert f"[chief] ctr: exported SavedModel to {export_dir}" in out
     assert os.path.exists(export_dir / "saved_model.pb")
-    # Only the chief's checkpoint files and the evaluator's eval/ directory.
+    # Only the chief's checkpoint files and train/ curves, and the evaluator's eval/.
+    # Training curves from the chief, beside the evaluator's (fetched RemoteValues).
+    from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+
+    curves = event_accumulator.EventAccumulator(str(model_dir / "train"))
+    curves.Reload()
+    assert {"loss", "auc", "steps_per_sec", "examples_per_sec"} <= set(curves.Tags()["tensors"])
+    assert [e.step for e in curves.Tensors("loss")] == [10, 20]
+    assert "[chief] ctr: curves: tensorboard --logdir" in out
     names = set(os.listdir(model_dir))
-    assert names - {"checkpoint", "TRAINING_DONE", "eval"} == {
+    assert names - {"checkpoint", "TRAINING_DONE", "eval", "train"} == {
         f"ckpt-{s}.{kind}" for s in (10, 20) for kind in (
             "index", "commit", "data-00000-of-00003", "data-00001-of-00003",
             "data-00002-of-00003")}, names
