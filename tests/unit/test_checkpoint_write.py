@@ -8,7 +8,9 @@ import tensorflow as tf
 from tf_psplugin import checkpoint_write
 
 
-class _State(checkpoint_write.FedPythonState):
+class _IntValue:
+    """An int saved as Python state."""
+
     def __init__(self, value=0):
         self.value = value
 
@@ -19,15 +21,12 @@ class _State(checkpoint_write.FedPythonState):
         self.value = int(string_value)
 
 
-class _PlainState(tf.train.experimental.PythonState):
-    def __init__(self, value=0):
-        self.value = value
+class _State(_IntValue, checkpoint_write.FedPythonState):
+    pass
 
-    def serialize(self):
-        return str(self.value)
 
-    def deserialize(self, string_value):
-        self.value = int(string_value)
+class _PlainState(_IntValue, tf.train.experimental.PythonState):
+    pass
 
 
 def _read(path, **objects):
