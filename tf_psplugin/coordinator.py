@@ -28,7 +28,8 @@ clean. A step is cancelled on every worker or on none (the first worker
 thread to reach it decides), because a part that runs while a peer's part
 was cancelled would wait in the step's collectives forever. A `fetch` of a
 RemoteValue that is not ready also raises (or recovers from) the first error
-once one is pending: its worker thread may be stuck behind the failed step. An error in a per-worker input (a dataset function that fails on the
+once one is pending: its worker thread may be stuck behind the failed step.
+An error in a per-worker input (a dataset function that fails on the
 workers) is raised as TF's `ClosureInputError` with the original as
 `original_exception`, and is a task failure only if the original is one.
 Worker recovery is handled in `failover.py`.
