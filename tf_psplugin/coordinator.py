@@ -233,7 +233,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 var.push_if_needed()
                 var.mark_dispatched()
         except tf.errors.OpError as e:
-            self._on_dispatch_error(e)
+            self.on_remote_error(e)
         first = closures[0]
         with self._lock:
             self._step_counter += 1
@@ -394,7 +394,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if report is not None and getattr(self.strategy.extended, "log_placement", False):
             logging.info("%s", report())
 
-    def _on_dispatch_error(self, error):
+    def on_remote_error(self, error):
         """A push to or read from the workers failed: recover like a failed step, or raise."""
         with self._lock:
             self._error = self._error or error

@@ -184,7 +184,7 @@ def format_report(records: Sequence[PlacementRecord]) -> str:
     """
     lines = ["tf_psplugin placement:"]
     for r in records:
-        devices = sorted({d.replace("/replica:0", "").replace("/device:CPU:0", "") for d in r.devices})
+        devices = sorted({_short_device(d) for d in r.devices})
         lines.append(
             f"  {r.kind:6s} {r.name:40s} {str(list(r.shape)):18s} {r.dtype:8s} "
             f"{r.num_bytes / 2**20:9.2f} MiB  on {', '.join(devices)}"

@@ -348,7 +348,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
                 self._replicas_ahead = False
                 return
         # Outside the lock: recovery reads this variable from a survivor.
-        on_error = getattr(self._coordinator, "_on_dispatch_error", None)
+        on_error = getattr(self._coordinator, "on_remote_error", None)
         if on_error is None or getattr(self._coordinator, "recovering", False):
             raise error  # During recovery the caller (failover) handles it.
         on_error(error)  # Recovers (restarts the chief) or raises.
