@@ -11,18 +11,21 @@ Everything else in the package imports Keras from here (`keras`), never
 """
 
 import os
-import re
 import sys
 import tempfile
 import warnings
 
-# absl-style C++ log lines: severity letter, then MMDD (I0000 00:00:... port.cc:153] ...).
-_CPP_LOG_LINE = re.compile(r"^([IWEF])\d{4} ")
-_ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog() is called"
+from tf_psplugin.verbosity import CppLogFilter
+
+# Without TF_CPP_MIN_LOG_LEVEL, TensorFlow's import-time INFO lines are dropped.
+_DEFAULT_IMPORT_LOG_LEVEL = 1
 
 
 def _import_tensorflow():
     """Imports TensorFlow, honouring TF_CPP_MIN_LOG_LEVEL for its import-time lines.
+
+    With the variable unset, import-time INFO lines (oneDNN, CPU features)
+    are dropped and warnings and errors kept; set it to 0 to see everything.
 
     Why: TF 2.21 (measured with tensorflow-cpu 2.21.0 from PyPI, Nov 2026)
     prints its oneDNN and CPU-feature INFO lines through absl logging while it
@@ -35,7 +38,7 @@ def _import_tensorflow():
     nothing is captured.
     """
     try:
-        level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") or 0)
+        level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", _DEFAULT_IMPORT_LOG_LEVEL) or 0)
     except ValueError:
         level = 0
     if level < 1 or "tensorflow" in sys.modules:
@@ -53,19 +56,17 @@ def _import_tensorflow():
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
-            text = capture.read().decode("utf-8", "replace")
-            kept = []
-            for line in text.splitlines(keepends=True):
-                match = _CPP_LOG_LINE.match(line)
-                if line.startswith(_ABSL_PREAMBLE):
-                    continue
-                if match and "IWEF".index(match.group(1)) < level:
-                    continue
-                kept.append(line)
+            kept = _filter_import_log(capture.read().decode("utf-8", "replace"), level)
             if kept:
-                sys.stderr.write("".join(kept))
+                sys.stderr.write(kept)
                 sys.stderr.flush()
     return tensorflow
+
+
+def _filter_import_log(text: str, level: int) -> str:
+    """`text` without C++ log lines below `level` (0 I, 1 W, 2 E, 3 F) and absl's preamble."""
+    keep = CppLogFilter(level)
+    return "".join(line for line in text.splitlines(keepends=True) if keep(line))
 
 
 tf = _import_tensorflow()

@@ -42,6 +42,7 @@ from absl import flags
 from absl import logging
 
 from tf_psplugin import _ports
+from tf_psplugin import verbosity as verbosity_lib
 
 __all__ = [
     "ClusterConfig",
@@ -736,7 +737,8 @@ def resolve(
     """
     environ = os.environ if environ is None else environ
     if flag_values is None:
-        FLAGS.unparse_flags()
+        with verbosity_lib.quiet_tf_info(verbosity_lib.ROOT_LOGGER):  # absl logs at INFO.
+            FLAGS.unparse_flags()
         _parse(FLAGS, sys.argv if argv is None else argv, known_only=True)
         flag_values = FLAGS
     elif argv is not None or not flag_values.is_parsed():
@@ -817,7 +819,8 @@ def resolve_strict(
     Raises:
       ConfigError: on any invalid input, including unknown flags.
     """
-    FLAGS.unparse_flags()
+    with verbosity_lib.quiet_tf_info(verbosity_lib.ROOT_LOGGER):  # absl logs at INFO.
+        FLAGS.unparse_flags()
     extra = _parse(FLAGS, argv, known_only=False)[1:]
     if extra:
         raise ConfigError("argv", f"unexpected argument {extra[0]!r}",

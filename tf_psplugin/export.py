@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tf_psplugin import checkpoint as checkpoint_lib
 from tf_psplugin import model_dir as model_dir_lib
+from tf_psplugin import verbosity as verbosity_lib
 
 __all__ = ["ExportError", "export_from_checkpoint", "export_saved_model", "logical_weights"]
 
@@ -92,7 +93,9 @@ def _save_atomically(model, export_dir: str, overwrite: bool) -> str:
         model_dir_lib.ensure_writable(parent)
     tmp = f"{export_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        model.save(tmp, save_format="tf", include_optimizer=False)
+        # SavedModel writing logs "Assets written to", "Writing fingerprint" at INFO.
+        with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
+            model.save(tmp, save_format="tf", include_optimizer=False)
         if tf.io.gfile.exists(export_dir):
             tf.io.gfile.rmtree(export_dir)
         tf.io.gfile.rename(tmp, export_dir)

@@ -44,6 +44,7 @@ import uuid
 from typing import Dict, IO, List, Optional, Sequence
 
 from tf_psplugin import config as config_lib
+from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin.config import ClusterConfig, ConfigError
 
 __all__ = ["LocalCluster", "main"]
@@ -96,7 +97,8 @@ class LocalCluster:
     """Starts a loopback cluster as subprocesses and guarantees their cleanup.
 
     Every task gets `TF_CONFIG` from `config.for_task(...)`,
-    `PYTHONUNBUFFERED=1`, `TF_CPP_MIN_LOG_LEVEL=2` (unless set),
+    `PYTHONUNBUFFERED=1`, `TF_CPP_MIN_LOG_LEVEL=1` (unless set: TF's C++
+    INFO lines hidden, warnings shown),
     `GRPC_FAIL_FAST=use_caller` (unless set) and `TF_PSPLUGIN_LAUNCH_ID`
     (inherited if set, else random; tests use it to find strays).
 
@@ -208,12 +210,16 @@ class LocalCluster:
         if self._log_dir:
             log_file = open(os.path.join(self._log_dir, task.role.replace(":", "-") + ".log"),
                             "a", encoding="utf-8")
+        # TF >= 2.16 prints import-time INFO lines whatever TF_CPP_MIN_LOG_LEVEL says;
+        # the task's level is applied here (its log file keeps every line).
+        keep = verbosity_lib.CppLogFilter(verbosity_lib.cpp_log_level(self._child_env(task)))
         try:
             for raw in iter(proc.stdout.readline, b""):
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"
-                self._emit(task.role, text)
+                if keep(text):
+                    self._emit(task.role, text)
                 if log_file:
                     log_file.write(text)
                     log_file.flush()
@@ -229,7 +235,7 @@ class LocalCluster:
         env.update(self._env)
         env["TF_CONFIG"] = json.dumps(self.config.for_task(task.task_type, task.index).tf_config())
         env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
         env.setdefault("GRPC_FAIL_FAST", "use_caller")
         env[LAUNCH_ID_ENV] = self.launch_id
         # Tells the chief's failover whether a dead worker/PS will come back
@@ -499,7 +505,17 @@ options:
   --log-dir DIR        also write each task's output to DIR/<role>.log
   --grace-period S     seconds between SIGTERM and SIGKILL on stop (default 5)
   --timeout S          stop everything and exit 124 after S seconds
+  --verbosity LEVEL    warning (default): TensorFlow's INFO lines hidden in every
+                       task; info: shown (TF_PSPLUGIN_VERBOSITY=info and
+                       TF_CPP_MIN_LOG_LEVEL=0 for the tasks)
 """
+
+
+# What --verbosity gives every task (the default adds nothing: tasks are quiet).
+_VERBOSITY_ENV = {
+    "warning": {},
+    "info": {verbosity_lib.VERBOSITY_ENV: "info", "TF_CPP_MIN_LOG_LEVEL": "0"},
+}
 
 
 def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
@@ -512,9 +528,10 @@ def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
     opts: Dict[str, object] = {"workers": 1, "ps": 1, "evaluator": False, "servers": "command",
                                "restart_failed": False, "max_restarts": 3, "host": "127.0.0.1",
                                "pid_file": None, "log_dir": None, "grace_period": 5.0,
-                               "timeout": None, "command": command}
+                               "timeout": None, "verbosity": "warning", "command": command}
     kinds = {"workers": int, "ps": int, "max_restarts": int, "grace_period": float,
-             "timeout": float, "servers": str, "host": str, "pid_file": str, "log_dir": str}
+             "timeout": float, "servers": str, "host": str, "pid_file": str, "log_dir": str,
+             "verbosity": str}
     i = 0
     while i < len(options):
         name, _, value = options[i].partition("=")
@@ -540,6 +557,9 @@ def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
     if opts["servers"] not in SERVER_MODES:
         raise ConfigError("--servers", f"{opts['servers']!r} is not a server mode",
                           "use --servers=command or --servers=builtin")
+    if opts["verbosity"] not in verbosity_lib.VERBOSITIES:
+        raise ConfigError("--verbosity", f"{opts['verbosity']!r} is not a verbosity",
+                          f"use one of {', '.join(verbosity_lib.VERBOSITIES)}")
     for key in ("max_restarts", "grace_period"):
         if opts[key] < 0:
             raise ConfigError("--" + key.replace("_", "-"), "is negative", "pass a value >= 0")
@@ -560,7 +580,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             opts["workers"], opts["ps"], evaluator=opts["evaluator"],
             restart_failed=opts["restart_failed"], servers=opts["servers"],
             log_dir=opts["log_dir"], host=opts["host"], max_restarts=opts["max_restarts"],
-            grace_period=opts["grace_period"], pid_file=opts["pid_file"])
+            grace_period=opts["grace_period"], pid_file=opts["pid_file"],
+            env=_VERBOSITY_ENV[opts["verbosity"]])
     except (ConfigError, OSError) as e:
         sys.stderr.write(f"tf_psplugin.launch: error: {e}\n")
         return 2

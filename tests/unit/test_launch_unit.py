@@ -25,6 +25,7 @@ PY = sys.executable
     (["--servers", "remote", "--", PY], "--servers"),
     (["--grace-period=-1", "--", PY], "--grace-period"),
     (["--max-restarts", "-2", "--", PY], "--max-restarts"),
+    (["--verbosity", "loud", "--", PY], "--verbosity"),
 ])
 def test_parse_args_errors(argv, field):
     with pytest.raises(ConfigError) as info:
@@ -88,6 +89,23 @@ def test_run_chief_prefixes_output_and_writes_logs(tmp_path):
         assert "task chief 0" in f.read()
     data = json.load(open(pid_file))
     assert data["tasks"]["chief"] == data["all"][0] == cluster.pids()["chief"]
+
+
+@pytest.mark.parametrize("verbosity,expected", [
+    ("warning", "TF_CPP_MIN_LOG_LEVEL=1 TF_PSPLUGIN_VERBOSITY=None"),
+    ("info", "TF_CPP_MIN_LOG_LEVEL=0 TF_PSPLUGIN_VERBOSITY=info"),
+])
+def test_verbosity_reaches_every_task(monkeypatch, verbosity, expected):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("TF_PSPLUGIN_VERBOSITY", raising=False)
+    opts = launch._parse_args(["--verbosity", verbosity, "--", PY])
+    code = ("import os; e = os.environ; print('TF_CPP_MIN_LOG_LEVEL=' + e['TF_CPP_MIN_LOG_LEVEL'],"
+            " 'TF_PSPLUGIN_VERBOSITY=' + str(e.get('TF_PSPLUGIN_VERBOSITY')))")
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(1, 1, output=devnull,
+                          env=launch._VERBOSITY_ENV[opts["verbosity"]]) as cluster:
+            result = cluster.run_chief([PY, "-c", code], timeout=30)
+    assert f"[chief] {expected}\n" in result.stdout, result.stdout
 
 
 def test_run_chief_timeout_kills_it():
