@@ -61,7 +61,7 @@ flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
 flags.DEFINE_integer("save_every_steps", 100, "Checkpoint every N steps (0: only at the end).")
 flags.DEFINE_float("save_every_secs", 0, "Also checkpoint every S seconds (0: off).")
 flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints kept in --model_dir.")
-flags.DEFINE_integer("log_every_steps", 50, "Progress line every N steps.")
+flags.DEFINE_integer("log_every_steps", 50, "Training curves: one point every N steps.")
 flags.DEFINE_integer("eval_steps", 20, "Evaluator: batches per evaluation.")
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluator: examples per batch.")
 flags.DEFINE_float("eval_idle_timeout_secs", 900, "Evaluator: exit after this long "
@@ -98,39 +98,30 @@ def eval_dataset():
     return criteo_tsv_dataset(FLAGS.data, FLAGS.eval_batch_size, vocab_size=FLAGS.vocab_size)
 
 
-class Progress(tf.keras.callbacks.Callback):
-    """Prints step, loss, AUC and examples/s every `every` steps."""
+class Throughput(tf.keras.callbacks.Callback):
+    """Examples/s from the first scheduled step (tracing done) to the end of fit.
 
-    def __init__(self, every, first_step, examples_per_step):
+    Reads no logs, so it never waits for a step.
+    """
+
+    def __init__(self, examples_per_step):
         super().__init__()
         self._supports_tf_logs = True  # tf_psplugin: allowed under PSS; logs are RemoteValues.
-        self.every, self.step, self.examples_per_step = every, first_step, examples_per_step
-        self.done_in_epoch, self.last_print = 0, first_step
-        self.last_time = time.monotonic()
-        self.steady_since = None  # (step, time) of the first print: tracing is over.
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.done_in_epoch = 0
+        self.examples_per_step = examples_per_step
+        self.first = self.last = None  # (steps done, monotonic time)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += batch + 1 - self.done_in_epoch
-        self.done_in_epoch = batch + 1
-        if self.step - self.last_print < self.every:
-            return
-        values = logs.fetch() if hasattr(logs, "fetch") else logs  # Waits for this step only.
-        now = time.monotonic()
-        rate = (self.step - self.last_print) * self.examples_per_step / (now - self.last_time)
-        print(f"ctr: step {self.step}  loss {float(values['loss']):.4f}  "
-              f"auc {float(values['auc']):.4f}  {rate:,.0f} examples/s", flush=True)
-        self.last_print, self.last_time = self.step, now
-        self.steady_since = self.steady_since or (self.step, now)
+        if self.first is None:
+            self.first = (batch + 1, time.monotonic())
+        self.last = batch + 1
 
-    def examples_per_sec(self, fallback_steps, fallback_secs):
-        """Throughput after the first progress line (no tracing), else overall."""
-        if self.steady_since is None or self.step <= self.steady_since[0]:
-            return fallback_steps * self.examples_per_step / fallback_secs
-        step, since = self.steady_since
-        return (self.step - step) * self.examples_per_step / (time.monotonic() - since)
+    def on_train_end(self, logs=None):
+        self.end = time.monotonic()
+
+    def examples_per_sec(self):
+        if self.first is None or self.last <= self.first[0]:
+            return float("nan")
+        return (self.last - self.first[0]) * self.examples_per_step / (self.end - self.first[1])
 
 
 def run_evaluator():
@@ -142,9 +133,15 @@ def run_evaluator():
     records = tf_psplugin.evaluator.run_evaluator(  # tf_psplugin: watch --model_dir.
         compiled_model, eval_dataset, FLAGS.model_dir, eval_steps=FLAGS.eval_steps,
         idle_timeout_secs=FLAGS.eval_idle_timeout_secs)
-    for record in records:
-        print(f"ctr evaluator: step {record['step']}  loss {record['loss']:.4f}  "
-              f"auc {record['auc']:.4f}", flush=True)
+    if not records:
+        return
+    final = records[-1]  # The evaluator logged every record as it went.
+    line = (f"ctr evaluator: final step {final['step']}  held-out loss {final['loss']:.4f}  "
+            f"AUC {final['auc']:.4f}")
+    if FLAGS.data == "synthetic":
+        ceiling = generator().expected_auc(num_examples=50_000)
+        line += f"  ({ceiling - final['auc']:.4f} below the expected AUC ceiling {ceiling:.4f})"
+    print(line, flush=True)
 
 
 def train(config):
@@ -179,18 +176,18 @@ def train(config):
         return
     print(f"ctr: training steps {start_step}..{FLAGS.train_steps} on {workers} worker(s) x "
           f"{FLAGS.batch_size} examples, {config.num_ps} PS task(s)")
-    progress = Progress(FLAGS.log_every_steps, start_step, examples_per_step)
+    throughput = Throughput(examples_per_step)
     # tf_psplugin: training curves in <model_dir>/train, beside the evaluator's eval/.
     curves = tf_psplugin.TrainingSummaries(model_dir, every_n_steps=FLAGS.log_every_steps,
                                            examples_per_step=examples_per_step)
-    start = time.monotonic()
-    history = model.fit(train_dataset(offset), epochs=1, steps_per_epoch=remaining, verbose=2,
-                        callbacks=[checkpoints, progress, curves])
-    rate = progress.examples_per_sec(remaining, time.monotonic() - start)
+    # tf_psplugin: the default verbose="auto" shows the plugin's progress bar (lines when
+    # stdout is not a terminal, e.g. under the launcher).
+    history = model.fit(train_dataset(offset), epochs=1, steps_per_epoch=remaining,
+                        callbacks=[checkpoints, throughput, curves])
     ceiling = generator().expected_auc(num_examples=50_000) if FLAGS.data == "synthetic" else None
     print(f"ctr: final step {int(model.optimizer.iterations.numpy())}  "
           f"loss {history.history['loss'][-1]:.4f}  auc {history.history['auc'][-1]:.4f}  "
-          f"{rate:,.0f} examples/s"
+          f"{throughput.examples_per_sec():,.0f} examples/s"
           + (f"  (expected AUC ceiling {ceiling:.4f})" if ceiling else ""), flush=True)
     print(f"ctr: checkpoint {checkpoints.manager.latest.path}", flush=True)
     print(f"ctr: curves: tensorboard --logdir {model_dir} (train/ and eval/)", flush=True)

@@ -22,6 +22,7 @@ from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved
 from tf_psplugin.failover import FailoverError, FailoverPolicy
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
+from tf_psplugin.progress import ProgressBar
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.summaries import TrainingSummaries
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
@@ -57,6 +58,7 @@ __all__ = [
     "HybridParameterServerStrategy",
     "ModelDirError",
     "PlacementPolicy",
+    "ProgressBar",
     "ReplicatedVariable",
     "StrategyError",
     "TrainingSummaries",

@@ -75,3 +75,10 @@ from tensorflow.python.framework import ops  # noqa: F401
 #   and TF's eager multi-device save traces a new function per save that the
 #   PS tasks never release (RSS grew with every checkpoint). Same signature
 #   and callback handling in TF 2.15.1 and 2.21.0.
+# * Keras 2 internals (not TF, same audit): `<keras>.src.engine.training.
+#   _get_verbosity` and `<keras>.src.callbacks.CallbackList.
+#   _add_default_callbacks` are wrapped once per process by the strategy's
+#   constructor (progress.py `install_keras_hooks`), so fit/evaluate accept
+#   verbose=1 and use the plugin's throttled ProgressBar under this strategy
+#   only; Keras has no hook for a strategy to choose its progress bar. Same
+#   names and signatures in Keras 2.15 and tf-keras 2.16-2.21.

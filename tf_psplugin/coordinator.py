@@ -53,6 +53,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin import variables as variables_lib
+from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_context
 from tf_psplugin._tf_internal import coordinator_values
 
@@ -159,6 +160,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
+        self._examples_per_step: Optional[int] = None
         self._leaders = None  # See `_role_leaders`.
         # Which worker's replica eager reads pull from (a survivor after a failure).
         self.preferred_replica = 0
@@ -339,7 +341,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if self._synchronous:
             self.wait_for_sync_steps()
             self._raise_if_error()
-        super().join()
+        with verbosity_lib.quiet_tf_info():  # "Waiting for all global closures ...".
+            super().join()
 
     def done(self):
         """Whether every scheduled function finished; raises the first error."""
@@ -350,6 +353,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             if busy:
                 return False
         return super().done()
+
+    @property
+    def examples_per_step(self) -> Optional[int]:
+        """Examples one scheduled step consumes, from the last per-worker dataset.
+
+        The dataset's static batch dimension times the workers a step runs
+        on (all of them in synchronous mode, one otherwise); None when the
+        batch dimension is not static (e.g. `batch` without
+        `drop_remainder=True`).
+        """
+        return self._examples_per_step
 
     def create_per_worker_dataset(self, dataset_fn):
         """Creates a dataset on every worker; in sync mode each gets a shard.
@@ -366,8 +380,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             dataset_fn: A dataset, distributed dataset, or a function.
 
         Returns:
-            A per-worker dataset, as from the stock coordinator.
+            A per-worker dataset, as from the stock coordinator. Also
+            records `examples_per_step`.
         """
+        per_worker = self._create_per_worker_dataset(dataset_fn)
+        self._examples_per_step = _static_batch_size(per_worker)
+        if self._examples_per_step is not None and self._synchronous:
+            self._examples_per_step *= self._num_workers
+        return per_worker
+
+    def _create_per_worker_dataset(self, dataset_fn):
+        """Builds the per-worker dataset (see `create_per_worker_dataset`)."""
         if not self._synchronous or callable(dataset_fn):
             return super().create_per_worker_dataset(dataset_fn)
         original = getattr(dataset_fn, "_original_dataset", dataset_fn)
@@ -549,6 +572,23 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             super().__del__()
         except AttributeError:
             pass
+
+
+def _static_batch_size(per_worker_dataset) -> Optional[int]:
+    """The leading static dimension shared by every tensor of an element, or None."""
+    try:
+        specs = tf.nest.flatten(per_worker_dataset.element_spec)
+    except (AttributeError, TypeError, ValueError):  # No element_spec on this type.
+        return None
+    sizes = set()
+    for spec in specs:
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None or shape.rank < 1:
+            return None
+        sizes.add(shape[0])
+    if len(sizes) != 1 or None in sizes:
+        return None
+    return int(sizes.pop())
 
 
 def _new_sync_executor():

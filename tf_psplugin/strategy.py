@@ -44,7 +44,9 @@ from tf_psplugin import collectives as collectives_lib
 from tf_psplugin import config as config_lib
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import placement as placement_lib
+from tf_psplugin import progress as progress_lib
 from tf_psplugin import variables as variables_lib
+from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import context, distribute_lib, input_util, ops
 from tf_psplugin._tf_internal import parameter_server_strategy_v2
 from tf_psplugin._tf_internal import ps_values, remote, resource_variable_ops, server_lib
@@ -160,25 +162,31 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 "(0 = no limit). Fix: pass a number of seconds above your slowest step.")
         self._dense_allreduce = dense_placement == "allreduce"
         self._collective_timeout = float(collective_timeout_seconds)
-        wait_for_tasks(spec, connect_timeout_seconds)
-        # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
-        # our Extended; the parent's __init__ hard-codes its own Extended class.
-        self._cluster_resolver = resolver
-        self._verify_args_and_config(resolver)
-        self._cluster_coordinator = None
-        self._connect_to_cluster(coordinator_name="chief")
-        self._extended = HybridExtended(
-            self, resolver, embedding_updates=embedding_updates,
-            dense_allreduce=self._dense_allreduce, placement=placement,
-            collective_timeout_seconds=self._collective_timeout, log_placement=log_placement)
-        super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(self._extended)
-        self._should_use_with_coordinator = True
-        self._canonicalize_devices = False
-        self._is_parameter_server_strategy_v2 = True
-        # Installing our coordinator now makes `ClusterCoordinator(strategy)`
-        # (what Keras's fit/evaluate call) return it.
-        coordinator = HybridClusterCoordinator(self)
+        # TF logs the session config, PSS's device lists, ... at INFO: hidden by default.
+        with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
+            wait_for_tasks(spec, connect_timeout_seconds)
+            # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
+            # our Extended; the parent's __init__ hard-codes its own Extended class.
+            self._cluster_resolver = resolver
+            self._verify_args_and_config(resolver)
+            self._cluster_coordinator = None
+            self._connect_to_cluster(coordinator_name="chief")
+            self._extended = HybridExtended(
+                self, resolver, embedding_updates=embedding_updates,
+                dense_allreduce=self._dense_allreduce, placement=placement,
+                collective_timeout_seconds=self._collective_timeout, log_placement=log_placement)
+            super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
+                self._extended)
+            self._should_use_with_coordinator = True
+            self._canonicalize_devices = False
+            self._is_parameter_server_strategy_v2 = True
+            # Installing our coordinator now makes `ClusterCoordinator(strategy)`
+            # (what Keras's fit/evaluate call) return it.
+            coordinator = HybridClusterCoordinator(self)
         self._extended.create_step_counters()
+        # fit/evaluate(verbose=1 or "auto") show tf_psplugin's ProgressBar.
+        setattr(self, progress_lib.STRATEGY_MARKER, True)
+        progress_lib.install_keras_hooks()
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
             coordinator.failover = failover_lib.FailoverController(self, policy)

@@ -47,6 +47,8 @@ class TrainingSummaries(keras.callbacks.Callback):
         model_dir: The job's model directory (the evaluator's too).
         every_n_steps: Write one point every this many steps.
         examples_per_step: The global batch size; enables ``examples_per_sec``.
+            Default: what the strategy's coordinator read from the training
+            dataset's static batch dimension, if anything.
     """
 
     def __init__(self, model_dir: str, every_n_steps: int = 100,
@@ -59,7 +61,7 @@ class TrainingSummaries(keras.callbacks.Callback):
         self.model_dir = model_dir_lib.resolve(model_dir)
         self.train_dir = os.path.join(self.model_dir, TRAIN_DIR)
         self.every_n_steps = int(every_n_steps)
-        self.examples_per_step = examples_per_step
+        self.examples_per_step = self._examples_per_step_arg = examples_per_step
         self._writer = None
         self._step = 0
         self._done_in_epoch = 0
@@ -76,6 +78,9 @@ class TrainingSummaries(keras.callbacks.Callback):
         iterations = getattr(optimizer, "iterations", None)
         self._step = int(iterations.numpy()) if iterations is not None else 0
         self._last_step, self._last_time = self._step, time.monotonic()
+        if self._examples_per_step_arg is None:  # The strategy's coordinator may know it.
+            coordinator = getattr(self.model, "_cluster_coordinator", None)
+            self.examples_per_step = getattr(coordinator, "examples_per_step", None)
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.train_dir)
 

@@ -242,7 +242,7 @@ def test_ctr_example_survives_worker_and_evaluator_kills_under_the_launcher(proc
                             "--model_dir", model_dir, "--train_steps", "300",
                             "--vocab_size", "2000"])
     reader = cu.LineReader(launcher)
-    assert reader.wait_for("ctr: step 100", timeout=400), reader.text()[-4000:]
+    assert reader.wait_for("committed (step 100)", timeout=400), reader.text()[-4000:]
     tasks = cu.read_pid_file(pid_file)["tasks"]
     os.kill(tasks["worker:1"], 9)
     time.sleep(2)
