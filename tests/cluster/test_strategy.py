@@ -7,6 +7,7 @@ process even when a test fails.
 
 import json
 import os
+import re
 
 import pytest
 
@@ -82,6 +83,10 @@ def test_fit_evaluate_predict_variants(make_cluster, tmp_path):
     assert report["steps_per_execution"]["iterations"] == 20
     assert report["evaluate"]["auc"] > 0.6
     assert report["predict"] == {"shape": [100, 1], "finite": True}
+    # verbose=1: the plugin's bar; the global batch is 2 workers x 32 (static).
+    lines = report["verbose_1"]["output"].splitlines()
+    assert re.match(r"^12/12 \[=+\] - \d+s \d+ms/step - [\d,]+ examples/s - loss: ", lines[0]), lines
+    assert re.match(r"^4/4 \[=+\] - \d+s \d+ms/step - .*auc: ", lines[-1]), lines
 
 
 @pytest.mark.cluster

@@ -107,7 +107,21 @@ def main():
         p = model.predict(vids[:100], verbose=0)
         return {"shape": list(p.shape), "finite": bool(np.isfinite(p).all())}
 
+    def verbose_1():
+        """Keras refuses verbose=1 under stock PSS; here it is the plugin's ProgressBar."""
+        import contextlib
+        import io
+
+        text = io.StringIO()
+        ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(32, drop_remainder=True).repeat()
+        with contextlib.redirect_stdout(text):
+            model.fit(ds, epochs=1, steps_per_epoch=12, verbose=1)
+            model.evaluate(tf.data.Dataset.from_tensor_slices((vids, vy)).batch(64),
+                           steps=4, verbose=1)
+        return {"output": text.getvalue()}
+
     variant("plain_dataset", plain_dataset)
+    variant("verbose_1", verbose_1)
     variant("dataset_creator", with_dataset_creator)
     variant("callbacks", with_callbacks)
     variant("steps_per_execution", with_steps_per_execution)
