@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 LATEST_VENV ?= .venv-tflatest
 LATEST_PY := $(LATEST_VENV)/bin/python
 DEMO_DIR ?= runs/demo
-DEMO_STEPS ?= 300
+DEMO_STEPS ?= 1500
 PYTEST := -m pytest -ra -p no:cacheprovider --durations=10
 # Extra pytest arguments for both runs, e.g. make test PYTEST_ARGS="-x -k examples".
 PYTEST_ARGS ?=

@@ -12,7 +12,7 @@ task, if any, evaluates every checkpoint without joining the cluster.
 Local cluster (what `make demo` runs):
 
     python -m tf_psplugin.launch --workers 2 --ps 2 --evaluator -- \\
-        python keras_examples/ctr.py --model_dir /tmp/ctr --train_steps 300
+        python keras_examples/ctr.py --model_dir /tmp/ctr --train_steps 1500
 
 By hand, one process per task (same command everywhere; roles from flags or
 TF_CONFIG; the first worker is the chief when no chief is given):
@@ -45,7 +45,7 @@ from _ctr_model import build_ctr_model, compile_ctr_model  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "Checkpoints, eval results, TRAINING_DONE. Must be "
                     "shared by the chief, the PS tasks and the evaluator.")
-flags.DEFINE_integer("train_steps", 300, "Total training steps (global batches).")
+flags.DEFINE_integer("train_steps", 1500, "Total training steps (global batches).")
 flags.DEFINE_integer("batch_size", 256, "Examples per worker per step.")
 flags.DEFINE_integer("vocab_size", 10_000, "Ids per categorical feature.")
 flags.DEFINE_integer("embedding_dim", 16, "Embedding width.")
@@ -55,10 +55,10 @@ flags.DEFINE_enum("embedding_updates", "sync", ["sync", "async"],
 flags.DEFINE_enum("sharding", "interleaved", ["interleaved", "contiguous"],
                   "How table rows are spread over the PS tasks.")
 flags.DEFINE_string("data", "synthetic", "'synthetic' or a glob of Criteo TSV files.")
-flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate (300 steps of 2 x 256 "
-                   "examples, vocab 10k: eval AUC 0.70 at 0.3 vs 0.63 at 0.05).")
+flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate (1500 steps of 2 x 256 "
+                   "examples, vocab 10k: held-out AUC 0.778 vs a ceiling of 0.791).")
 flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
-flags.DEFINE_integer("save_every_steps", 100, "Checkpoint every N steps (0: only at the end).")
+flags.DEFINE_integer("save_every_steps", 250, "Checkpoint every N steps (0: only at the end).")
 flags.DEFINE_float("save_every_secs", 0, "Also checkpoint every S seconds (0: off).")
 flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints kept in --model_dir.")
 flags.DEFINE_integer("log_every_steps", 50, "Training curves: one point every N steps.")

@@ -32,9 +32,12 @@ TF_LOGGER = "tensorflow"
 ABSL_LOGGER = "absl"
 ROOT_LOGGER = ""
 
-# C++ log lines: absl style on TF >= 2.16 (I0000 00:00:... port.cc:153] ...), and
+# C++ log lines: absl style on TF >= 2.16 (I0000 00:00:1795.. 123 port.cc:153] ...), and
 # TF 2.15's own (2026-11-24 01:26:43.602532: I tensorflow/core/util/port.cc:113] ...).
-_CPP_LOG_LINE = re.compile(r"^(?:([IWEF])\d{4} |\d{4}-\d\d-\d\d [\d:.]+: ([IWEF]) )")
+# Python's absl lines look like the first but name a .py file; they are never dropped.
+_CPP_LOG_LINE = re.compile(
+    r"^(?:([IWEF])\d{4} [\d:.]+ +\d+ |\d{4}-\d\d-\d\d [\d:.]+: ([IWEF]) )"
+    r"[\w./-]+\.(?:cc|h|cpp):\d+\] ")
 _ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog() is called"
 # Second lines of multi-line INFO messages (TF 2.15's CPU-feature guard).
 _CONTINUATIONS = ("To enable the following instructions",)

@@ -240,7 +240,7 @@ def test_ctr_example_survives_worker_and_evaluator_kills_under_the_launcher(proc
                             "--evaluator", "--restart-failed", "--pid-file", pid_file, "--",
                             cu.PYTHON, os.path.join(cu.REPO_ROOT, "keras_examples", "ctr.py"),
                             "--model_dir", model_dir, "--train_steps", "300",
-                            "--vocab_size", "2000"])
+                            "--vocab_size", "2000", "--save_every_steps", "100"])
     reader = cu.LineReader(launcher)
     assert reader.wait_for("committed (step 100)", timeout=400), reader.text()[-4000:]
     tasks = cu.read_pid_file(pid_file)["tasks"]

@@ -91,7 +91,8 @@ TF215_IMPORT = (
 TF221_IMPORT = (
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
     "I0000 00:00:1764000000.000000   123 port.cc:153] oneDNN custom operations are on.\n"
-    "E0000 00:00:1764000000.000000   123 cuda.cc:1] an error\n")
+    "E0000 00:00:1764000000.000000   123 cuda.cc:1] an error\n"
+    "I1124 01:33:40.088477 139898661202816 checkpoint.py:397] tf_psplugin: a Python line\n")
 
 
 def test_import_time_info_lines_are_dropped_and_warnings_kept():
@@ -99,7 +100,8 @@ def test_import_time_info_lines_are_dropped_and_warnings_kept():
         "2026-11-24 01:26:44.000000: W tensorflow/core/something.cc:1] a real warning\n"
         "/site-packages/numpy/x.py:3: UserWarning: kept\n")
     assert _compat._filter_import_log(TF221_IMPORT, 1) == (
-        "E0000 00:00:1764000000.000000   123 cuda.cc:1] an error\n")
+        "E0000 00:00:1764000000.000000   123 cuda.cc:1] an error\n"
+    "I1124 01:33:40.088477 139898661202816 checkpoint.py:397] tf_psplugin: a Python line\n")
     assert _compat._filter_import_log(TF215_IMPORT, 0) == TF215_IMPORT
     assert _compat._filter_import_log(TF215_IMPORT, 3) == (
         "/site-packages/numpy/x.py:3: UserWarning: kept\n")
