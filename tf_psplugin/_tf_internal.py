@@ -8,6 +8,8 @@ file to audit. Checked against TF 2.15.1 and the 2.16-2.21 line (same module
 paths).
 """
 
+import importlib
+
 # ParameterServerStrategyV2 and its Extended: we subclass both (there is no
 # public extension point for variable creation or reduction).
 from tensorflow.python.distribute import parameter_server_strategy_v2  # noqa: F401
@@ -46,7 +48,6 @@ from tensorflow.python.ops import resource_variable_ops  # noqa: F401
 
 # Merge-call and update contexts for the strategy's Extended overrides.
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
-from tensorflow.python.distribute import values as distribute_values  # noqa: F401
 
 # input_util builds distributed datasets; our strategy builds them with one
 # replica per worker (no re-batching) while num_replicas_in_sync = workers.
@@ -54,6 +55,53 @@ from tensorflow.python.distribute import input_util  # noqa: F401
 
 # ops.inside_function tells whether we are tracing (dataset build timing).
 from tensorflow.python.framework import ops  # noqa: F401
+
+# Table internals (sharding.py), checked on TF 2.15.1 and 2.21.0:
+# * sharded_variable: ShardedVariableSpec (our table's TypeSpec extends it), and
+#   TF's own v1 safe-lookup dispatch target, which ours must take precedence over.
+# * resource_variable_ops.VariableSpec: the component spec of that TypeSpec.
+# * trackable base VARIABLE_VALUE_KEY: the attribute name a variable saves under.
+# * saveable_object SaveableObject/SaveSpec: lazy, sliced checkpoint values (no
+#   public way to write one logical row range of a table per shard).
+from tensorflow.python.trackable import base as trackable_base  # noqa: F401
+from tensorflow.python.training.saving import saveable_object  # noqa: F401
+
+# A variable created by a checkpoint restore gets this initial value (restore-
+# on-create); table creation must keep it lazy. Exported only as tf.__internal__.
+from tensorflow.python.trackable.base import CheckpointInitialValueCallable  # noqa: F401
+
+# The coordinator's dispatch threads each run a synchronous eager executor, as
+# the stock Worker does (no public constructor for one).
+from tensorflow.python.eager import executor  # noqa: F401
+
+# save_context tells a replicated variable that tf.saved_model.save is tracing
+# it (it must then save one plain value, not per-worker replicas). Same module
+# path in TF 2.15.1 and 2.21.0.
+from tensorflow.python.saved_model import save_context  # noqa: F401
+
+# Estimator path (TF 2.15 only; tf.estimator is gone after it): the TF1
+# strategies' Extended classes, which the public tf.compat.v1 strategies do not
+# let us replace. collective_all_reduce_strategy: our hybrid Extended extends
+# CollectiveAllReduceExtended; parameter_server_strategy: the ps_async
+# fallback's Extended extends ParameterServerExtended.
+from tensorflow.python.distribute import collective_all_reduce_strategy  # noqa: F401
+from tensorflow.python.distribute import parameter_server_strategy  # noqa: F401
+# PartitionedVariable (estimator/_tables.py): the TF1 container Estimator code
+# expects a partitioned table in; it is not exported.
+from tensorflow.python.ops import variables as tf_variables  # noqa: F401
+
+
+
+def keras_private_module(name: str):
+    """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
+
+    Only `progress.install_keras_hooks` uses it (see the note at the end of
+    this module); checked on Keras 2.15 and tf-keras 2.16-2.21.
+    """
+    from tf_psplugin._compat import KERAS_PACKAGE  # pylint: disable=g-import-not-at-top
+
+    return importlib.import_module(f"{KERAS_PACKAGE}.src.{name}")
+
 
 # Private attributes (not imports) the plugin sets or reads, audited here too:
 # * `StrategyExtendedV2._retrace_functions_for_each_device` (strategy.py):

@@ -45,6 +45,7 @@ from tf_psplugin import checkpoint_write
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin._compat import keras
+from tf_psplugin._tf_internal import sharded_variable
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, CheckpointError, CheckpointInfo, commit_checkpoint,
     info_for_prefix, latest_checkpoint, list_checkpoints, remove_commit_marker,
@@ -147,7 +148,7 @@ def _fix_interleaved_slot_lookup(optimizer) -> None:
     # identifies them. There is no public hook for the slot wrapper type.
     if original is None or not hasattr(optimizer, "_create_slots_for_sharded_variables"):
         return
-    sharded_type = tf.__internal__.distribute.ShardedVariable  # TF exports it only here.
+    sharded_type = sharded_variable.ShardedVariable
 
     def get_slot(var, slot_name):
         slot = original(var, slot_name)

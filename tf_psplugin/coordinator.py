@@ -55,7 +55,7 @@ from absl import logging
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_context
-from tf_psplugin._tf_internal import coordinator_values
+from tf_psplugin._tf_internal import coordinator_values, executor
 
 _STOP = object()
 # How often a blocked RemoteValue fetch looks for a coordinator error.
@@ -592,8 +592,6 @@ def _static_batch_size(per_worker_dataset) -> Optional[int]:
 
 
 def _new_sync_executor():
-    from tensorflow.python.eager import executor  # pylint: disable=g-import-not-at-top
-
     # A synchronous executor per dispatch thread, as the stock Worker uses one.
     return executor.new_executor(enable_async=False)
 

@@ -20,7 +20,6 @@ strategy both wrappers call Keras's own code unchanged. Nothing is patched
 at import time.
 """
 
-import importlib
 import math
 import sys
 import threading
@@ -30,7 +29,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_psplugin._compat import KERAS_PACKAGE, keras
+from tf_psplugin import _tf_internal
+from tf_psplugin._compat import keras
 
 # Marks a strategy whose fit/evaluate get the ProgressBar (set by the strategy).
 STRATEGY_MARKER = "_tf_psplugin_progress"
@@ -282,9 +282,9 @@ def install_keras_hooks() -> None:
     with _install_lock:
         if _installed:
             return
-        training = importlib.import_module(f"{KERAS_PACKAGE}.src.engine.training")
-        callbacks = importlib.import_module(f"{KERAS_PACKAGE}.src.callbacks")
-        io_utils = importlib.import_module(f"{KERAS_PACKAGE}.src.utils.io_utils")
+        training = _tf_internal.keras_private_module("engine.training")
+        callbacks = _tf_internal.keras_private_module("callbacks")
+        io_utils = _tf_internal.keras_private_module("utils.io_utils")
         original_verbosity = training._get_verbosity
         original_add_defaults = callbacks.CallbackList._add_default_callbacks
 

@@ -46,16 +46,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-# Private TF modules, each for something the public API cannot do (checked on TF 2.15.1):
-# sharded_variable: ShardedVariableSpec, and TF's own v1 safe-lookup dispatch target.
-# resource_variable_ops: VariableSpec, the component spec of that TypeSpec.
-# trackable base: VARIABLE_VALUE_KEY, the attribute name a variable saves under.
-# saveable_object: SaveableObject/SaveSpec for lazy, sliced checkpoint values.
-from tensorflow.python.distribute import sharded_variable
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.trackable import base as trackable_base
-from tensorflow.python.training.saving import saveable_object
-
+from tf_psplugin._tf_internal import resource_variable_ops, saveable_object, sharded_variable
+from tf_psplugin._tf_internal import CheckpointInitialValueCallable, trackable_base
 from tf_psplugin.placement import SHARDING_INTERLEAVED, SHARDING_SCHEMES
 
 __all__ = [
@@ -867,7 +859,7 @@ def create_interleaved(
     sizes = shard_rows(num_rows, n, SHARDING_INTERLEAVED)
 
     is_checkpoint_init = isinstance(
-        _unwrap_partial(initial_value), tf.__internal__.tracking.CheckpointInitialValueCallable
+        _unwrap_partial(initial_value), CheckpointInitialValueCallable
     )
     if not callable(initial_value) and initial_value is not None:
         if not isinstance(initial_value, (np.ndarray, tf.Tensor)):

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
-from tf_psplugin._tf_internal import coordinator_context, ps_values
+from tf_psplugin._tf_internal import coordinator_context, ps_values, save_context
 
 _GRAPH_USES_ATTR = "_tf_psplugin_replicated_uses"
 _GRAPH_PENDING_ATTR = "_tf_psplugin_pending_table_updates"
@@ -389,9 +389,6 @@ def _create_replica(shape, dtype, name):
 
 
 def _in_save_context() -> bool:
-    # Imported lazily: the module moved between TF versions' internals.
-    from tensorflow.python.saved_model import save_context  # pylint: disable=g-import-not-at-top
-
     return save_context.in_save_context()
 
 

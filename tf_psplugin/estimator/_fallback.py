@@ -16,9 +16,9 @@ creation of a TF1 strategy.
 """
 
 import tensorflow as tf
-from tensorflow.python.distribute import parameter_server_strategy as _pss  # Private.
 
 from tf_psplugin import placement
+from tf_psplugin._tf_internal import parameter_server_strategy as _pss
 from tf_psplugin.estimator import _tables
 
 

@@ -62,9 +62,9 @@ from typing import Any, Optional
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.distribute import collective_all_reduce_strategy as _cars  # Private.
 
 from tf_psplugin import placement
+from tf_psplugin._tf_internal import collective_all_reduce_strategy as _cars
 from tf_psplugin.estimator import _fallback, _sync, _tables
 
 TABLE_UPDATE_SYNC = "sync"

@@ -23,7 +23,7 @@ the lookup code in an unmodified model is not ours, and both the feature
 column lookups and checkpoint slices assume ranges. An interleaved layout would
 silently send ids to the wrong rows.
 
-Private TensorFlow APIs (checked against TF 2.15.1), all in this module:
+Private TensorFlow APIs (checked against TF 2.15.1), imported from `_tf_internal`:
 ``tensorflow.python.ops.variables.PartitionedVariable`` (not exported; it is
 what ``get_variable(partitioner=...)`` returns) and
 ``Variable._set_save_slice_info`` (how ``get_variable`` marks a shard as a
@@ -35,9 +35,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.ops import variables as tf_variables  # Private: see module doc.
 
 from tf_psplugin import placement
+from tf_psplugin._tf_internal import tf_variables
 
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _LARGE_INIT_ELEMENTS = 1 << 24
