@@ -27,7 +27,7 @@ tools each get a piece of it wrong:
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
-  logical row order (see `_fix_interleaved_slot_lookup`), so they reshard.
+  logical row order (see `sharding.install_interleaved_slot_lookup`), so they reshard.
 
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
@@ -44,8 +44,8 @@ from absl import logging
 from tf_psplugin import checkpoint_write
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
+from tf_psplugin import sharding
 from tf_psplugin._compat import keras
-from tf_psplugin._tf_internal import sharded_variable
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, CheckpointError, CheckpointInfo, commit_checkpoint,
     info_for_prefix, latest_checkpoint, list_checkpoints, remove_commit_marker,
@@ -129,38 +129,6 @@ def _num_sync_workers(strategy) -> int:
     return 1
 
 
-def _fix_interleaved_slot_lookup(optimizer) -> None:
-    """Makes a Keras 2 optimizer checkpoint interleaved tables' slots in logical order.
-
-    Keras's legacy `get_slot(sharded_table, name)` wraps the shards' slots in
-    a plain (contiguous) `ShardedVariable`, which is also what gets saved. For
-    an interleaved table that writes the slot rows in shard order, not
-    logical order: restoring into another number of shards (or a plain
-    variable) would scramble them. Wrapping them in the table's own type
-    instead saves and restores them like the table. Instance-level and
-    idempotent; a no-op for contiguous tables and other optimizers.
-    """
-    if optimizer is None or getattr(optimizer, "_tf_psplugin_slot_fix", False):
-        return
-    original = getattr(optimizer, "get_slot", None)
-    # Only Keras 2 legacy optimizers build sharded slots this way (checked:
-    # tf.keras 2.15, tf-keras 2.16-2.21); `_create_slots_for_sharded_variables`
-    # identifies them. There is no public hook for the slot wrapper type.
-    if original is None or not hasattr(optimizer, "_create_slots_for_sharded_variables"):
-        return
-    sharded_type = sharded_variable.ShardedVariable
-
-    def get_slot(var, slot_name):
-        slot = original(var, slot_name)
-        if (isinstance(var, sharded_type) and type(var) is not sharded_type
-                and type(slot) is sharded_type):
-            return type(var)(list(slot.variables), name=slot.name)
-        return slot
-
-    optimizer.get_slot = get_slot
-    optimizer._tf_psplugin_slot_fix = True  # pylint: disable=protected-access
-
-
 def _build_optimizer_slots(model, optimizer, strategy) -> None:
     """Creates the optimizer's slots now, so that a restore fills them at once."""
     if model is None or optimizer is None or not getattr(model, "trainable_variables", None):
@@ -196,7 +164,7 @@ def build_optimizer_slots(model) -> None:
         model: A compiled Keras model.
     """
     optimizer = getattr(model, "optimizer", None)
-    _fix_interleaved_slot_lookup(optimizer)
+    sharding.install_interleaved_slot_lookup(optimizer)
     _build_optimizer_slots(model, optimizer, getattr(model, "distribute_strategy", None))
 
 
@@ -283,7 +251,7 @@ class CheckpointManager:
             if obj is not None:
                 setattr(self._root, name, obj)
         self._objects = [obj for obj in objects.values() if obj is not None]
-        _fix_interleaved_slot_lookup(optimizer)
+        sharding.install_interleaved_slot_lookup(optimizer)
         self._options = tf.train.CheckpointOptions(
             experimental_io_device=_CHIEF_CPU if write_on_chief else None)
         self._manager = tf.train.CheckpointManager(
@@ -506,7 +474,7 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
     wrapped = any(name.startswith("model/") for name in names)
     optimizer = getattr(model, "optimizer", None) if include_optimizer else None
     if optimizer is not None:
-        _fix_interleaved_slot_lookup(optimizer)
+        sharding.install_interleaved_slot_lookup(optimizer)
         _build_optimizer_slots(model, optimizer, None)
     if wrapped:
         root = tf.train.Checkpoint(model=model, **({"optimizer": optimizer} if optimizer else {}))

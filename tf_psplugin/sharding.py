@@ -52,7 +52,7 @@ from tf_psplugin.placement import SHARDING_INTERLEAVED, SHARDING_SCHEMES
 
 __all__ = [
     "InterleavedShardedVariable",
-    "InterleavedSlotsMixin",
+    "install_interleaved_slot_lookup",
     "create_interleaved",
     "logical_rows_of_shard",
     "shard_lookup_counts",
@@ -499,44 +499,56 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
         return tf.group(*assign_ops) if assign_ops else None
 
 
-class InterleavedSlotsMixin:
-    """Makes a Keras legacy optimizer checkpoint a table's slots in logical order.
+def install_interleaved_slot_lookup(optimizer):
+    """Makes a Keras 2 legacy optimizer checkpoint interleaved tables' slots in logical order.
 
     Legacy optimizers keep one slot per shard variable and, for checkpoints,
-    wrap a sharded table's shard slots in a contiguous `ShardedVariable`
-    (optimizer_v2.get_slot, Keras 2.15), which writes an interleaved table's
-    slots in physical order: they then restore correctly only into the same
-    shard count. This mixin wraps them in an `InterleavedShardedVariable`
-    instead, so slots reshard like the table.
+    wrap a sharded table's shard slots in a plain (contiguous)
+    `ShardedVariable` (optimizer_v2.get_slot, Keras 2.15 and tf-keras
+    2.16-2.21), which writes an interleaved table's slots in physical order:
+    they would then restore correctly only into the same shard count. This
+    wraps them in an `InterleavedShardedVariable` instead, so slots reshard
+    like the table. One wrapper per (table, slot) while its shard slots stay
+    the same, so checkpoint matching sees one object (Keras builds a new one
+    per call).
 
-    Slots must exist before a checkpoint is restored into them (as after a
-    first training step); a restore that runs before the optimizer created
-    them is dropped by Keras for any sharded variable.
+    Instance-level (the optimizer's class is untouched) and idempotent; a
+    no-op for optimizers that do not build sharded slots this way, whose
+    `_create_slots_for_sharded_variables` is missing: there is no public hook
+    for the slot wrapper type. Slots must exist before a checkpoint is
+    restored into them (as after a first training step); a restore that runs
+    before the optimizer created them is dropped by Keras for any sharded
+    variable. `tf_psplugin.checkpoint` installs it on every optimizer it saves.
 
-    Example:
+    Args:
+        optimizer: A Keras 2 legacy optimizer, anything else, or None.
 
-    ```python
-    class Adagrad(InterleavedSlotsMixin, tf.keras.optimizers.legacy.Adagrad):
-        pass
-    ```
+    Returns:
+        `optimizer`.
     """
+    if optimizer is None or getattr(optimizer, "_tf_psplugin_slot_fix", False):
+        return optimizer
+    original = getattr(optimizer, "get_slot", None)
+    if original is None or not hasattr(optimizer, "_create_slots_for_sharded_variables"):
+        return optimizer
+    cache = {}
 
-    def get_slot(self, var, slot_name):
-        """Like the optimizer's, but an interleaved table's slot is interleaved."""
-        slot = super().get_slot(var, slot_name)
+    def get_slot(var, slot_name):
+        slot = original(var, slot_name)
         if not isinstance(var, InterleavedShardedVariable) or not isinstance(
             slot, sharded_variable.ShardedVariable
         ):
             return slot
-        # One wrapper per (table, slot) while its shard slots stay the same, so
-        # checkpoint matching sees one object (Keras builds a new one per call).
-        cache = self.__dict__.setdefault("_tf_psplugin_interleaved_slots", {})
         key = (id(var), slot_name)
         cached = cache.get(key)
         if cached is None or any(a is not b for a, b in zip(cached.variables, slot.variables)):
             cached = InterleavedShardedVariable(list(slot.variables), name=slot.name)
             cache[key] = cached
         return cached
+
+    optimizer.get_slot = get_slot
+    optimizer._tf_psplugin_slot_fix = True  # pylint: disable=protected-access
+    return optimizer
 
 
 def _to_tensor(var, dtype=None, name=None, as_ref=False):

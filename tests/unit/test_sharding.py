@@ -17,7 +17,7 @@ from tensorflow.python.framework import ops
 from tf_psplugin._compat import keras
 from tf_psplugin.sharding import (
     InterleavedShardedVariable,
-    InterleavedSlotsMixin,
+    install_interleaved_slot_lookup,
     create_interleaved,
     logical_rows_of_shard,
     shard_lookup_counts,
@@ -430,8 +430,8 @@ def _create_slots(optimizer, var_list):
 
 
 def test_optimizer_slots_checkpoint_in_logical_order_and_reshard(tmp_path):
-    class Adagrad(InterleavedSlotsMixin, keras.optimizers.legacy.Adagrad):
-        pass
+    def Adagrad(learning_rate):  # noqa: N802 - reads like the class it builds.
+        return install_interleaved_slot_lookup(keras.optimizers.legacy.Adagrad(learning_rate))
 
     full = _table(13, 4)
     table, plain = _interleaved(full, 2), tf.Variable(full)
@@ -440,6 +440,8 @@ def test_optimizer_slots_checkpoint_in_logical_order_and_reshard(tmp_path):
     _train_adagrad(plain, opt_plain, [plain], steps=3)
     want = opt_plain.get_slot(plain, "accumulator").numpy()
     assert isinstance(opt.get_slot(table, "accumulator"), InterleavedShardedVariable)
+    assert opt.get_slot(table, "accumulator") is opt.get_slot(table, "accumulator")
+    assert install_interleaved_slot_lookup(opt) is opt  # Idempotent.
     path = tf.train.Checkpoint(emb=table, opt=opt).write(str(tmp_path / "ckpt"))
     key = "emb/.OPTIMIZER_SLOT/opt/accumulator/.ATTRIBUTES/VARIABLE_VALUE"
     np.testing.assert_allclose(tf.train.load_variable(path, key), want, rtol=1e-6)
