@@ -32,25 +32,25 @@ the plugin's table sharding), for comparison and for fully-async users.
 """
 
 import functools
-import os
 import random
-import time
 from typing import List, Optional
 
 import tensorflow as tf
-from absl import logging
 
 from tf_psplugin import collectives as collectives_lib
 from tf_psplugin import config as config_lib
+from tf_psplugin import connection
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
+from tf_psplugin import shard_init
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
-from tf_psplugin._tf_internal import context, distribute_lib, input_util, ops
+from tf_psplugin._tf_internal import distribute_lib, input_util, ops
 from tf_psplugin._tf_internal import parameter_server_strategy_v2
-from tf_psplugin._tf_internal import ps_values, remote, resource_variable_ops, server_lib
+from tf_psplugin._tf_internal import ps_values
 from tf_psplugin._tf_internal import sharded_variable
+from tf_psplugin.connection import StrategyError
 from tf_psplugin.coordinator import HybridClusterCoordinator
 
 EMBEDDING_UPDATES = ("sync", "async")
@@ -60,10 +60,6 @@ DENSE_PLACEMENTS = ("allreduce", "ps")
 # Not the global `random`: `tf.keras.utils.set_random_seed` seeds that, and a
 # restarted chief would then draw the same "fresh" collective group key.
 _FRESH = random.SystemRandom()
-
-
-class StrategyError(ValueError):
-    """The strategy cannot be built or used as asked; the message names the fix."""
 
 
 class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
@@ -142,7 +138,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             placement = placement_lib.PlacementPolicy(
                 table_names=placement.table_names, min_table_bytes=placement.min_table_bytes,
                 sharding=sharding)
-        resolver = _resolve_cluster(cluster_resolver, config)
+        resolver = connection.resolve_cluster(cluster_resolver, config)
         spec = resolver.cluster_spec()
         num_ps = len(spec.as_dict().get("ps", []))
         num_workers = len(spec.as_dict().get("worker", []))
@@ -164,7 +160,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._collective_timeout = float(collective_timeout_seconds)
         # TF logs the session config, PSS's device lists, ... at INFO: hidden by default.
         with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
-            wait_for_tasks(spec, connect_timeout_seconds)
+            connection.wait_for_tasks(spec, connect_timeout_seconds)
             # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
             # our Extended; the parent's __init__ hard-codes its own Extended class.
             self._cluster_resolver = resolver
@@ -194,40 +190,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     # -- connection ------------------------------------------------------------
 
     def _connect_to_cluster(self, coordinator_name: str):
-        """Connects like stock PSS, but lets workers see each other.
-
-        Stock PSS gives workers device filters that hide other workers, which
-        makes collectives between them impossible. We also tell the eager
-        context who leads collective groups before connecting (it cannot be
-        changed after). Both measured to work on TF 2.15.1 and 2.21.0.
-        """
+        """Connects like stock PSS, but lets workers see each other (see `connection`)."""
         spec = self._cluster_resolver.cluster_spec()
         self._num_workers = len(spec.as_dict().get("worker", ()))
         self._num_ps = len(spec.as_dict().get("ps", ()))
-        filters = server_lib.ClusterDeviceFilters()
-        worker_view = ["/job:ps", f"/job:{coordinator_name}"]
-        if self._dense_allreduce:
-            worker_view.append("/job:worker")
-        for i in range(self._num_workers):
-            filters.set_device_filters("worker", i, worker_view)
-        for i in range(self._num_ps):
-            filters.set_device_filters("ps", i, ["/job:worker", f"/job:{coordinator_name}"])
-        os.environ["TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"] = "False"
-        os.environ["TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY"] = "True"
-        if self._dense_allreduce:
-            try:
-                context.context().configure_collective_ops(
-                    collective_leader="/job:worker/replica:0/task:0")
-            except RuntimeError as e:  # "Collective ops must be configured at program startup"
-                raise StrategyError(
-                    "HybridParameterServerStrategy must be constructed before this process "
-                    f"runs any TensorFlow op ({e}). Fix: build the strategy right after "
-                    "tf_psplugin.start_server(), before creating tensors, datasets or "
-                    "models (tf.io.gfile calls are fine).") from None
-        remote.connect_to_cluster(spec, job_name=coordinator_name,
-                                  protocol=self._cluster_resolver.rpc_layer or "grpc",
-                                  cluster_device_filters=filters)
-        context.ensure_initialized()
+        connection.connect(self._cluster_resolver, coordinator_name,
+                           workers_see_each_other=self._dense_allreduce)
 
     # -- reporting -------------------------------------------------------------
 
@@ -352,7 +320,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             self._record(var, kind)
             return var
         name = kwargs.get("name")
-        shape, dtype = _shape_and_dtype(kwargs)
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
         dtype_size = dtype.size if dtype is not None else 4
         if placement_lib.in_embedding_table_scope() and (
                 shape is None or not shape.rank or shape[0] is None):
@@ -388,7 +356,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _create_table(self, next_creator, **kwargs):
         """Creates an embedding table sharded over every PS task."""
-        shape, _ = _shape_and_dtype(kwargs)
+        shape, _ = shard_init.shape_and_dtype(kwargs)
         num_shards = min(self._num_ps, int(shape[0]))
         scheme = self.placement.sharding
         if num_shards < 2:
@@ -402,10 +370,10 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
 
                 var = sharding.create_interleaved(
-                    name=kwargs.get("name"), shape=shape, dtype=_shape_and_dtype(kwargs)[1],
+                    name=kwargs.get("name"), shape=shape, dtype=shard_init.shape_and_dtype(kwargs)[1],
                     initial_value=kwargs.get("initial_value"), num_shards=num_shards,
                     device_fn=lambda s: f"/job:ps/task:{s}/device:CPU:0",
-                    creator=functools.partial(_plain_creator, next_creator, kwargs))
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
             else:
                 self._variable_partitioner = (
                     sharded_variable.FixedShardsPartitioner(num_shards))
@@ -633,42 +601,6 @@ class WorkerInputContext(tf.distribute.InputContext):
         return tf.distribute.coordinator.experimental_get_current_worker_index()
 
 
-def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0.5) -> None:
-    """Waits until every worker and PS task accepts TCP connections.
-
-    TensorFlow's own connection retries for minutes and then fails with an
-    UnavailableError that does not say which task is missing; checking first
-    gives one clear error.
-
-    Args:
-        cluster_spec: The training cluster.
-        timeout_seconds: Give up after this long.
-        poll_seconds: Interval between attempts.
-
-    Raises:
-        StrategyError: naming every task that never answered.
-    """
-    tasks = []
-    for job in ("worker", "ps"):
-        for index, address in enumerate(cluster_spec.as_dict().get(job, [])):
-            tasks.append((f"{job}:{index}", address))
-    deadline = time.monotonic() + timeout_seconds
-    pending = list(tasks)
-    while True:
-        pending = [(role, addr) for role, addr in pending
-                   if not failover_lib.accepts_connections(addr, timeout=2.0)]
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_seconds)
-    if pending:
-        missing = ", ".join(f"{role} at {addr}" for role, addr in pending)
-        raise StrategyError(
-            f"cannot reach {missing} after {timeout_seconds:g} s. Fix: start those tasks "
-            "(they run the same script, which calls tf_psplugin.start_server() first, or "
-            "`python -m tf_psplugin.server`), check their addresses in TF_CONFIG / --worker_hosts "
-            "/ --ps_hosts and the firewall, or raise connect_timeout_seconds.")
-
-
 def _unwrap(var):
     """The underlying resource variable of PSS wrappers (Aggregating/Caching)."""
     seen = 0
@@ -683,100 +615,3 @@ def _unwrap(var):
     return var
 
 
-# Table shards at least this large are filled on their PS by a tf.function.
-_FILL_IN_PLACE_MIN_BYTES = 16 << 20
-
-
-def _plain_creator(next_creator, base_kwargs, **overrides):
-    kwargs = dict(base_kwargs)
-    kwargs.pop("colocate_with", None)
-    kwargs.update(overrides)
-    init = kwargs.get("initial_value")
-    shape, dtype = _shape_and_dtype(kwargs)
-    if (callable(init) and shape is not None and shape.is_fully_defined() and dtype is not None
-            and shape.num_elements() * dtype.size >= _FILL_IN_PLACE_MIN_BYTES):
-        return _create_filled_in_place(init, shape, dtype, kwargs)
-    return next_creator(**kwargs)
-
-
-def _create_filled_in_place(init, shape, dtype, kwargs):
-    """Creates a table shard whose initial value is computed where it lives.
-
-    Eager `tf.Variable(initializer)` materialises the initializer's output
-    (and, for `RandomUniform`, its intermediates) as separate remote tensors
-    before the variable adopts one: measured on TF 2.15.1, a PS peaks at 3x
-    the shard for Keras's RandomUniform. An uninitialized variable filled by a
-    tf.function on the PS lets the executor free intermediates and
-    AssignVariableOp adopt the last buffer: the PS peaks at 1x.
-    `UninitializedVariable` is what TF's SavedModel loader uses for the same
-    reason (resource_variable_ops, TF 2.15-2.21).
-    """
-    var = resource_variable_ops.UninitializedVariable(
-        shape=shape, dtype=dtype, name=kwargs.get("name"),
-        trainable=kwargs.get("trainable", True),
-        synchronization=kwargs.get("synchronization", tf.VariableSynchronization.AUTO),
-        aggregation=kwargs.get("aggregation", tf.VariableAggregation.NONE),
-        constraint=kwargs.get("constraint"),
-        distribute_strategy=kwargs.get("distribute_strategy") or tf.distribute.get_strategy())
-
-    @tf.function(autograph=False)
-    def fill():
-        var.assign(tf.convert_to_tensor(init(), dtype=dtype), read_value=False)
-
-    with tf.device(var.device):
-        fill()
-    return var
-
-
-def _shape_and_dtype(kwargs):
-    shape = kwargs.get("shape")
-    dtype = kwargs.get("dtype")
-    initial_value = kwargs.get("initial_value")
-    if shape is not None:
-        shape = tf.TensorShape(shape)
-    if (shape is None or dtype is None) and initial_value is not None and not callable(initial_value):
-        try:
-            t = tf.convert_to_tensor(initial_value, dtype=dtype)
-            shape = shape if shape is not None else t.shape
-            dtype = dtype if dtype is not None else t.dtype
-        except (TypeError, ValueError):
-            pass
-    if dtype is not None:
-        dtype = tf.as_dtype(dtype)
-    return shape, dtype
-
-
-def _resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig]):
-    if cluster_resolver is not None:
-        if cluster_resolver.task_type not in (None, "chief"):
-            raise StrategyError(_not_chief_message(cluster_resolver.task_type,
-                                                   cluster_resolver.task_id))
-        # Before connecting: a spec that can never work fails now, not after
-        # connect_timeout_seconds of "cannot reach".
-        try:
-            config_lib.validate_cluster_spec(cluster_resolver.cluster_spec())
-        except config_lib.ConfigError as e:
-            raise StrategyError(f"cannot use the cluster resolver: {e}") from None
-        return cluster_resolver
-    if config is None:
-        try:
-            config = config_lib.resolve()
-        except config_lib.ConfigError as e:
-            raise StrategyError(f"cannot resolve the cluster: {e}") from None
-    if config.task_type != "chief":
-        raise StrategyError(_not_chief_message(config.task_type, config.task_index))
-    return config.cluster_resolver()
-
-
-def _not_chief_message(task_type, task_id) -> str:
-    if task_type in ("worker", "ps"):
-        fix = ("call `tf_psplugin.start_server()` first in the script: on a worker or PS task "
-               "it starts the TF server and blocks, and only the chief goes on to build the "
-               "strategy")
-    elif task_type == "evaluator":
-        fix = ("the evaluator never joins the training cluster; run `tf_psplugin.run_evaluator"
-               "(...)` there instead of building the strategy")
-    else:
-        fix = "build the strategy only in the chief process"
-    return (f"HybridParameterServerStrategy must be constructed on the chief (the coordinator), "
-            f"but this process is {task_type}:{task_id}. Fix: {fix}.")

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin import config as config_lib
-from tf_psplugin import strategy as strategy_lib
+from tf_psplugin import connection
 
 
 def _closed_port():
@@ -114,4 +114,4 @@ def test_wait_for_tasks_returns_when_listening():
         server.bind(("127.0.0.1", 0))
         server.listen(4)
         addr = f"127.0.0.1:{server.getsockname()[1]}"
-        strategy_lib.wait_for_tasks(tf.train.ClusterSpec({"worker": [addr], "ps": [addr]}), 2.0)
+        connection.wait_for_tasks(tf.train.ClusterSpec({"worker": [addr], "ps": [addr]}), 2.0)
