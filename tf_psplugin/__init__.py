@@ -1,9 +1,10 @@
 """tf_psplugin: embedding tables on parameter servers, dense variables in AllReduce.
 
 The public API is listed here and only here (see `__all__`). The command-line
-modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch` and
-the data helpers in `tf_psplugin.data` are public too; everything else is
-private and may change.
+modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch`,
+the data helpers in `tf_psplugin.data` and the test helpers in
+`tf_psplugin.testing` are public too; everything else is private and may
+change.
 
 Importing this package raises ImportError when `tf.keras` is Keras 3, which
 has no ParameterServerStrategy; the message says what to install.

@@ -542,7 +542,7 @@ def criteo_tsv_dataset(
         raise ValueError(
             f"criteo_tsv_dataset: file_pattern {file_pattern!r} matched no file. Fix: check "
             "the path and glob (e.g. '/data/criteo/day_*'), or create a small test file "
-            "with tf_psplugin.data.write_criteo_fixture(path, num_rows)."
+            "with tf_psplugin.testing.write_criteo_fixture(path, num_rows)."
         )
     by_file = len(files) >= num_shards
     if by_file:
@@ -581,60 +581,3 @@ def _decode_criteo(lines: tf.Tensor, vocab_size: int) -> Tuple[Features, tf.Tens
         "categorical": tf.where(tf.equal(cats, ""), tf.zeros_like(hashed), hashed),
     }
     return features, cols[0][:, None]
-
-
-def write_criteo_fixture(
-    path: str,
-    num_rows: int,
-    seed: int = 0,
-    missing_rate: float = 0.1,
-    generator: Optional[SyntheticCTR] = None,
-) -> str:
-    """Writes a small Criteo-format TSV file for tests and demos (needs eager mode).
-
-    Rows are examples `[0, num_rows)` of `generator` (default
-    `SyntheticCTR(seed=seed)`), so the labels carry a learnable signal: each
-    integer is the generator's raw count and each categorical is its id
-    scattered by a per-feature bijection of 32-bit space, printed as 8 hex
-    digits. Every feature field is independently left empty with probability
-    `missing_rate`; reading the file back gives the generator's `dense`
-    wherever a value is present.
-
-    Args:
-        path: Output file (parent directories are created).
-        num_rows: Number of lines.
-        seed: Seeds the data (if no `generator`) and which fields are missing.
-        missing_rate: Probability that a feature field is empty.
-        generator: Source of the rows; must have 13 dense and 26 categorical features.
-
-    Returns:
-        `path`.
-
-    Raises:
-        ValueError: If `generator` does not have Criteo's 13 + 26 features.
-    """
-    gen = generator if generator is not None else SyntheticCTR(seed=seed)
-    if (gen.num_integer, gen.num_categorical) != (NUM_INTEGER_FEATURES, NUM_CATEGORICAL_FEATURES):
-        raise ValueError("write_criteo_fixture needs a generator with 13 dense, 26 categorical.")
-    num_fields = NUM_INTEGER_FEATURES + NUM_CATEGORICAL_FEATURES
-    keys = np.array([_key(seed, _FIXTURE, j) for j in range(num_fields)], np.uint64)
-    salts = keys[NUM_INTEGER_FEATURES:] & np.uint64(0xFFFFFFFF)
-    tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(path)))
-    with tf.io.gfile.GFile(path, "w") as out:
-        for start in range(0, num_rows, 1 << 14):
-            n = min(1 << 14, num_rows - start)
-            with tf.init_scope():
-                ex = gen._examples_fn(n)(tf.constant(start, tf.int64))
-                ex = {k: v.numpy() for k, v in ex.items()}
-            rows = np.arange(start, start + n, dtype=np.uint64)[:, None]
-            missing = _uniform_np(_bits_np(keys, rows)) < missing_rate
-            hexed = ex["categorical"].astype(np.uint64) * np.uint64(0x9E3779B1) + salts
-            hexed &= np.uint64(0xFFFFFFFF)
-            for r in range(n):
-                fields = [str(int(ex["label"][r, 0]))]
-                fields += [str(v) for v in ex["counts"][r]]
-                fields += [f"{v:08x}" for v in hexed[r]]
-                for j in np.flatnonzero(missing[r]):
-                    fields[1 + j] = ""
-                out.write("\t".join(fields) + "\n")
-    return path

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import data
+from tf_psplugin import data, testing
 
 SMALL = data.SyntheticCTR(vocab_size=1000, seed=7)
 
@@ -256,7 +256,7 @@ def test_reader_decodes_known_rows(tmp_path):
 
 
 def test_reader_round_trips_the_generator(tmp_path):
-    path = data.write_criteo_fixture(str(tmp_path / "f.tsv"), 300, seed=5, generator=SMALL)
+    path = testing.write_criteo_fixture(str(tmp_path / "f.tsv"), 300, seed=5, generator=SMALL)
     x, y = next(iter(data.criteo_tsv_dataset(path, batch_size=300)))
     ex = {k: v.numpy() for k, v in SMALL._examples(tf.constant(0, tf.int64), 300).items()}
     np.testing.assert_array_equal(y.numpy(), ex["label"])
@@ -274,7 +274,7 @@ def test_reader_round_trips_the_generator(tmp_path):
 
 def test_reader_reads_multiple_files_in_parallel(tmp_path):
     paths = [
-        data.write_criteo_fixture(str(tmp_path / f"p{i}.tsv"), 60, seed=i, generator=SMALL)
+        testing.write_criteo_fixture(str(tmp_path / f"p{i}.tsv"), 60, seed=i, generator=SMALL)
         for i in range(3)
     ]
     each = [_concat(_collect(data.criteo_tsv_dataset(p, 60))) for p in paths]
@@ -293,7 +293,7 @@ def test_reader_reads_multiple_files_in_parallel(tmp_path):
 
 def test_reader_shards_by_file_or_by_line(tmp_path):
     paths = [
-        data.write_criteo_fixture(str(tmp_path / f"s{i}.tsv"), 40, seed=i, generator=SMALL)
+        testing.write_criteo_fixture(str(tmp_path / f"s{i}.tsv"), 40, seed=i, generator=SMALL)
         for i in range(2)
     ]
     by_file = [
@@ -311,7 +311,7 @@ def test_reader_shards_by_file_or_by_line(tmp_path):
 
 
 def test_reader_remainder_and_repeat(tmp_path):
-    path = data.write_criteo_fixture(str(tmp_path / "r.tsv"), 25, seed=0, generator=SMALL)
+    path = testing.write_criteo_fixture(str(tmp_path / "r.tsv"), 25, seed=0, generator=SMALL)
     assert [b[2].shape[0] for b in _collect(data.criteo_tsv_dataset(path, 10))] == [10, 10]
     ds = data.criteo_tsv_dataset(path, 10, drop_remainder=False)
     assert [b[2].shape[0] for b in _collect(ds)] == [10, 10, 5]
