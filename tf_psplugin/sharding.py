@@ -21,7 +21,7 @@ enough):
   exception is v1 `safe_embedding_lookup_sparse`, for which TF registers a
   type-based dispatcher on `ShardedVariable` itself; two matching type-based
   targets are an error ("Multiple dispatch targets ..."), not an override, so
-  :func:`_install_safe_lookup_v1_override` swaps TF's target for one that is
+  :func:`table_lookups.install_safe_lookup_v1_override` swaps TF's target for one that is
   identical for a plain `ShardedVariable` and uses "mod" for ours. It runs when
   the first interleaved table is built, never at import.
 * Tensor conversion: a conversion function with a smaller priority number
@@ -39,8 +39,7 @@ enough):
 
 import functools
 import inspect
-import threading
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -48,7 +47,9 @@ from absl import logging
 
 from tf_psplugin._tf_internal import resource_variable_ops, saveable_object, sharded_variable
 from tf_psplugin._tf_internal import CheckpointInitialValueCallable, trackable_base
-from tf_psplugin.placement import SHARDING_INTERLEAVED, SHARDING_SCHEMES
+from tf_psplugin.placement import SHARDING_INTERLEAVED
+from tf_psplugin.table_layout import (  # noqa: F401  (re-exported: sharding's public API)
+    _interleave, _range_plan, logical_rows_of_shard, shard_lookup_counts, shard_rows)
 
 __all__ = [
     "InterleavedShardedVariable",
@@ -58,136 +59,6 @@ __all__ = [
     "shard_lookup_counts",
     "shard_rows",
 ]
-
-# ----------------------------------------------------------------------------
-# Layout arithmetic (pure Python / numpy, shared with the benchmark).
-# ----------------------------------------------------------------------------
-
-
-def _check_layout_args(num_rows: int, num_shards: int, scheme: str) -> None:
-    if scheme not in SHARDING_SCHEMES:
-        raise ValueError(
-            f"Unknown sharding scheme {scheme!r}. Fix: use one of {', '.join(SHARDING_SCHEMES)}."
-        )
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}.")
-    if num_rows < 0:
-        raise ValueError(f"num_rows must be >= 0, got {num_rows}.")
-
-
-def shard_rows(num_rows: int, num_shards: int, scheme: str) -> List[int]:
-    """Returns how many rows each shard holds.
-
-    Both schemes give the first ``num_rows % num_shards`` shards one extra row
-    (the sizes TF's "div" partitioning uses), so a checkpoint slice per shard
-    is as large as the shard itself.
-
-    Args:
-        num_rows: Rows of the logical table.
-        num_shards: Number of shards (>= 1).
-        scheme: ``"interleaved"`` or ``"contiguous"``.
-
-    Returns:
-        A list of ``num_shards`` row counts summing to ``num_rows``.
-
-    Raises:
-        ValueError: On an unknown scheme or a negative size.
-    """
-    _check_layout_args(num_rows, num_shards, scheme)
-    base, extra = divmod(num_rows, num_shards)
-    return [base + (1 if s < extra else 0) for s in range(num_shards)]
-
-
-def logical_rows_of_shard(num_rows: int, num_shards: int, shard: int, scheme: str) -> slice:
-    """Returns the logical rows that shard ``shard`` holds, in its row order.
-
-    Interleaved shards hold ``slice(shard, num_rows, num_shards)``; contiguous
-    ones a step-1 slice. A slice (rather than an index array) costs nothing for
-    huge tables and indexes numpy arrays directly: ``full[rows]`` is the shard.
-
-    Args:
-        num_rows: Rows of the logical table.
-        num_shards: Number of shards.
-        shard: Shard index in ``[0, num_shards)``.
-        scheme: ``"interleaved"`` or ``"contiguous"``.
-
-    Returns:
-        A `slice`; ``range(num_rows)[result]`` lists the logical row ids.
-
-    Raises:
-        ValueError: On bad arguments.
-    """
-    sizes = shard_rows(num_rows, num_shards, scheme)
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard must be in [0, {num_shards}), got {shard}.")
-    if scheme == SHARDING_INTERLEAVED:
-        return slice(shard, num_rows, num_shards)
-    begin = sum(sizes[:shard])
-    return slice(begin, begin + sizes[shard], 1)
-
-
-def shard_lookup_counts(ids, num_rows: int, num_shards: int, scheme: str) -> np.ndarray:
-    """Counts how many of ``ids`` each shard serves (load-balance check).
-
-    Args:
-        ids: Array-like of logical row ids in ``[0, num_rows)``, any shape.
-        num_rows: Rows of the logical table.
-        num_shards: Number of shards.
-        scheme: ``"interleaved"`` or ``"contiguous"``.
-
-    Returns:
-        An int64 array of length ``num_shards``.
-
-    Raises:
-        ValueError: On bad arguments or out-of-range ids.
-    """
-    sizes = shard_rows(num_rows, num_shards, scheme)
-    ids = np.asarray(ids, dtype=np.int64).ravel()
-    if ids.size and (ids.min() < 0 or ids.max() >= num_rows):
-        raise ValueError(f"ids must lie in [0, {num_rows}).")
-    if scheme == SHARDING_INTERLEAVED:
-        owner = ids % num_shards
-    else:
-        owner = np.searchsorted(np.cumsum(sizes), ids, side="right")
-    return np.bincount(owner, minlength=num_shards).astype(np.int64)
-
-
-def _range_plan(num_shards: int, begin: int, end: int):
-    """Where the logical rows ``[begin, end)`` live in interleaved shards.
-
-    Returns a list indexed by ``j = (s - begin) % n``, the offset of shard
-    ``s``'s first row inside the range, of ``(s, first_position, count)``.
-    Counts are non-increasing in ``j`` (the first ``(end-begin) % n`` entries
-    have one more row), which is what :func:`_interleave` expects.
-    """
-    plan = []
-    for j in range(num_shards):
-        first = begin + j
-        count = len(range(first, end, num_shards))
-        plan.append((first % num_shards, first // num_shards, count))
-    return plan
-
-
-def _interleave(pieces: Sequence[tf.Tensor], counts: Sequence[int], total: int) -> tf.Tensor:
-    """Merges ``pieces`` (row ``k`` of piece ``j`` is output row ``k*n + j``).
-
-    Uses pad + stack + reshape, so no index tensor the size of the table is
-    ever built and gradients flow back to every piece.
-    """
-    if len(pieces) == 1:
-        return pieces[0]
-    n = len(pieces)
-    rows = -(-total // n)
-    tail = pieces[0].shape[1:].as_list()
-    padded = []
-    for piece, count in zip(pieces, counts):
-        if count < rows:
-            pad = tf.zeros([rows - count] + tail, dtype=piece.dtype)
-            piece = tf.concat([piece, pad], axis=0)
-        padded.append(piece)
-    merged = tf.reshape(tf.stack(padded, axis=1), [rows * n] + tail)
-    return merged if rows * n == total else merged[:total]
-
 
 # ----------------------------------------------------------------------------
 # The variable.
@@ -252,7 +123,7 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
                 f"which needs {expected} (shard s holds rows s, s+{n}, ...). Fix: build the "
                 "shards with create_interleaved() or slice the full value as value[s::n]."
             )
-        _install_safe_lookup_v1_override()
+        table_lookups.install_safe_lookup_v1_override()
 
     @property
     def _unique_id(self):
@@ -589,172 +460,6 @@ for _op in tf.Tensor.OVERLOADABLE_OPERATORS:
 
 
 # ----------------------------------------------------------------------------
-# Lookup dispatch.
-# ----------------------------------------------------------------------------
-
-# `ids` types the v1 lookups claim. Ragged ids are left to TF's ragged
-# dispatcher (which flattens them and calls back into these), because two
-# type-based targets matching the same call is an error in TF 2.15.
-_DenseIds = Union[tf.Tensor, tf.Variable, np.ndarray, np.generic, int, list, tuple]
-_Params = Union[InterleavedShardedVariable, List[InterleavedShardedVariable]]
-
-
-def _shards_of(params):
-    if isinstance(params, (list, tuple)):
-        if len(params) != 1:
-            raise ValueError(
-                "Pass one InterleavedShardedVariable as params, not a list of "
-                f"{len(params)}: each one is already a whole table."
-            )
-        params = params[0]
-    return params.variables
-
-
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
-def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
-    return tf.compat.v1.nn.embedding_lookup(params.variables, ids, "mod", name, max_norm=max_norm)
-
-
-@tf.experimental.dispatch_for_api(
-    tf.compat.v1.nn.embedding_lookup, {"params": _Params, "ids": _DenseIds}
-)
-def _embedding_lookup_v1(
-    params, ids, partition_strategy="mod", name=None, validate_indices=True, max_norm=None
-):
-    # The table's layout is "mod" whatever the caller asks for: a caller
-    # passing "div" means "the table's own layout" (embedding_lookup_v2 does).
-    del partition_strategy
-    return tf.compat.v1.nn.embedding_lookup(
-        _shards_of(params), ids, "mod", name, validate_indices, max_norm
-    )
-
-
-@tf.experimental.dispatch_for_api(
-    tf.nn.embedding_lookup_sparse, {"params": InterleavedShardedVariable}
-)
-def _embedding_lookup_sparse_v2(
-    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
-):
-    return tf.compat.v1.nn.embedding_lookup_sparse(
-        params.variables, sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
-    )
-
-
-@tf.experimental.dispatch_for_api(
-    tf.compat.v1.nn.embedding_lookup_sparse, {"params": _Params, "sp_ids": tf.SparseTensor}
-)
-def _embedding_lookup_sparse_v1(
-    params,
-    sp_ids,
-    sp_weights,
-    partition_strategy="mod",
-    name=None,
-    combiner=None,
-    max_norm=None,
-    allow_fast_lookup=False,
-):
-    del partition_strategy  # Always the table's own "mod" layout.
-    return tf.compat.v1.nn.embedding_lookup_sparse(
-        _shards_of(params), sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
-    )
-
-
-@tf.experimental.dispatch_for_api(
-    tf.nn.safe_embedding_lookup_sparse,
-    {"embedding_weights": InterleavedShardedVariable},
-)
-def _safe_embedding_lookup_sparse_v2(
-    embedding_weights,
-    sparse_ids,
-    sparse_weights=None,
-    combiner="mean",
-    default_id=None,
-    max_norm=None,
-    name=None,
-    allow_fast_lookup=False,
-):
-    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
-        embedding_weights.variables,
-        sparse_ids,
-        sparse_weights=sparse_weights,
-        combiner=combiner,
-        default_id=default_id,
-        name=name,
-        partition_strategy="mod",
-        max_norm=max_norm,
-        allow_fast_lookup=allow_fast_lookup,
-    )
-
-
-@tf.experimental.dispatch_for_api(tf.identity, {"input": InterleavedShardedVariable})
-def _identity(input, name=None):  # pylint: disable=redefined-builtin
-    # TF maps identity over a composite's components, which then fail to
-    # rebuild a ShardedVariable from Tensors; a table's identity is its value.
-    return tf.identity(input._logical_value(), name=name)  # pylint: disable=protected-access
-
-
-def _safe_embedding_lookup_sparse_v1(
-    embedding_weights,
-    sparse_ids,
-    sparse_weights=None,
-    combiner="mean",
-    default_id=None,
-    name=None,
-    partition_strategy="div",
-    max_norm=None,
-    allow_fast_lookup=False,
-):
-    """TF's ShardedVariable dispatcher for v1 safe lookups, plus "mod" for ours."""
-    if isinstance(embedding_weights, InterleavedShardedVariable):
-        partition_strategy = "mod"
-    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
-        embedding_weights.variables,
-        sparse_ids,
-        sparse_weights=sparse_weights,
-        combiner=combiner,
-        default_id=default_id,
-        name=name,
-        partition_strategy=partition_strategy,
-        max_norm=max_norm,
-        allow_fast_lookup=allow_fast_lookup,
-    )
-
-
-_override_lock = threading.Lock()
-_override_installed = False
-
-
-def _install_safe_lookup_v1_override():
-    """Makes v1 `safe_embedding_lookup_sparse` (feature columns call it) use "mod".
-
-    TF 2.15.1 registers `sharded_variable.safe_embedding_lookup_sparse` with
-    `dispatch_for_api` for every `ShardedVariable`; registering a second
-    target for our subclass would make every such call fail with "Multiple
-    dispatch targets". So we unregister TF's target and register one that
-    does exactly what TF's did for a plain `ShardedVariable` (pass the shards
-    and the caller's partition_strategy) and forces "mod" for ours. Runs once,
-    when the first interleaved table is built, never at import.
-    """
-    global _override_installed
-    with _override_lock:
-        if _override_installed:
-            return
-        api = tf.compat.v1.nn.safe_embedding_lookup_sparse
-        tf_target = getattr(sharded_variable, "safe_embedding_lookup_sparse", None)
-        claimed = InterleavedShardedVariable
-        if tf_target is not None:
-            try:
-                tf.experimental.unregister_dispatch_for(tf_target)
-                claimed = sharded_variable.ShardedVariable
-            except ValueError:  # Not registered in this TF version: nothing to replace.
-                pass
-        tf.experimental.dispatch_for_api(api, {"embedding_weights": claimed})(
-            _safe_embedding_lookup_sparse_v1
-        )
-        _override_installed = True
-
-
-# ----------------------------------------------------------------------------
 # Creation.
 # ----------------------------------------------------------------------------
 
@@ -898,3 +603,8 @@ def create_interleaved(
         with tf.device(device_fn(s)):
             shards.append(creator(name=f"{name}/part_{s}", shape=shard_shape, initial_value=value))
     return InterleavedShardedVariable(shards, name=name)
+
+
+# The lookup APIs' dispatch for this type (registered on import; imported last
+# because it needs InterleavedShardedVariable, and __init__ needs it back).
+from tf_psplugin import table_lookups  # noqa: E402  pylint: disable=g-import-not-at-top

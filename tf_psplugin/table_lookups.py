@@ -1,0 +1,183 @@
+"""Embedding lookups on an interleaved table: TF's lookup APIs dispatched to it.
+
+Why this module exists: `tf.nn.embedding_lookup`, the sparse and safe
+variants, v1 and v2, and `tf.identity` must see an
+`InterleavedShardedVariable` as one logical ``[V, D]`` table. Each is
+overridden for the type with `tf.experimental.dispatch_for_api` and calls
+the v1 API on the shard list with ``partition_strategy="mod"`` -- one gather
+per shard, on the shard's PS. Type-based dispatch is tried before the
+fallback `dispatch_for_types` that `ShardedVariable` registers for
+`embedding_lookup`. v1 `safe_embedding_lookup_sparse` is the exception (see
+`install_safe_lookup_v1_override`). Registered when `sharding` is imported.
+"""
+
+import threading
+from typing import List, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tf_psplugin._tf_internal import sharded_variable
+from tf_psplugin.sharding import InterleavedShardedVariable
+
+
+# `ids` types the v1 lookups claim. Ragged ids are left to TF's ragged
+# dispatcher (which flattens them and calls back into these), because two
+# type-based targets matching the same call is an error in TF 2.15.
+_DenseIds = Union[tf.Tensor, tf.Variable, np.ndarray, np.generic, int, list, tuple]
+_Params = Union[InterleavedShardedVariable, List[InterleavedShardedVariable]]
+
+
+def _shards_of(params):
+    if isinstance(params, (list, tuple)):
+        if len(params) != 1:
+            raise ValueError(
+                "Pass one InterleavedShardedVariable as params, not a list of "
+                f"{len(params)}: each one is already a whole table."
+            )
+        params = params[0]
+    return params.variables
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
+def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
+    return tf.compat.v1.nn.embedding_lookup(params.variables, ids, "mod", name, max_norm=max_norm)
+
+
+@tf.experimental.dispatch_for_api(
+    tf.compat.v1.nn.embedding_lookup, {"params": _Params, "ids": _DenseIds}
+)
+def _embedding_lookup_v1(
+    params, ids, partition_strategy="mod", name=None, validate_indices=True, max_norm=None
+):
+    # The table's layout is "mod" whatever the caller asks for: a caller
+    # passing "div" means "the table's own layout" (embedding_lookup_v2 does).
+    del partition_strategy
+    return tf.compat.v1.nn.embedding_lookup(
+        _shards_of(params), ids, "mod", name, validate_indices, max_norm
+    )
+
+
+@tf.experimental.dispatch_for_api(
+    tf.nn.embedding_lookup_sparse, {"params": InterleavedShardedVariable}
+)
+def _embedding_lookup_sparse_v2(
+    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
+):
+    return tf.compat.v1.nn.embedding_lookup_sparse(
+        params.variables, sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
+    )
+
+
+@tf.experimental.dispatch_for_api(
+    tf.compat.v1.nn.embedding_lookup_sparse, {"params": _Params, "sp_ids": tf.SparseTensor}
+)
+def _embedding_lookup_sparse_v1(
+    params,
+    sp_ids,
+    sp_weights,
+    partition_strategy="mod",
+    name=None,
+    combiner=None,
+    max_norm=None,
+    allow_fast_lookup=False,
+):
+    del partition_strategy  # Always the table's own "mod" layout.
+    return tf.compat.v1.nn.embedding_lookup_sparse(
+        _shards_of(params), sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
+    )
+
+
+@tf.experimental.dispatch_for_api(
+    tf.nn.safe_embedding_lookup_sparse,
+    {"embedding_weights": InterleavedShardedVariable},
+)
+def _safe_embedding_lookup_sparse_v2(
+    embedding_weights,
+    sparse_ids,
+    sparse_weights=None,
+    combiner="mean",
+    default_id=None,
+    max_norm=None,
+    name=None,
+    allow_fast_lookup=False,
+):
+    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
+        embedding_weights.variables,
+        sparse_ids,
+        sparse_weights=sparse_weights,
+        combiner=combiner,
+        default_id=default_id,
+        name=name,
+        partition_strategy="mod",
+        max_norm=max_norm,
+        allow_fast_lookup=allow_fast_lookup,
+    )
+
+
+@tf.experimental.dispatch_for_api(tf.identity, {"input": InterleavedShardedVariable})
+def _identity(input, name=None):  # pylint: disable=redefined-builtin
+    # TF maps identity over a composite's components, which then fail to
+    # rebuild a ShardedVariable from Tensors; a table's identity is its value.
+    return tf.identity(input._logical_value(), name=name)  # pylint: disable=protected-access
+
+
+def _safe_embedding_lookup_sparse_v1(
+    embedding_weights,
+    sparse_ids,
+    sparse_weights=None,
+    combiner="mean",
+    default_id=None,
+    name=None,
+    partition_strategy="div",
+    max_norm=None,
+    allow_fast_lookup=False,
+):
+    """TF's ShardedVariable dispatcher for v1 safe lookups, plus "mod" for ours."""
+    if isinstance(embedding_weights, InterleavedShardedVariable):
+        partition_strategy = "mod"
+    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
+        embedding_weights.variables,
+        sparse_ids,
+        sparse_weights=sparse_weights,
+        combiner=combiner,
+        default_id=default_id,
+        name=name,
+        partition_strategy=partition_strategy,
+        max_norm=max_norm,
+        allow_fast_lookup=allow_fast_lookup,
+    )
+
+
+_override_lock = threading.Lock()
+_override_installed = False
+
+
+def install_safe_lookup_v1_override():
+    """Makes v1 `safe_embedding_lookup_sparse` (feature columns call it) use "mod".
+
+    TF 2.15.1 registers `sharded_variable.safe_embedding_lookup_sparse` with
+    `dispatch_for_api` for every `ShardedVariable`; registering a second
+    target for our subclass would make every such call fail with "Multiple
+    dispatch targets". So we unregister TF's target and register one that
+    does exactly what TF's did for a plain `ShardedVariable` (pass the shards
+    and the caller's partition_strategy) and forces "mod" for ours. Runs once,
+    when the first interleaved table is built, never at import.
+    """
+    global _override_installed
+    with _override_lock:
+        if _override_installed:
+            return
+        api = tf.compat.v1.nn.safe_embedding_lookup_sparse
+        tf_target = getattr(sharded_variable, "safe_embedding_lookup_sparse", None)
+        claimed = InterleavedShardedVariable
+        if tf_target is not None:
+            try:
+                tf.experimental.unregister_dispatch_for(tf_target)
+                claimed = sharded_variable.ShardedVariable
+            except ValueError:  # Not registered in this TF version: nothing to replace.
+                pass
+        tf.experimental.dispatch_for_api(api, {"embedding_weights": claimed})(
+            _safe_embedding_lookup_sparse_v1
+        )
+        _override_installed = True
