@@ -242,9 +242,11 @@ def run_soak_chief(job):
 
         callbacks.append(tf_psplugin.ChiefCheckpoint(
             job["model_dir"], save_every_secs=job["checkpoint_every_secs"], max_to_keep=3))
-    # Far more epochs than the deadline allows: SoakProgress stops the fit.
-    history = model.fit(ds, epochs=10**7, steps_per_epoch=job["steps_per_epoch"], verbose=0,
-                        callbacks=callbacks)
+    # Far more epochs than the deadline allows: SoakProgress stops the fit. The
+    # plugin's setups run with its progress bar, as a user's job does (stock PSS
+    # refuses verbose=1).
+    history = model.fit(ds, epochs=10**7, steps_per_epoch=job["steps_per_epoch"],
+                        verbose=0 if job["setup"] == "stock_pss" else 1, callbacks=callbacks)
     trained = time.monotonic() - progress.start
     return {"steps": progress.steps, "epochs": progress.epochs, "train_seconds": trained,
             "examples_per_sec": progress.steps * examples_per_step / trained,
