@@ -13,7 +13,6 @@ leader configured before connecting).
 """
 
 import os
-import time
 from typing import Optional
 
 
@@ -89,26 +88,17 @@ def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0
     Raises:
         StrategyError: naming every task that never answered.
     """
-    tasks = []
-    for job in ("worker", "ps"):
-        for index, address in enumerate(cluster_spec.as_dict().get(job, [])):
-            tasks.append((f"{job}:{index}", address))
-    deadline = time.monotonic() + timeout_seconds
-    pending = list(tasks)
-    while True:
-        pending = [(role, addr) for role, addr in pending
-                   if not failover_lib.accepts_connections(addr, timeout=2.0)]
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_seconds)
+    addresses = {f"{job}:{index}": address for job in ("worker", "ps")
+                 for index, address in enumerate(cluster_spec.as_dict().get(job, []))}
+    pending = failover_lib.wait_for_listeners(addresses, timeout_seconds, poll_seconds,
+                                              connect_timeout=2.0)
     if pending:
-        missing = ", ".join(f"{role} at {addr}" for role, addr in pending)
+        missing = ", ".join(f"{role} at {addresses[role]}" for role in pending)
         raise StrategyError(
             f"cannot reach {missing} after {timeout_seconds:g} s. Fix: start those tasks "
             "(they run the same script, which calls tf_psplugin.start_server() first, or "
             "`python -m tf_psplugin.server`), check their addresses in TF_CONFIG / --worker_hosts "
             "/ --ps_hosts and the firewall, or raise connect_timeout_seconds.")
-
 
 
 def resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig]):

@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import tensorflow as tf
 from absl import logging
@@ -152,6 +152,22 @@ def accepts_connections(address: str, timeout: float = 1.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def wait_for_listeners(addresses: Dict[Any, str], timeout_seconds: float,
+                       poll_seconds: float, connect_timeout: float = 1.0) -> List[Any]:
+    """Polls until every address accepts connections; returns the keys that never did.
+
+    Keys come back in `addresses`' order.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    pending = list(addresses)
+    while True:
+        pending = [k for k in pending
+                   if not accepts_connections(addresses[k], timeout=connect_timeout)]
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(poll_seconds)
 
 
 # Weak: a checkpoint manager (and the model it references) lives as long as
@@ -418,14 +434,12 @@ class FailoverController:
         return restarted
 
     def _wait_for(self, tasks: Iterable[Tuple[str, int]], error) -> None:
-        deadline = time.monotonic() + self.policy.recovery_timeout_seconds
-        pending = sorted(tasks)
+        tasks = sorted(tasks)
         _say("waiting up to %g s for %s to accept connections" % (
-            self.policy.recovery_timeout_seconds, ", ".join(f"{j}:{i}" for j, i in pending)))
-        while pending and time.monotonic() < deadline:
-            pending = [t for t in pending if not accepts_connections(self._addresses[t])]
-            if pending:
-                time.sleep(self.policy.poll_seconds)
+            self.policy.recovery_timeout_seconds, ", ".join(f"{j}:{i}" for j, i in tasks)))
+        pending = wait_for_listeners({t: self._addresses[t] for t in tasks},
+                                     self.policy.recovery_timeout_seconds,
+                                     self.policy.poll_seconds)
         if pending:
             names = ", ".join(f"{j}:{i} at {self._addresses[(j, i)]}" for j, i in pending)
             raise FailoverError(

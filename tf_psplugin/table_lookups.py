@@ -102,17 +102,10 @@ def _safe_embedding_lookup_sparse_v2(
     name=None,
     allow_fast_lookup=False,
 ):
-    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
-        embedding_weights.variables,
-        sparse_ids,
-        sparse_weights=sparse_weights,
-        combiner=combiner,
-        default_id=default_id,
-        name=name,
-        partition_strategy="mod",
-        max_norm=max_norm,
-        allow_fast_lookup=allow_fast_lookup,
-    )
+    return _safe_embedding_lookup_sparse_v1(
+        embedding_weights, sparse_ids, sparse_weights=sparse_weights, combiner=combiner,
+        default_id=default_id, name=name, max_norm=max_norm,
+        allow_fast_lookup=allow_fast_lookup)  # An interleaved table: always "mod".
 
 
 @tf.experimental.dispatch_for_api(tf.identity, {"input": InterleavedShardedVariable})
