@@ -118,7 +118,6 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
         self._examples_per_step_arg = examples_per_step
         self._stream = stream
         self._dynamic_arg = dynamic
-        self._mode = None  # "train", "test" or "predict" while one runs.
         self._reset_counters()
 
     # -- Keras hooks ------------------------------------------------------------
@@ -165,13 +164,13 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
             self._first = (self.seen, now)  # Tracing is over: rates start here.
         if self.verbose != 1 or (self.target and self.seen >= self.target):
             return  # The last step's line is the epoch's final one.
-        interval = self.refresh_seconds if self._dynamic() else self.line_every_seconds
+        interval = self.refresh_seconds if self._is_dynamic else self.line_every_seconds
         if now - self._last_write < interval:
             return
         self._values = _fetch_logs(logs)  # Waits for this step only.
         now = time.monotonic()
         self._render(now, final=False)
-        self._last_write, self._last_seen = now, self.seen
+        self._last_write = now
 
     # -- internals --------------------------------------------------------------
 
@@ -181,8 +180,8 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
         self._start = time.monotonic()
         self._first = None
         self._last_write = self._start
-        self._last_seen = 0
         self._width = 0
+        self._is_dynamic = self._dynamic()  # Once per epoch, not an isatty() per step.
 
     def _lookup_examples_per_step(self):
         self.examples_per_step = self._examples_per_step_arg
@@ -233,7 +232,7 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
             text += f" - {rate:.1f} steps/s"
         for name, value in self._values.items():
             text += f" - {name}: {_format_value(value)}"
-        if self._dynamic():
+        if self._is_dynamic:
             pad = " " * max(self._width - len(text), 0)
             self._width = len(text)
             self._write("\r" + text + pad + ("\n" if final else ""))
