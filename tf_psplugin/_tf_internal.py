@@ -95,8 +95,9 @@ from tensorflow.python.ops import variables as tf_variables  # noqa: F401
 def keras_private_module(name: str):
     """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
 
-    Only `progress.install_keras_hooks` uses it (see the note at the end of
-    this module); checked on Keras 2.15 and tf-keras 2.16-2.21.
+    Used by `progress.install_keras_hooks` and
+    `epochs.install_data_handler_hook` (see the notes at the end of this
+    module); checked on Keras 2.15 and tf-keras 2.16-2.21.
     """
     from tf_psplugin._compat import KERAS_PACKAGE  # pylint: disable=g-import-not-at-top
 
@@ -130,3 +131,17 @@ def keras_private_module(name: str):
 #   verbose=1 and use the plugin's throttled ProgressBar under this strategy
 #   only; Keras has no hook for a strategy to choose its progress bar. Same
 #   names and signatures in Keras 2.15 and tf-keras 2.16-2.21.
+# * Keras 2's `<keras>.src.engine.data_adapter.get_data_handler` is wrapped
+#   once per process (epochs.py `install_data_handler_hook`): for a model under
+#   this strategy it marks evaluation inputs (Keras passes
+#   `pss_evaluation_shards` to evaluation handlers only) and sets the handler's
+#   `_inferred_steps` (its epoch length) and reads its `_dataset`; Keras has no
+#   hook for a strategy to say how long an epoch is. Same names in Keras 2.15
+#   and tf-keras 2.16-2.21.
+# * Per-worker datasets (epochs.py `SyncPerWorkerDataset`): it subclasses
+#   `coordinator_values.PerWorkerDatasetFromDatasetFunction`, reads its
+#   `_dataset_fn` (the traced dataset function) and calls the coordinator's
+#   `_create_per_worker_resources` to run one function on every worker (the
+#   public `schedule` runs on one), reading the result's `_values`: the
+#   stock class creates its iterators the same way. Same in TF 2.15.1 and
+#   2.21.0.

@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_context
@@ -372,9 +373,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         `strategy.experimental_distribute_dataset`) is sharded by batch:
         worker `i` of `n` reads batches `i, i+n, ...`, so one synchronous step
         consumes `n` consecutive batches (the global batch is `n` times the
-        dataset's batch). A dataset function is called with an
-        `tf.distribute.InputContext` naming the worker and is expected to
-        shard itself (as with `distribute_datasets_from_function`).
+        dataset's batch). A dataset function runs on each worker and is
+        expected to shard itself (`experimental_get_current_worker_index`).
+        Finite data ends on every worker at the same step: training input
+        is cut to the shortest worker's length, evaluation input padded to
+        the longest with empty batches (see `epochs.py`).
 
         Args:
             dataset_fn: A dataset, distributed dataset, or a function.
@@ -391,8 +394,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
 
     def _create_per_worker_dataset(self, dataset_fn):
         """Builds the per-worker dataset (see `create_per_worker_dataset`)."""
-        if not self._synchronous or callable(dataset_fn):
+        if not self._synchronous:
             return super().create_per_worker_dataset(dataset_fn)
+        evaluation = epochs_lib.building_evaluation_inputs()
+        if callable(dataset_fn) and not isinstance(dataset_fn, tf.data.Dataset):
+            per_worker = super().create_per_worker_dataset(dataset_fn)
+            if _returns_dataset(per_worker):
+                # The user's function shards itself: its lengths may differ
+                # per worker, so the epoch length is agreed on (epochs.py).
+                return epochs_lib.SyncPerWorkerDataset(
+                    per_worker._dataset_fn, self, evaluation)  # pylint: disable=protected-access
+            return per_worker  # E.g. Keras's DatasetCreator: steps are required.
         original = getattr(dataset_fn, "_original_dataset", dataset_fn)
         if not isinstance(original, tf.data.Dataset):
             return super().create_per_worker_dataset(dataset_fn)
@@ -405,7 +417,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             return ds.shard(num_workers, index)
 
-        return coordinator_values.PerWorkerDatasetFromDatasetFunction(sharded_dataset_fn, self)
+        return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self, evaluation)
 
     # -- internals ------------------------------------------------------------
 
@@ -466,8 +478,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                     outputs = self._execute(step, worker, worker_executor)
                 except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
                     error = e
-                    logging.error("tf_psplugin: worker %d failed step %d: %r",
-                                  worker.worker_index, step.step_id, e)
+                    # End of data is how a custom loop's epoch ends, not a failure.
+                    log = (logging.info if isinstance(e, tf.errors.OutOfRangeError)
+                           else logging.error)
+                    log("tf_psplugin: worker %d failed step %d: %r",
+                        worker.worker_index, step.step_id, e)
             self._finish_part(step, worker.worker_index, outputs, error, cancelled)
             # Keep nothing of the step (its inputs hold the user's iterators).
             del part, step, outputs, error
@@ -589,6 +604,12 @@ def _static_batch_size(per_worker_dataset) -> Optional[int]:
     if len(sizes) != 1 or None in sizes:
         return None
     return int(sizes.pop())
+
+
+def _returns_dataset(per_worker) -> bool:
+    """Whether a stock per-worker dataset's function returns a `tf.data.Dataset`."""
+    fn = getattr(per_worker, "_dataset_fn", None)
+    return isinstance(getattr(fn, "structured_outputs", None), tf.data.Dataset)
 
 
 def _new_sync_executor():

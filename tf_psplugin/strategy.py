@@ -40,6 +40,7 @@ import tensorflow as tf
 from tf_psplugin import collectives as collectives_lib
 from tf_psplugin import config as config_lib
 from tf_psplugin import connection
+from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
@@ -183,6 +184,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         # fit/evaluate(verbose=1 or "auto") show tf_psplugin's ProgressBar.
         setattr(self, progress_lib.STRATEGY_MARKER, True)
         progress_lib.install_keras_hooks()
+        # fit/evaluate on finite data: one epoch length for every worker.
+        epochs_lib.install_data_handler_hook()
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
             coordinator.failover = failover_lib.FailoverController(self, policy)

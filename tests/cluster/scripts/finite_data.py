@@ -1,0 +1,260 @@
+"""Finite data in synchronous mode, checked against one cluster in one chief.
+
+Used by tests/cluster/test_finite_data.py. Each check prints `CHECK <name>
+ok` or `CHECK <name> FAIL <why>`; the script goes on after a failed check,
+and ends with `DONE`. What an epoch is here: tf_psplugin/epochs.py.
+
+Every dataset has a batch count that is not a multiple of the 2 workers, and
+its last batch is partial, so every check would fail if the remainder were
+handled as stock PSS or the plugin before it handled it (CancelledError, or a
+hang in a collective).
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tf_psplugin
+
+BATCH, FEATURES, VOCAB, DIM = 8, 3, 40, 4
+EXAMPLES = 10 * BATCH + 3  # 11 batches of 8, the last one holds 3 examples.
+TOL = 1e-5
+
+
+def check(name, ok, why=""):
+    why = " ".join(str(why).split())[:400]
+    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
+
+
+def data(n=EXAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, VOCAB, size=(n, FEATURES)).astype("int64")
+    y = (rng.random((n, 1)) < 0.4).astype("float32")
+    return ids, y
+
+
+def make_model():
+    inp = tf.keras.Input((FEATURES,), dtype="int64")
+    x = tf.keras.layers.Embedding(
+        VOCAB, DIM, embeddings_initializer=tf.keras.initializers.RandomUniform(seed=1),
+        name="table")(inp)
+    x = tf.keras.layers.Flatten()(x)
+    x = tf.keras.layers.Dense(8, activation="relu",
+                              kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
+    out = tf.keras.layers.Dense(1, activation="sigmoid",
+                                kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
+    return tf.keras.Model(inp, out)
+
+
+def compile_model(model, spe=1):
+    model.compile(tf.keras.optimizers.legacy.SGD(0.1), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.BinaryAccuracy(name="acc"),
+                           tf.keras.metrics.AUC(name="auc")],
+                  steps_per_execution=spe)
+
+
+def logical_weights(model):
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, tf.keras.layers.Embedding):
+            out.append(tf.convert_to_tensor(layer.embeddings).numpy())
+        else:
+            out.extend(w.numpy() for w in layer.weights)
+    return out
+
+
+def reference_like(model):
+    """A single-process model with `model`'s current weights."""
+    ref = make_model()
+    weights = logical_weights(model)
+    for layer in ref.layers:
+        n = len(layer.weights)
+        layer.set_weights(weights[:n])
+        weights = weights[n:]
+    compile_model(ref)
+    return ref
+
+
+def max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(logical_weights(a), logical_weights(b)))
+
+
+def close(got, want):
+    return all(abs(got[k] - want[k]) <= TOL for k in want), {k: (got[k], want[k]) for k in want}
+
+
+def check_fit_epochs(strategy, name, dataset, spe=1):
+    """fit(epochs=3) ends cleanly; equals one process on the full global batches."""
+    with strategy.scope():
+        model = make_model()
+        compile_model(model, spe)
+    ref = reference_like(model)
+    try:
+        hist = model.fit(dataset, epochs=3, verbose=0)
+    except Exception as e:  # noqa: BLE001 - reported as the check's failure.
+        check(name, False, f"fit raised {type(e).__name__}: {e}")
+        return
+    # 11 batches over 2 workers: 5 full global steps per epoch, batch 10 dropped
+    # (and 11, the partial one): one process on global batches 0-9.
+    ids, y = data()
+    kept = 10 * BATCH
+    ref_ds = tf.data.Dataset.from_tensor_slices((ids[:kept], y[:kept])).batch(2 * BATCH)
+    ref_hist = ref.fit(ref_ds, epochs=3, verbose=0)
+    diff = max_diff(model, ref)
+    epochs = len(hist.history["loss"])
+    ok = epochs == 3 and diff <= TOL and abs(hist.history["loss"][-1]
+                                            - ref_hist.history["loss"][-1]) <= TOL
+    check(name, ok, f"epochs={epochs} max|w-ref|={diff:g} loss={hist.history['loss']} "
+          f"ref={ref_hist.history['loss']}")
+
+
+def check_evaluate(strategy, name, dataset, model):
+    """evaluate counts every example once: equals one process on the same data."""
+    ids, y = data()
+    want = reference_like(model).evaluate(ids, y, batch_size=BATCH, verbose=0, return_dict=True)
+    try:
+        got = model.evaluate(dataset, verbose=0, return_dict=True)
+    except Exception as e:  # noqa: BLE001
+        check(name, False, f"evaluate raised {type(e).__name__}: {e}")
+        return
+    ok, detail = close(got, want)
+    check(name, ok, detail)
+
+
+def check_custom_loop_uneven(coordinator):
+    """A dataset function with uneven shards: every worker stops at the shortest."""
+
+    def dataset_fn():
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        # worker 0: 3 batches, worker 1: 5 batches.
+        n = tf.cast(3 + 2 * index, tf.int64)
+        return tf.data.Dataset.range(100).take(n * 2).batch(2)
+
+    @tf.function
+    def step(iterator):
+        return tf.reduce_sum(next(iterator))
+
+    per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+    for epoch in range(2):
+        it = iter(per_worker)
+        results = []
+        start = time.monotonic()
+        error = None
+        try:
+            for _ in range(8):
+                results.append(coordinator.schedule(step, args=(it,)))
+            coordinator.join()
+        except tf.errors.OutOfRangeError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001
+            error = e
+        done = []
+        for r in results:
+            try:
+                done.append(int(r.fetch()))
+            except Exception:  # noqa: BLE001 - cancelled or out of range.
+                pass
+        took = time.monotonic() - start
+        check(f"custom_loop_uneven_epoch{epoch}",
+              isinstance(error, tf.errors.OutOfRangeError) and len(done) == 3 and took < 30,
+              f"error={type(error).__name__}: {error} steps={done} took={took:.1f}s")
+    # The cluster is still usable after the epochs ended.
+    try:
+        it = iter(per_worker)
+        value = int(coordinator.schedule(step, args=(it,)).fetch())
+        coordinator.join()
+        check("custom_loop_usable_after", value == 0 + 1, value)
+    except Exception as e:  # noqa: BLE001
+        check("custom_loop_usable_after", False, repr(e))
+
+
+def check_custom_loop_sharded(coordinator):
+    """A tf.data.Dataset sharded by the coordinator: OutOfRangeError, not CancelledError."""
+    ds = tf.data.Dataset.range(11 * 4).batch(4)  # 11 batches over 2 workers.
+
+    @tf.function
+    def step(iterator):
+        return tf.reduce_sum(next(iterator))
+
+    it = iter(coordinator.create_per_worker_dataset(ds))
+    count = 0
+    error = None
+    try:
+        for _ in range(20):
+            coordinator.schedule(step, args=(it,))
+            count += 1
+        coordinator.join()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    check("custom_loop_sharded_out_of_range", isinstance(error, tf.errors.OutOfRangeError),
+          f"{type(error).__name__}: {error} after {count} schedules")
+
+
+def main():
+    tf_psplugin.start_server()
+    strategy = tf_psplugin.HybridParameterServerStrategy()
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    ids, y = data()
+    ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
+
+    check_fit_epochs(strategy, "fit_epochs_known_length", ds)
+    unknown = ds.filter(lambda x, y: True)
+    check("unknown_cardinality_input",
+          int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY, unknown.cardinality())
+    check_fit_epochs(strategy, "fit_epochs_unknown_length", unknown)
+    # Keras cuts the last execution of an epoch short (5 steps, 2 per execution).
+    check_fit_epochs(strategy, "fit_epochs_steps_per_execution", ds, spe=2)
+
+    with strategy.scope():
+        model = make_model()
+        compile_model(model)
+    model.fit(ds.repeat(), epochs=1, steps_per_epoch=3, verbose=0)
+    check_evaluate(strategy, "evaluate_exact", ds, model)
+    check_evaluate(strategy, "evaluate_exact_unknown_length", unknown, model)
+    # A static batch size (drop_remainder=True): 9 batches, padded all the same.
+    ids_s, y_s = ids[:9 * BATCH], y[:9 * BATCH]
+    static = tf.data.Dataset.from_tensor_slices((ids[:9 * BATCH + 5], y[:9 * BATCH + 5])).batch(
+        BATCH, drop_remainder=True)
+    want = reference_like(model).evaluate(ids_s, y_s, batch_size=BATCH, verbose=0,
+                                          return_dict=True)
+    try:
+        got = model.evaluate(static, verbose=0, return_dict=True)
+        ok, detail = close(got, want)
+        check("evaluate_exact_static_batch", ok, detail)
+    except Exception as e:  # noqa: BLE001
+        check("evaluate_exact_static_batch", False, repr(e))
+
+    # fit's validation data is evaluation input too.
+    want = reference_like(model).evaluate(ids, y, batch_size=BATCH, verbose=0, return_dict=True)
+    try:
+        hist = model.fit(ds.repeat(), epochs=1, steps_per_epoch=1, validation_data=ds,
+                         verbose=0)
+        # Validation ran after the training step: compare with the trained weights.
+        want = reference_like(model).evaluate(ids, y, batch_size=BATCH, verbose=0,
+                                              return_dict=True)
+        got = {k: hist.history["val_" + k][0] for k in want}
+        ok, detail = close(got, want)
+        check("fit_validation_exact", ok, detail)
+    except Exception as e:  # noqa: BLE001
+        check("fit_validation_exact", False, repr(e))
+
+    try:
+        pred = model.predict(ds, verbose=0)
+        want = reference_like(model).predict(ids, batch_size=BATCH, verbose=0)
+        check("predict_finite", pred.shape == (EXAMPLES, 1)
+              and float(np.abs(pred - want).max()) <= TOL, pred.shape)
+    except Exception as e:  # noqa: BLE001
+        check("predict_finite", False, repr(e))
+
+    check_custom_loop_sharded(coordinator)
+    check_custom_loop_uneven(coordinator)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

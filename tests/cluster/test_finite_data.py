@@ -1,0 +1,48 @@
+"""Finite data in synchronous mode: epochs end cleanly, evaluation is exact.
+
+One chief runs every check against one cluster (tests/cluster/scripts/
+finite_data.py); each is asserted here by name. What an epoch is:
+tf_psplugin/epochs.py and docs/concepts.md.
+"""
+
+import os
+
+import pytest
+
+from tests.cluster import _cluster_util as cu
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "finite_data.py")
+CHECKS = (
+    "fit_epochs_known_length",  # fit(epochs=3), 11 batches: 5 steps/epoch, exact.
+    "unknown_cardinality_input",
+    "fit_epochs_unknown_length",  # ... the same when the length must be counted,
+    "fit_epochs_steps_per_execution",  # ... and with a partial last execution.
+    "evaluate_exact",  # Every example counted once (padding, all-reduced metrics).
+    "evaluate_exact_unknown_length",
+    "evaluate_exact_static_batch",
+    "fit_validation_exact",
+    "predict_finite",
+    "custom_loop_sharded_out_of_range",  # OutOfRangeError, not CancelledError.
+    "custom_loop_uneven_epoch0",  # Uneven shards end the epoch for all, no hang,
+    "custom_loop_uneven_epoch1",  # ... every epoch,
+    "custom_loop_usable_after",  # ... and the cluster stays usable.
+)
+
+pytestmark = [pytest.mark.cluster]
+
+
+@pytest.mark.timeout(600)
+def test_finite_data(make_cluster):
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    result = cluster.run_chief([cu.PYTHON, SCRIPT], timeout=500)
+    verdicts = {}
+    for line in result.stdout.splitlines():
+        if "CHECK " in line:
+            name, verdict = (line.split("CHECK ", 1)[1].split(" ", 1) + [""])[:2]
+            verdicts.setdefault(name, []).append(verdict)
+    failed = {name: v for name, v in verdicts.items() if any(x != "ok" for x in v)}
+    assert not failed, failed
+    missing = [name for name in CHECKS if name not in verdicts]
+    assert not missing, (missing, result.stdout[-6000:])
+    assert result.returncode == 0 and "DONE" in result.stdout, result.stdout[-6000:]

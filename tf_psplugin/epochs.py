@@ -1,0 +1,266 @@
+"""What an epoch is in synchronous training, and how finite data ends.
+
+In synchronous mode every step runs on every worker and meets its peers in
+collectives, so a worker may not simply stop when its own data runs out:
+its peers would wait in the step's all-reduce for a part that never comes.
+Stock ParameterServerStrategy has no such problem (a step runs on one
+worker; the first `OutOfRangeError` ends the epoch) and no such guarantee
+either (which worker reads which batch is up to the scheduler).
+
+Here the length of an epoch is agreed on before it starts. Each worker's
+number of batches ``c_i`` is read from its dataset's cardinality, or counted
+on the worker when the cardinality is unknown (one extra pass over the
+worker's input, done once per dataset; ``dataset.apply(
+tf.data.experimental.assert_cardinality(n))`` avoids it). Then:
+
+* **Training** (`fit`, custom loops): an epoch is ``min(c_i)`` steps, the
+  steps every worker can take. Each worker's data is cut to that length, so
+  all workers run out at the same step and ``OutOfRangeError`` (custom
+  loops) ends the epoch everywhere. The remainder is dropped (at most
+  ``n - 1`` batches when the coordinator shards a `tf.data.Dataset` over
+  ``n`` workers): every step then trains on a full global batch, which keeps
+  synchronous training equal to one process on the global batch.
+* **Evaluation** (`evaluate`, `fit`'s validation): an epoch is
+  ``max(c_i)`` steps. A worker whose data ends first reads empty batches
+  (zero examples, the same structure) until the others finish. Metric
+  updates are all-reduced sums, so every example counts exactly once, as
+  with stock PSS's exact evaluation.
+
+`model.fit`/`evaluate` without ``steps_per_epoch``/``steps`` get the agreed
+length as their epoch length (the progress bar shows it too). With
+``steps_per_epoch`` given, Keras's own rule applies (data that runs out
+early ends training with Keras's warning). `predict` runs on the chief, as
+with stock PSS, and needs none of this.
+
+Which of the two a dataset is for is known only to Keras's data handler, so
+`install_data_handler_hook` wraps Keras's `get_data_handler` (evaluation
+handlers are the ones built with ``pss_evaluation_shards``), once per
+process, for models under this strategy only.
+"""
+
+import contextlib
+import threading
+from typing import List, Optional
+
+import tensorflow as tf
+from absl import logging
+
+from tf_psplugin import _tf_internal
+from tf_psplugin._tf_internal import coordinator_values
+
+_local = threading.local()
+_install_lock = threading.Lock()
+_installed = False
+
+
+@contextlib.contextmanager
+def evaluation_inputs(evaluation: bool = True):
+    """Marks per-worker datasets created inside as evaluation inputs."""
+    previous = getattr(_local, "evaluation", False)
+    _local.evaluation = evaluation
+    try:
+        yield
+    finally:
+        _local.evaluation = previous
+
+
+def building_evaluation_inputs() -> bool:
+    """Whether the per-worker dataset being created is for evaluation."""
+    return getattr(_local, "evaluation", False)
+
+
+class _NoEmptyBatch(Exception):
+    """The element structure has a part no empty batch can be built for."""
+
+
+def _relax_batch_dimension(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """The dataset with the leading (batch) dimension of every tensor unknown.
+
+    An empty padding batch must match the element spec, which a static batch
+    size (``batch(..., drop_remainder=True)``) does not allow.
+    """
+    def relax(element):
+        def one(t):
+            if isinstance(t, tf.Tensor) and t.shape.rank and t.shape[0] is not None:
+                return tf.compat.v1.placeholder_with_default(t, [None] + t.shape[1:].as_list())
+            return t
+        return tf.nest.map_structure(one, element)
+
+    # zip((ds,)) makes every element a 1-tuple, so `map` passes the original
+    # element (any structure) as one argument.
+    return tf.data.Dataset.zip((dataset,)).map(relax)
+
+
+def _empty_batch(element_spec):
+    """An element of `element_spec` holding zero examples."""
+    def one(spec):
+        if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+            if spec.shape[0] not in (None, 0):
+                raise _NoEmptyBatch(f"static batch dimension in {spec}")
+            dims = [0] + [d if d is not None else 0 for d in spec.shape[1:].as_list()]
+            return tf.zeros(dims, spec.dtype)
+        if isinstance(spec, tf.RaggedTensorSpec) and spec.shape.rank and spec.shape[0] is None:
+            dense = tf.zeros([0] * spec.shape.rank, spec.dtype)
+            return tf.RaggedTensor.from_tensor(dense, ragged_rank=spec.ragged_rank,
+                                               row_splits_dtype=spec.row_splits_dtype)
+        if isinstance(spec, tf.SparseTensorSpec) and spec.shape.rank and spec.shape[0] is None:
+            rank = spec.shape.rank
+            dims = [0] + [d if d is not None else 0 for d in spec.shape[1:].as_list()]
+            return tf.SparseTensor(tf.zeros([0, rank], tf.int64), tf.zeros([0], spec.dtype),
+                                   tf.constant(dims, tf.int64))
+        raise _NoEmptyBatch(f"no empty batch for {spec}")
+    return tf.nest.map_structure(one, element_spec)
+
+
+def _count_batches(dataset: tf.data.Dataset):
+    """The dataset's length: its cardinality, or counted when unknown (-1: infinite)."""
+    cardinality = dataset.cardinality()
+
+    def count():
+        ones = dataset.map(lambda *_: tf.constant(1, tf.int64))
+        return ones.reduce(tf.constant(0, tf.int64), lambda total, one: total + one)
+
+    return tf.cond(tf.equal(cardinality, tf.data.UNKNOWN_CARDINALITY), count,
+                   lambda: cardinality)
+
+
+class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunction):
+    """A per-worker dataset whose epochs end on every worker at the same step.
+
+    Created by `HybridClusterCoordinator.create_per_worker_dataset` in
+    synchronous mode (see the module docstring for what an epoch is).
+
+    Args:
+        dataset_fn: A function returning a `tf.data.Dataset`, called on each
+            worker (it may shard by `experimental_get_current_worker_index`).
+        coordinator: The `HybridClusterCoordinator`.
+        evaluation: Whether this is evaluation input (pad to the longest
+            worker) rather than training input (cut to the shortest).
+    """
+
+    def __init__(self, dataset_fn, coordinator, evaluation: bool = False):
+        super().__init__(dataset_fn, coordinator)
+        self._evaluation = False
+        self._padding_spec = None
+        if evaluation:
+            base = self._dataset_fn
+            relaxed = tf.function(lambda: _relax_batch_dimension(base())).get_concrete_function()
+            try:
+                _empty_batch(relaxed.structured_outputs.element_spec)
+                self._dataset_fn = relaxed
+                self._evaluation = True
+            except _NoEmptyBatch as e:
+                logging.warning(
+                    "tf_psplugin: evaluation input cannot be padded with empty batches (%s): "
+                    "each epoch ends where the shortest worker's data ends, so up to one step of "
+                    "examples per worker is not evaluated. Fix: give tensors, ragged or sparse "
+                    "tensors whose batch dimension is dynamic.", e)
+        self._lengths: Optional[List[int]] = None
+        self._counted = False
+
+    @property
+    def evaluation(self) -> bool:
+        """Whether epochs are padded to the longest worker (evaluation input)."""
+        return self._evaluation
+
+    def batches_per_worker(self) -> Optional[List[int]]:
+        """Each worker's number of batches, or None (infinite, or not countable).
+
+        Counted once (on the workers, in parallel) and then reused: like
+        Keras's own inferred epoch length, it assumes the data has the same
+        length every epoch (each later epoch asserts that it does).
+        """
+        if not self._counted:
+            self._counted = True
+            self._lengths = self._count()
+        return self._lengths
+
+    def epoch_steps(self) -> Optional[int]:
+        """Steps in one epoch on every worker (see the module docstring), or None."""
+        lengths = self.batches_per_worker()
+        if lengths is None:
+            return None
+        return max(lengths) if self._evaluation else min(lengths)
+
+    def _count(self) -> Optional[List[int]]:
+        fn = self._dataset_fn
+        # One resource closure per worker (they run in parallel on the stock
+        # worker threads), as the stock class creates its iterators.
+        remote = self._coordinator._create_per_worker_resources(  # pylint: disable=protected-access
+            lambda: _count_batches(fn()))
+        try:
+            lengths = [int(v.fetch()) for v in remote._values]  # pylint: disable=protected-access
+        except Exception as e:  # noqa: BLE001 - the iterator will raise it where TF raises it.
+            logging.debug("tf_psplugin: could not count the input's batches: %r", e)
+            return None
+        if any(n < 0 for n in lengths):  # Infinite: no end to agree on.
+            return None
+        return lengths
+
+    def __iter__(self):
+        steps = self.epoch_steps()
+        if steps is None:
+            return super().__iter__()
+        lengths = self._lengths
+        fn = self._dataset_fn
+        evaluation = self._evaluation
+        index = tf.distribute.coordinator.experimental_get_current_worker_index
+
+        def epoch_dataset():
+            dataset = fn()
+            # Later epochs must have the lengths that were agreed on: a worker
+            # running out early would leave its peers waiting in a collective.
+            expected = tf.gather(tf.constant(lengths, tf.int64), index())
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(expected))
+            if evaluation:
+                padding = tf.data.Dataset.from_tensors(_empty_batch(dataset.element_spec))
+                dataset = dataset.concatenate(padding.repeat())
+            return dataset.take(steps)
+
+        # A per-epoch per-worker dataset (its closures read only their own
+        # function, also when a restarted worker re-creates its iterator).
+        epoch = coordinator_values.PerWorkerDatasetFromDatasetFunction(
+            tf.function(epoch_dataset).get_concrete_function(), self._coordinator)
+        return iter(epoch)
+
+
+def install_data_handler_hook() -> None:
+    """Gives Keras's fit/evaluate the agreed epoch length (idempotent).
+
+    Wraps ``<keras>.src.engine.data_adapter.get_data_handler`` (private
+    Keras API, same name and signature in Keras 2.15 and tf-keras
+    2.16-2.21). For a model whose coordinator dispatches synchronously it
+    marks evaluation handlers (Keras builds those, and only those, with a
+    ``pss_evaluation_shards`` argument) so their per-worker dataset is
+    padded, and, when no step count was given, sets the handler's epoch
+    length to `SyncPerWorkerDataset.epoch_steps`. Every other model goes
+    through Keras's function unchanged.
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        data_adapter = _tf_internal.keras_private_module("engine.data_adapter")
+        original = data_adapter.get_data_handler
+
+        def get_data_handler(*args, **kwargs):
+            coordinator = getattr(kwargs.get("model"), "_cluster_coordinator", None)
+            if not getattr(coordinator, "synchronous", False):
+                return original(*args, **kwargs)
+            with evaluation_inputs("pss_evaluation_shards" in kwargs):
+                handler = original(*args, **kwargs)
+            dataset = getattr(handler, "_dataset", None)
+            if kwargs.get("steps_per_epoch") is None and isinstance(dataset, SyncPerWorkerDataset):
+                steps = dataset.epoch_steps()
+                if steps == 0:
+                    raise ValueError(
+                        "tf_psplugin: the input has no complete step for the "
+                        f"{coordinator.num_workers} workers (batches per worker: "
+                        f"{dataset.batches_per_worker()}). Fix: give at least one batch per "
+                        "worker, or a smaller batch size.")
+                if steps is not None:
+                    handler._inferred_steps = steps  # pylint: disable=protected-access
+            return handler
+
+        data_adapter.get_data_handler = get_data_handler
+        _installed = True
