@@ -2,9 +2,9 @@
 
 The public API is listed here and only here (see `__all__`). The command-line
 modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch`,
-the data helpers in `tf_psplugin.data` and the test helpers in
-`tf_psplugin.testing` are public too; everything else is private and may
-change.
+the opt-in in-process recovery `tf_psplugin.elastic`, the data helpers in
+`tf_psplugin.data` and the test helpers in `tf_psplugin.testing` are public
+too; everything else is private and may change.
 
 Importing this package raises ImportError when `tf.keras` is Keras 3, which
 has no ParameterServerStrategy; the message says what to install.
@@ -20,7 +20,9 @@ from tf_psplugin.config import resolve as resolve_cluster
 from tf_psplugin.coordinator import HybridClusterCoordinator
 from tf_psplugin.evaluator import EvaluatorError, run_evaluator
 from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
-from tf_psplugin.failover import FailoverError, FailoverPolicy
+from tf_psplugin import elastic
+from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPolicy,
+                                  TaskFailedError)
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.progress import ProgressBar
@@ -60,12 +62,15 @@ __all__ = [
     "ModelDirError",
     "PlacementPolicy",
     "ProgressBar",
+    "RESTART_EXIT_CODE",
     "ReplicatedVariable",
     "StrategyError",
+    "TaskFailedError",
     "TrainingSummaries",
     "__version__",
     "build_optimizer_slots",
     "current_worker_index",
+    "elastic",
     "embedding_table_scope",
     "export_from_checkpoint",
     "export_saved_model",

@@ -69,6 +69,17 @@ warnings.filterwarnings(
 # task; the chief's failover reads it (failover.FailoverPolicy.task_restarts).
 # Defined here, not in failover.py, so the launcher needs no TensorFlow import.
 TASK_RESTARTS_ENV = "TF_PSPLUGIN_TASK_RESTARTS"
+# The chief's exit status after a worker or PS failure it cannot ride out
+# in-process (failover.TaskFailedError): "restart me, I resume from the latest
+# checkpoint". 138 is the code Kubeflow's training operator reserves for "a
+# user-defined retryable error" under `restartPolicy: ExitCode` (it restarts
+# a replica on 130, 137, 138 and 143 and treats every other code as
+# permanent; pkg/util/train IsRetryableExitCode). The launcher's
+# --restart-failed restarts the chief on it.
+RESTART_EXIT_CODE = 138
+# How many times the chief was restarted after such a failure; set by the
+# launcher (and by tf_psplugin.elastic.run) for the restarted chief.
+CHIEF_RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
 
 JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker", "ps")

@@ -450,7 +450,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             # Recovery lets healthy parts finish; parts stuck in a collective
             # with the dead peer are abandoned by the restart.
             self.recovering = True
-            self.failover.recover(self, err)  # Restarts the chief; raises if it cannot.
+            self.failover.recover(self, err)  # Raises TaskFailedError or FailoverError.
         raise err
 
     def _worker_loop(self, worker, q):

@@ -20,21 +20,29 @@ processes that did not die. So recovery is:
    between the collectives and the end-of-step barrier), nothing is saved and
    the latest periodic checkpoint is used instead, so no update is ever
    applied twice.
-3. **Wait** for every failed task to accept connections again (the launcher's
-   `--restart-failed`, or a Kubernetes pod restart), up to
-   `recovery_timeout_seconds`; otherwise stop with an error naming the task.
-   When nothing will restart a task (`FailoverPolicy.task_restarts` False;
-   the launcher says so through `TF_PSPLUGIN_TASK_RESTARTS=0` when run without
-   `--restart-failed`), the chief stops at once after step 2, naming the dead
-   task and the checkpoint to resume from, and leaves the healthy tasks alone.
-   We stop rather than continue with fewer workers: the collective group
-   size, the global batch and the data sharding are all functions of the
-   worker count, and silently changing them changes the model you train.
-4. **Restart the chief in place** (`os.execv`, same pid, same arguments and
-   environment, a fresh TensorFlow context). The training script runs again,
-   reconnects, and its checkpoint callback restores the latest checkpoint
-   (tables into however many PS tasks there are, dense variables, optimizer
-   slots, step counter, input position) and trains on.
+3. **Stop, and let the restart resume.** The chief raises `TaskFailedError`
+   naming the failed task and the checkpoint to resume from. Uncaught, it
+   ends the chief with exit status `RESTART_EXIT_CODE` (138) and a one-line
+   message, so whatever restarts the chief does so: the launcher's
+   `--restart-failed`, or a TFJob's `restartPolicy: ExitCode` (Kubeflow's
+   code for a user-defined retryable error). The restarted chief waits for
+   every task, restores the latest checkpoint (tables into however many PS
+   tasks there are, dense variables, optimizer slots, step counter, input
+   position) and trains on. Before raising, the chief makes the surviving
+   workers restart too (collective members restart together, see
+   `_restart_surviving_workers`), but only when something will restart them:
+   when nothing will (`FailoverPolicy.task_restarts` False; the launcher
+   says so through `TF_PSPLUGIN_TASK_RESTARTS=0` when run without
+   `--restart-failed`), the chief raises `FailoverError` instead (exit status
+   1), naming the dead task and the checkpoint, and leaves the healthy tasks
+   alone. We stop rather than continue with fewer workers: the collective
+   group size, the global batch and the data sharding are all functions of
+   the worker count, and silently changing them changes the model you train.
+
+The library never replaces the process or re-runs the user's code by
+itself. Recovery inside one process is opt-in: `tf_psplugin.elastic.run(
+train_fn)` catches `TaskFailedError`, waits for the failed tasks to come
+back and calls `train_fn` again (it builds a new strategy and restores).
 
 A PS failure skips step 2 (its shards are gone): steps lost are at most the
 checkpoint interval. A chief failure is the same as step 4 done by whoever
@@ -58,8 +66,9 @@ from absl import logging
 
 from tf_psplugin import config as config_lib
 from tf_psplugin import model_dir as model_dir_lib
+from tf_psplugin._tf_internal import context, executor
 
-RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
+RESTARTS_ENV = config_lib.CHIEF_RESTARTS_ENV
 # Read when FailoverPolicy.task_restarts is None (see config.py).
 TASK_RESTARTS_ENV = config_lib.TASK_RESTARTS_ENV
 # How long recovery waits for in-flight step parts to end before going on
@@ -81,8 +90,44 @@ _TASK_FAILURE_ERRORS = (
 )
 
 
+RESTART_EXIT_CODE = config_lib.RESTART_EXIT_CODE
+
+
 class FailoverError(RuntimeError):
-    """Training cannot continue after a task failure; the message says why."""
+    """Training cannot continue after a task failure; the message says why.
+
+    Uncaught, it ends the chief with a one-line message and exit status
+    `exit_code` (1: restarting the chief alone would not help).
+    """
+
+    exit_code = 1
+
+
+class TaskFailedError(FailoverError):
+    """A worker or PS task failed; restart the chief to resume from a checkpoint.
+
+    Raised by the step (`fit`, `schedule`, `join`, an eager read) after the
+    chief saved what survived. Uncaught, it ends the chief with exit status
+    `RESTART_EXIT_CODE` (138), which the launcher's `--restart-failed` and a
+    TFJob's `restartPolicy: ExitCode` restart on; `tf_psplugin.elastic.run`
+    catches it and recovers in-process.
+
+    Attributes:
+        failed_tasks: The failed tasks, e.g. ``["worker:1"]``.
+        addresses: ``{"worker:1": "host:port"}`` for the failed tasks, plus
+            any surviving worker that was asked to restart with them.
+        checkpoint: The checkpoint a restart resumes from, or None (no
+            checkpoint yet: a restart starts over).
+    """
+
+    exit_code = RESTART_EXIT_CODE
+
+    def __init__(self, message: str, failed_tasks: List[str], addresses: Dict[str, str],
+                 checkpoint: Optional[str]):
+        super().__init__(message)
+        self.failed_tasks = list(failed_tasks)
+        self.addresses = dict(addresses)
+        self.checkpoint = checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +136,8 @@ class FailoverPolicy:
 
     Attributes:
         enabled: Recover automatically (else failures are raised as errors).
-        recovery_timeout_seconds: How long to wait for a failed task to come
-            back before stopping with an error.
-        max_restarts: How many times the chief may restart itself in place.
+        recovery_timeout_seconds: How long `tf_psplugin.elastic.run` waits
+            for a failed task to come back before stopping with an error.
         poll_seconds: Probe interval while waiting.
         task_restarts: Whether something restarts a failed worker or PS task
             (the launcher's --restart-failed, a Kubernetes restart policy).
@@ -105,7 +149,6 @@ class FailoverPolicy:
 
     enabled: bool = True
     recovery_timeout_seconds: float = 300.0
-    max_restarts: int = 20
     poll_seconds: float = 0.5
     task_restarts: Optional[bool] = None
 
@@ -176,6 +219,41 @@ _checkpointers: List["weakref.ref"] = []
 
 # Hung tasks this process gave up on (see `_exit_if_wedged`).
 _wedged: Set[Tuple[str, int]] = set()
+# The exit status an uncaught FailoverError asked for (see `install_exit_hook`).
+_exit_status = 1
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def install_exit_hook() -> None:
+    """Ends the process cleanly on an uncaught `FailoverError` (idempotent).
+
+    Wraps `sys.excepthook`: an uncaught `FailoverError` prints its one-line
+    message (no traceback: the failover log lines above it say what
+    happened) and exits with the error's `exit_code`, e.g. 138 for
+    `TaskFailedError`. `finally` blocks and atexit handlers run as usual.
+    Other exceptions go to the previous hook. Interactive shells (IPython,
+    notebooks) do not use `sys.excepthook`: there the error is shown and the
+    kernel lives on.
+    """
+    global _hook_installed
+    with _hook_lock:
+        if _hook_installed:
+            return
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            global _exit_status
+            if isinstance(exc, FailoverError):
+                _exit_status = exc.exit_code
+                sys.stdout.flush()
+                sys.stderr.write(f"tf_psplugin: {exc}\n")
+                sys.stderr.flush()
+                raise SystemExit(exc.exit_code)
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+        _hook_installed = True
 
 
 def _exit_if_wedged() -> None:
@@ -196,7 +274,7 @@ def _exit_if_wedged() -> None:
         ", ".join(f"{j}:{i}" for j, i in sorted(_wedged))))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(_exit_status)
 
 
 atexit.register(_exit_if_wedged)
@@ -248,26 +326,25 @@ class FailoverController:
     Args:
         strategy: The `HybridParameterServerStrategy`.
         policy: A `FailoverPolicy`.
-        exec_fn: Replaces the process (tests inject a fake); default `os.execv`.
     """
 
-    def __init__(self, strategy, policy: FailoverPolicy, exec_fn=None):
+    def __init__(self, strategy, policy: FailoverPolicy):
         self._strategy = strategy
         self.policy = policy
-        self._exec = exec_fn or os.execv
         spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
         self._addresses = {(job, i): addr for job in ("worker", "ps")
                            for i, addr in enumerate(spec.get(job, []))}
         self._hung: Set[Tuple[str, int]] = set()  # Accept connections, never answer.
 
     def recover(self, coordinator, error: BaseException) -> None:
-        """Recovers from `error` (never returns normally: restarts the chief).
+        """Saves what survives `error`, then raises (never returns normally).
 
         Raises:
-            FailoverError: if the failed tasks do not come back in time, or the
-                restart budget is spent. The original error is chained.
+            TaskFailedError: something will restart the failed tasks; restart
+                the chief (exit status 138 when uncaught) to resume.
+            FailoverError: nothing will restart them; the healthy tasks were
+                left running. The original error is chained to both.
         """
-        start = time.monotonic()
         _say(f"a training step failed: {type(error).__name__}: {_first_line(error)}")
         # Parts of the failed step on surviving workers end when their
         # collectives see the dead peer's RPC errors; parts stuck with a hung
@@ -287,16 +364,28 @@ class FailoverController:
                  "periodic checkpoint")
         if not self.policy.restarts_expected():
             self._stop_without_restarts(failed, saved, error)
-        failed |= self._restart_surviving_workers(coordinator, failed)
-        if restarts_so_far() >= self.policy.max_restarts:
-            raise FailoverError(
-                f"the chief already restarted {restarts_so_far()} times "
-                f"(FailoverPolicy.max_restarts={self.policy.max_restarts}); giving up. Fix: look "
-                "at the failed tasks' logs, or raise max_restarts.") from error
-        self._wait_for(failed or set(self._addresses), error)
-        _say(f"cluster is whole again after {time.monotonic() - start:.1f} s; restarting the "
-             "chief in place to resume from the latest checkpoint")
-        self._restart_chief()
+        restarted = self._restart_surviving_workers(coordinator, failed)
+        self._stop_for_restart(failed, restarted, saved, error)
+
+    def _stop_for_restart(self, failed, restarted, saved, error) -> None:
+        """Raises TaskFailedError: the chief's restart resumes from the checkpoint."""
+        names = ", ".join(f"{j}:{i} at {self._addresses[(j, i)]}" for j, i in sorted(failed)
+                          if (j, i) in self._addresses) or "an unidentified task"
+        latest = saved or _latest_checkpoint()
+        resume = (f"a restart resumes from checkpoint {latest}" if latest else
+                  "no checkpoint was written yet, so a restart starts over (add "
+                  "tf_psplugin's checkpoint callback to keep progress)")
+        waiting = set(failed) | set(restarted) or set(self._addresses)
+        raise TaskFailedError(
+            f"{names} failed; training stopped and {resume}. The chief exits with status "
+            f"{RESTART_EXIT_CODE} (TaskFailedError) to be restarted. Fix: run it under the "
+            "launcher's --restart-failed or a TFJob's restartPolicy: ExitCode, which restart it "
+            "on that status; or wrap training in tf_psplugin.elastic.run(train_fn) to recover "
+            "inside this process.",
+            failed_tasks=[f"{j}:{i}" for j, i in sorted(failed)],
+            addresses={f"{j}:{i}": self._addresses[(j, i)] for j, i in sorted(waiting)
+                       if (j, i) in self._addresses},
+            checkpoint=latest) from error
 
     def _failed_tasks(self, error) -> Set[Tuple[str, int]]:
         """Tasks that are down now, plus PS tasks the error blames.
@@ -415,9 +504,21 @@ class FailoverController:
             device = f"/job:worker/replica:0/task:{i}/device:CPU:0"
 
             def abort(device=device):
-                with tf.device(device):
-                    tf.raw_ops.Abort(error_msg="tf_psplugin failover: restarting collective "
-                                     "members after a peer failed", exit_without_error=False)
+                # Its own executor, drained and cleared here: the thread's
+                # default one would raise the dying worker's "connection
+                # reset" from `Executor.__del__` when the thread ends, which
+                # Python prints as an ignored exception with a traceback.
+                abort_executor = executor.new_executor(enable_async=False)
+                try:
+                    with context.executor_scope(abort_executor), tf.device(device):
+                        tf.raw_ops.Abort(error_msg="tf_psplugin failover: restarting collective "
+                                         "members after a peer failed", exit_without_error=False)
+                finally:
+                    try:
+                        abort_executor.wait()
+                    except tf.errors.OpError:
+                        pass
+                    abort_executor.clear_error()
 
             try:
                 _call_with_timeout(abort, 10.0)
@@ -432,32 +533,6 @@ class FailoverController:
                     accepts_connections(self._addresses[t]) for t in restarted):
                 time.sleep(0.2)
         return restarted
-
-    def _wait_for(self, tasks: Iterable[Tuple[str, int]], error) -> None:
-        tasks = sorted(tasks)
-        _say("waiting up to %g s for %s to accept connections" % (
-            self.policy.recovery_timeout_seconds, ", ".join(f"{j}:{i}" for j, i in tasks)))
-        pending = wait_for_listeners({t: self._addresses[t] for t in tasks},
-                                     self.policy.recovery_timeout_seconds,
-                                     self.policy.poll_seconds)
-        if pending:
-            names = ", ".join(f"{j}:{i} at {self._addresses[(j, i)]}" for j, i in pending)
-            raise FailoverError(
-                f"{names} did not come back within {self.policy.recovery_timeout_seconds:g} s "
-                "after a failure; training stopped (the latest checkpoint is in model_dir). Fix: "
-                "restart the task (the launcher's --restart-failed, or your scheduler's restart "
-                "policy) and rerun the chief; or raise FailoverPolicy.recovery_timeout_seconds."
-            ) from error
-        # A server that just started listening may still be initialising.
-        time.sleep(1.0)
-
-    def _restart_chief(self) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.environ[RESTARTS_ENV] = str(restarts_so_far() + 1)
-        argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-        self._exec(argv[0] if os.path.isabs(argv[0]) else sys.executable, argv)
-
 
 def _call_with_timeout(fn, seconds: float):
     """Runs `fn` on a helper thread; raises TimeoutError if it takes too long.

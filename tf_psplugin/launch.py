@@ -114,7 +114,9 @@ class LocalCluster:
       num_ps: parameter servers (>= 1).
       evaluator: add an evaluator task (it runs the chief's command).
       restart_failed: restart a ps/worker that exits before the chief
-        finished, and an evaluator that exits nonzero, with the same address
+        finished, an evaluator that exits nonzero, and a chief that exits
+        with `config.RESTART_EXIT_CODE` (138: a task failed, resume from the
+        checkpoint) or is killed by SIGKILL, with the same address, command
         and TF_CONFIG, at most `max_restarts` times per task.
       servers: "builtin" (ps/worker run `python -m tf_psplugin.server`) or
         "command" (they run the command given to `start_servers`).
@@ -241,6 +243,8 @@ class LocalCluster:
         # Tells the chief's failover whether a dead worker/PS will come back
         # (else it stops at once instead of waiting for it).
         env[config_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
+        if task.task_type == "chief":
+            env[config_lib.CHIEF_RESTARTS_ENV] = str(task.restarts)
         return env
 
     def _spawn(self, task: _Task) -> None:
@@ -317,20 +321,48 @@ class LocalCluster:
         """
         task = self._start("chief", 0, command)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while task.proc.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                _kill_group(task.proc.pid, signal.SIGKILL)
-                task.proc.wait()
-                self._chief_done.set()
-                raise subprocess.TimeoutExpired(command, timeout, output="".join(self.output()))
-            time.sleep(0.05)
+        while True:
+            while task.proc.poll() is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    _kill_group(task.proc.pid, signal.SIGKILL)
+                    task.proc.wait()
+                    self._chief_done.set()
+                    raise subprocess.TimeoutExpired(command, timeout,
+                                                    output="".join(self.output()))
+                time.sleep(0.05)
+            _kill_group(task.proc.pid, signal.SIGKILL)  # Leftover children of the chief, if any.
+            task.reader.join(timeout=10)
+            code = task.proc.returncode
+            with self._lock:
+                if not self._restart_chief(task, code):
+                    break
         self._chief_done.set()
-        _kill_group(task.proc.pid, signal.SIGKILL)  # Leftover children of the chief, if any.
-        task.reader.join(timeout=10)
         task.finished.set()
-        code = task.proc.returncode
         self.log(f"chief exited ({_exit_text(code)})")
         return subprocess.CompletedProcess(list(command), code, stdout="".join(self.output()))
+
+    def _restart_chief(self, task: _Task, code: int) -> bool:
+        """Restarts the chief if it asked for it; returns whether it did. Lock held.
+
+        With `restart_failed`, a chief that exits with `RESTART_EXIT_CODE`
+        (a worker or PS failed; failover.TaskFailedError) or is killed by
+        SIGKILL (the OOM killer, a node agent) is restarted with the same
+        command, within the `max_restarts` budget; it resumes from the latest
+        checkpoint. Any other exit is the job's result.
+        """
+        retryable = code in (config_lib.RESTART_EXIT_CODE, -signal.SIGKILL)
+        if not (self.restart_failed and retryable) or self._stopping.is_set():
+            return False
+        if task.restarts >= self.max_restarts:
+            self.log(f"chief exited ({_exit_text(code)}); no restarts left "
+                     f"({self.max_restarts} used)")
+            return False
+        task.restarts += 1
+        why = ("a task failed" if code == config_lib.RESTART_EXIT_CODE else "killed")
+        self.log(f"restarting chief ({_exit_text(code)}: {why}; it resumes from the latest "
+                 f"checkpoint), restart {task.restarts}/{self.max_restarts}")
+        self._spawn(task)
+        return True
 
     def run(self, command: Sequence[str], timeout: Optional[float] = None) -> int:
         """The whole CLI flow: servers, evaluator, chief, evaluator's end, stop.
@@ -498,7 +530,10 @@ options:
                        tf_psplugin.start_server() first; builtin: they run
                        python -m tf_psplugin.server
   --restart-failed     restart a ps/worker that exits before the chief finished,
-                       or an evaluator that fails, same address and TF_CONFIG
+                       an evaluator that fails, and the chief when it exits with
+                       138 (a task failed: it resumes from the latest
+                       checkpoint) or is killed by SIGKILL; same address,
+                       command and TF_CONFIG
   --max-restarts K     restart budget per task (default 3)
   --host HOST          loopback host (default 127.0.0.1)
   --pid-file PATH      keep {"launcher", "tasks": {role: pid}, "all": [...]} there

@@ -110,8 +110,11 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             accept connections before giving up with an error that names the
             missing tasks (tasks may start in any order).
         failover: A `FailoverPolicy` (default: enabled). On a dead worker or
-            PS the chief saves what survives, waits for the task to come back
-            and restarts itself in place to resume (see `failover.py`).
+            PS the chief saves what survives and raises `TaskFailedError`;
+            uncaught, it exits with status 138 so that the launcher's
+            `--restart-failed` or the scheduler restarts it to resume from the
+            checkpoint (see `failover.py`; `tf_psplugin.elastic.run` recovers
+            in-process instead).
         log_placement: Log the placement report once, at the first step.
 
     Raises:
@@ -189,6 +192,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
             coordinator.failover = failover_lib.FailoverController(self, policy)
+            failover_lib.install_exit_hook()
 
     # -- connection ------------------------------------------------------------
 

@@ -48,17 +48,17 @@ def _run(cluster, tmp_path, name, kills=(), kill_chief_at=None):
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     command = [cu.PYTHON, SCRIPT, out, model_dir, str(TOTAL), str(EVERY)]
-    if kill_chief_at is None:
-        result = cluster.run_chief(command, timeout=600)
-    else:
-        first = threading.Thread(target=lambda: cluster.run_chief(command, timeout=600),
-                                 daemon=True)
-        first.start()
-        assert cu.wait_until(lambda: (_steps(cluster) or [0])[-1] >= kill_chief_at, 300)
-        cluster.kill("chief", 0)
-        killed.append(("chief", 0, _steps(cluster)[-1]))
-        first.join(60)
-        result = cluster.run_chief(command, timeout=600)  # The operator restarts the chief.
+    if kill_chief_at is not None:
+        def chief_killer():
+            if cu.wait_until(lambda: (_steps(cluster) or [0])[-1] >= kill_chief_at, 300):
+                killed.append(("chief", 0, _steps(cluster)[-1]))
+                cluster.kill("chief", 0)
+
+        threading.Thread(target=chief_killer, daemon=True).start()
+    # With restart_failed, the launcher restarts the chief after a task
+    # failure (exit 138) or a SIGKILL, as `python -m tf_psplugin.launch
+    # --restart-failed` does.
+    result = cluster.run_chief(command, timeout=600)
     assert result.returncode == 0, result.stdout[-8000:]
     with open(out) as f:
         report = json.load(f)
@@ -121,10 +121,11 @@ def test_ps_kill_resumes_from_checkpoint(reference, make_cluster, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_chief_kill_then_restart_resumes(reference, make_cluster, tmp_path):
+def test_chief_kill_is_restarted_by_the_launcher_and_resumes(reference, make_cluster, tmp_path):
     cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True)
     report = _run(cluster, tmp_path, "chief", kill_chief_at=25)
     assert report["iterations"] == TOTAL
+    assert "restarting chief (exit -9: killed" in report["log"]
     (resumed,) = _resumed_steps(report["log"])
     assert report["killed"][0][2] - EVERY <= resumed <= report["killed"][0][2]
     assert _max_diff(report, reference) == 0.0
@@ -156,9 +157,65 @@ _SMALL_JOB = '''
 '''
 
 
-def _fault_then_wait(cluster, tmp_path, restarts, fault):
+# The small job without a handler: the uncaught TaskFailedError ends it.
+_UNCAUGHT_JOB = '''
+    import tensorflow as tf, tf_psplugin
+    from tf_psplugin import failover
+    tf_psplugin.start_server()
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        collective_timeout_seconds=10, failover=failover.FailoverPolicy(task_restarts=True))
+    ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
+    with strategy.scope():
+        m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
+                                 tf.keras.layers.Embedding(10, 2),
+                                 tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        m.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
+    m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    print("READY", flush=True)
+    try:
+        m.fit(ds, epochs=1, steps_per_epoch=100000, verbose=0)
+    finally:
+        print("CLEANUP ran", flush=True)
+'''
+
+# The small job under tf_psplugin.elastic.run: each attempt builds its strategy.
+_ELASTIC_JOB = '''
+    import os
+    import tensorflow as tf, tf_psplugin
+    from tf_psplugin import failover
+    tf_psplugin.start_server()
+
+    def train():
+        attempt = os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]
+        print("ATTEMPT", attempt, os.getpid(), flush=True)
+        strategy = tf_psplugin.HybridParameterServerStrategy(
+            collective_timeout_seconds=10,
+            failover=failover.FailoverPolicy(task_restarts={restarts}))
+        ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
+        with strategy.scope():
+            m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
+                                     tf.keras.layers.Embedding(10, 2),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+            m.compile(tf.keras.optimizers.legacy.SGD(0.1), "mse")
+        m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        print("READY", flush=True)
+        # The first attempt trains until the fault; the second finishes.
+        m.fit(ds, epochs=1, steps_per_epoch=100000 if attempt == "0" else 20, verbose=0)
+        return "trained"
+
+    try:
+        print("RESULT", tf_psplugin.elastic.run(train, recovery_timeout_seconds={timeout}),
+              flush=True)
+    except failover.FailoverError as e:
+        print("RESULT", str(e).splitlines()[0], flush=True)
+        raise SystemExit(3)
+'''
+
+
+def _fault_then_wait(cluster, tmp_path, restarts, fault, job=None, timeout=5):
     """Runs the small job, applies `fault(cluster)` once it trains; returns (result, t_fault)."""
-    script = cu.python_script(tmp_path, _SMALL_JOB.format(restarts=restarts))
+    script = cu.python_script(tmp_path, (job or _SMALL_JOB).format(restarts=restarts,
+                                                                   timeout=timeout))
     done = []
     thread = threading.Thread(
         target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),
@@ -200,14 +257,60 @@ def test_dead_worker_without_restarts_stops_at_once_and_spares_the_healthy(make_
 
 
 @pytest.mark.timeout(300)
-def test_worker_that_never_returns_stops_with_clear_error(make_cluster, tmp_path):
-    """Restarts promised (a scheduler) but the task never comes back."""
+def test_dead_worker_with_restarts_exits_138_at_once_for_the_launcher(make_cluster, tmp_path):
+    """Restarts promised (a scheduler): the chief stops at once with the restart status."""
+    cluster = make_cluster(num_workers=2, num_ps=1)  # Nothing restarts the chief here.
+    cluster.start_servers()
+    script = cu.python_script(tmp_path, _UNCAUGHT_JOB)
+    done = []
+    thread = threading.Thread(
+        target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),
+        daemon=True)
+    thread.start()
+    assert cu.wait_until(lambda: any("READY" in l for l in cluster.output("chief")), 180)
+    time.sleep(1.0)
+    faulted = time.monotonic()
+    cluster.kill("worker", 1)
+    thread.join(240)
+    assert done, "the chief did not stop"
+    result = done[0]
+    assert result.returncode == 138, result.stdout[-4000:]
+    lines = [l for l in result.stdout.splitlines() if "[chief] tf_psplugin: " in l]
+    assert len(lines) == 1 and "Traceback" not in result.stdout, result.stdout[-4000:]
+    assert "worker:1 at 127.0.0.1:" in lines[0] and "status 138" in lines[0], lines[0]
+    assert "Fix:" in lines[0] and "CLEANUP ran" in result.stdout
+    # No waiting for the task in the library: it stops within the settle wait.
+    assert time.monotonic() - faulted < 60.0
+
+
+@pytest.mark.timeout(300)
+def test_elastic_run_gives_up_on_a_worker_that_never_returns(make_cluster, tmp_path):
+    """In-process recovery (opt-in) waits recovery_timeout_seconds, then says who is missing."""
     cluster = make_cluster(num_workers=2, num_ps=1)
     cluster.start_servers()
-    result, _ = _fault_then_wait(cluster, tmp_path, True, lambda c: c.kill("worker", 1))
+    result, _ = _fault_then_wait(cluster, tmp_path, True, lambda c: c.kill("worker", 1),
+                                 job=_ELASTIC_JOB)
     line = cu.result_line(result.stdout) or ""
-    assert "worker:1 at 127.0.0.1:" in line and "did not come back" in line, result.stdout[-4000:]
+    assert "worker:1 at 127.0.0.1:" in line and "did not come back within 5 s" in line, (
+        result.stdout[-4000:])
     assert "Fix:" in line
+
+
+@pytest.mark.timeout(600)
+def test_elastic_run_recovers_in_the_same_process(make_cluster, tmp_path):
+    """A worker dies; elastic.run waits for it and trains again: same pid, no exec."""
+    cluster = make_cluster(num_workers=2, num_ps=1, restart_failed=True)
+    cluster.start_servers()
+    result, _ = _fault_then_wait(cluster, tmp_path, None, lambda c: c.kill("worker", 1),
+                                 job=_ELASTIC_JOB, timeout=120)
+    assert result.returncode == 0, result.stdout[-6000:]
+    pids = [line.split("ATTEMPT ")[1].split() for line in result.stdout.splitlines()
+            if "ATTEMPT " in line]
+    assert len(pids) == 2, result.stdout[-6000:]
+    assert pids[0][1] == pids[1][1]  # The same process: never replaced.
+    assert [p[0] for p in pids] == ["0", "1"]  # CHIEF_RESTARTS_ENV per attempt.
+    assert "restarting chief" not in result.stdout
+    assert "RESULT trained" in result.stdout and "running training again" in result.stdout
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,11 @@ The multi-process behaviour is in tests/cluster/test_failover.py.
 """
 
 import gc
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -15,7 +19,9 @@ import weakref
 import pytest
 import tensorflow as tf
 
+from tf_psplugin import config as config_lib
 from tf_psplugin import coordinator as coordinator_lib
+from tf_psplugin import elastic
 from tf_psplugin import failover
 
 
@@ -219,11 +225,10 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     up = f"127.0.0.1:{healthy.getsockname()[1]}"
     dead = f"127.0.0.1:{_closed_port()}"
     spec = {"chief": [up], "worker": [up, dead], "ps": [up]}
-    execs, aborts = [], []
+    aborts = []
     controller = failover.FailoverController(
         _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=False,
-                                                     recovery_timeout_seconds=300),
-        exec_fn=lambda *a: execs.append(a))
+                                                     recovery_timeout_seconds=300))
     monkeypatch.setattr(failover, "_checkpointers", [])
     monkeypatch.setattr(controller, "_restart_surviving_workers",
                         lambda *a: aborts.append(a) or set())
@@ -240,7 +245,140 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     assert "no checkpoint was written" in message and "Fix:" in message
     assert "worker:0" not in message
     assert raised.value.__cause__ is error
-    assert not execs and not aborts  # The chief is not replaced; healthy workers live on.
+    assert not isinstance(raised.value, failover.TaskFailedError)
+    assert raised.value.exit_code == 1  # Restarting the chief alone would not help.
+    assert not aborts  # Healthy workers live on.
+
+
+def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monkeypatch):
+    """The library never waits for the task or replaces the process itself."""
+    healthy = socket.socket()
+    healthy.bind(("127.0.0.1", 0))
+    healthy.listen(16)
+    up = f"127.0.0.1:{healthy.getsockname()[1]}"
+    dead = f"127.0.0.1:{_closed_port()}"
+    spec = {"chief": [up], "worker": [up, dead], "ps": [up]}
+    controller = failover.FailoverController(
+        _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=True,
+                                                     recovery_timeout_seconds=300))
+    monkeypatch.setattr(failover, "_checkpointers", [])
+    monkeypatch.setattr(controller, "_restart_surviving_workers",
+                        lambda *a: {("worker", 0)})
+    execs = []
+    monkeypatch.setattr(failover.os, "execv", lambda *a: execs.append(a), raising=False)
+    error = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
+    start = time.monotonic()
+    try:
+        with pytest.raises(failover.TaskFailedError) as raised:
+            controller.recover(_FakeCoordinator(), error)
+    finally:
+        healthy.close()
+    e = raised.value
+    assert time.monotonic() - start < 10.0
+    assert e.exit_code == failover.RESTART_EXIT_CODE == 138
+    assert e.failed_tasks == ["worker:1"]
+    assert e.addresses == {"worker:0": up, "worker:1": dead}  # What elastic.run waits for.
+    assert e.checkpoint is None and "starts over" in str(e)
+    assert f"worker:1 at {dead} failed" in str(e) and "status 138" in str(e)
+    assert "Fix:" in str(e) and "elastic.run" in str(e)
+    assert e.__cause__ is error and not execs
+
+
+def _run_python(code, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+
+def test_uncaught_task_failed_error_exits_138_with_one_line_after_cleanup(tmp_path):
+    result = _run_python("""
+        import atexit
+        from tf_psplugin import failover
+        atexit.register(lambda: print("atexit ran", flush=True))
+        failover.install_exit_hook()
+        failover.install_exit_hook()  # Idempotent.
+        try:
+            raise failover.TaskFailedError("worker:1 at h:1 failed; Fix: restart",
+                                           ["worker:1"], {"worker:1": "h:1"}, None)
+        finally:
+            print("finally ran", flush=True)
+    """, tmp_path)
+    assert result.returncode == 138, result.stderr
+    assert "finally ran" in result.stdout and "atexit ran" in result.stdout
+    assert result.stderr.strip() == "tf_psplugin: worker:1 at h:1 failed; Fix: restart"
+
+
+def test_uncaught_other_errors_keep_their_traceback_and_status(tmp_path):
+    result = _run_python("""
+        from tf_psplugin import failover
+        failover.install_exit_hook()
+        raise ValueError("a user bug")
+    """, tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ValueError: a user bug" in result.stderr
+
+
+def _task_failed(addresses, checkpoint=None):
+    return failover.TaskFailedError("worker:1 failed", sorted(addresses), addresses, checkpoint)
+
+
+def test_elastic_run_calls_again_after_a_task_failure_once_the_task_is_back(monkeypatch):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(elastic.time, "sleep", lambda s: None)
+    calls = []
+
+    def train(x, y=0):
+        calls.append(os.environ[config_lib.CHIEF_RESTARTS_ENV])
+        if len(calls) < 3:
+            raise _task_failed({"worker:1": address})
+        return x + y
+
+    try:
+        assert elastic.run(train, 4, y=1, recovery_timeout_seconds=5) == 5
+    finally:
+        listener.close()
+    assert calls == ["0", "1", "2"]
+
+
+def test_elastic_run_gives_up_when_the_task_never_returns(monkeypatch):
+    dead = f"127.0.0.1:{_closed_port()}"
+
+    def train():
+        raise _task_failed({"worker:1": dead}, checkpoint="/m/ckpt-7")
+
+    start = time.monotonic()
+    with pytest.raises(failover.FailoverError) as raised:
+        elastic.run(train, recovery_timeout_seconds=1, poll_seconds=0.1)
+    assert time.monotonic() - start < 10
+    message = str(raised.value)
+    assert f"worker:1 at {dead} did not come back within 1 s" in message
+    assert "resumes from checkpoint /m/ckpt-7" in message and "Fix:" in message
+    assert not isinstance(raised.value, failover.TaskFailedError)
+
+
+def test_elastic_run_spends_its_budget_then_stops(monkeypatch):
+    monkeypatch.setattr(elastic, "_wait_for_tasks", lambda *a: None)
+    calls = []
+
+    def train():
+        calls.append(1)
+        raise _task_failed({})
+
+    with pytest.raises(failover.FailoverError, match="after 2 recoveries") as raised:
+        elastic.run(train, max_restarts=2)
+    assert len(calls) == 3 and isinstance(raised.value.__cause__, failover.TaskFailedError)
+
+
+def test_elastic_run_passes_other_errors_through_unchanged():
+    def train():
+        raise ValueError("a user bug")
+
+    with pytest.raises(ValueError, match="a user bug"):
+        elastic.run(train)
 
 
 def test_registered_checkpointers_do_not_outlive_their_owner(monkeypatch):

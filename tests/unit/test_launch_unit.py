@@ -91,6 +91,35 @@ def test_run_chief_prefixes_output_and_writes_logs(tmp_path):
     assert data["tasks"]["chief"] == data["all"][0] == cluster.pids()["chief"]
 
 
+_CHIEF_THAT_FAILS = (
+    "import os, sys, signal; n = int(os.environ['TF_PSPLUGIN_CHIEF_RESTARTS']);"
+    "print('attempt', n, flush=True); codes = [int(c) for c in sys.argv[1:]];"
+    "code = codes[n] if n < len(codes) else 0;"
+    "os.kill(os.getpid(), signal.SIGKILL) if code == -9 else sys.exit(code)")
+
+
+@pytest.mark.parametrize("codes,restart_failed,expected_code,attempts", [
+    (["138", "138"], True, 0, 3),  # TaskFailedError twice: restarted, then done.
+    (["-9"], True, 0, 2),  # Killed (OOM killer): restarted.
+    (["138"], False, 138, 1),  # Without --restart-failed: the job's result.
+    (["1"], True, 1, 1),  # A bug is not retried.
+    (["138", "138", "138"], True, 138, 3),  # Budget (max_restarts=2) spent.
+])
+def test_chief_restarts_on_the_restart_exit_code(codes, restart_failed, expected_code,
+                                                 attempts):
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(1, 1, output=devnull, restart_failed=restart_failed,
+                          max_restarts=2) as cluster:
+            result = cluster.run_chief([PY, "-c", _CHIEF_THAT_FAILS] + codes, timeout=60)
+    assert result.returncode == expected_code, result.stdout
+    seen = [line for line in result.stdout.splitlines() if line.startswith("[chief] attempt")]
+    assert seen == [f"[chief] attempt {i}" for i in range(attempts)], result.stdout
+    if attempts > 1:
+        assert "[launch] restarting chief (exit " in result.stdout
+    if expected_code == 138 and restart_failed:
+        assert "no restarts left (2 used)" in result.stdout
+
+
 @pytest.mark.parametrize("verbosity,expected", [
     ("warning", "TF_CPP_MIN_LOG_LEVEL=1 TF_PSPLUGIN_VERBOSITY=None"),
     ("info", "TF_CPP_MIN_LOG_LEVEL=0 TF_PSPLUGIN_VERBOSITY=info"),
