@@ -535,10 +535,18 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         owner = 0 if table_owner is None else table_owner
 
         def apply():
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
             with variables_lib.inside_variable_update():
                 result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
-            # Keras's new optimizers return None from their update step.
-            with tf.control_dependencies([r for r in tf.nest.flatten(result) if r is not None]):
+            # `done` must depend on the writes themselves: the end-of-step
+            # barrier waits for it, and a write it does not wait for can land
+            # after another worker's next-step lookup. Keras's new optimizers
+            # return None from their update step (their slot and table writes
+            # are only ops in the graph), so depend on every op it created.
+            created = graph.get_operations()[first:]
+            with tf.control_dependencies(
+                    created + [r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
         if self.tracing_worker_index is not None and table_owner is not None:

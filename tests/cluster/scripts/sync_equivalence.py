@@ -72,6 +72,55 @@ def weight_names(model):
         [layer.embeddings] if isinstance(layer, tf.keras.layers.Embedding) else layer.weights)]
 
 
+_PS_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+              "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
+              "ResourceSparseApplyAdagradV2", "ResourceSparseApplyAdagrad",
+              "ResourceApplyGradientDescent", "ResourceSparseApplyGradientDescent",
+              "ResourceApplyAdagradV2", "ResourceApplyAdam", "ResourceSparseApplyAdam"}
+
+
+def writes_not_before_barrier(model):
+    """PS writes of the traced sync steps that the end-of-step barrier does not wait for.
+
+    A write the barrier does not wait for can land after another worker's
+    next-step lookup (a timing-dependent, inexact result). The barrier is
+    the step's last collective whose input is a constant with control
+    inputs (collectives.barrier).
+    """
+    fn = next(c.cell_contents for c in model.train_function.__closure__
+              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
+    def graphs_of(graph):  # The graph and its while-loop bodies (steps_per_execution > 1).
+        yield graph
+        for op in graph.get_operations():
+            body = getattr(op, "_body_graph", None)  # Set by while_v2.
+            if body is not None:
+                yield from graphs_of(body)
+
+    unordered, graphs = [], 0
+    for graph in (g for c in fn._list_all_concrete_functions()  # pylint: disable=protected-access
+                  for g in graphs_of(c.graph)):
+        ops = graph.get_operations()
+        writes = [op for op in ops if op.type in _PS_WRITES and "/job:ps" in op.device]
+        if not writes:
+            continue  # A role that updates no table shard.
+        graphs += 1
+        barriers = [op for op in ops if op.type.startswith("CollectiveReduce")
+                    and op.inputs[0].op.type == "Const" and op.inputs[0].op.control_inputs]
+        if not barriers:
+            unordered.append(f"{graph.name}: no barrier")
+            continue
+        seen, todo = set(), [barriers[-1]]
+        while todo:
+            op = todo.pop()
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            todo.extend(t.op for t in op.inputs)
+            todo.extend(op.control_inputs)
+        unordered += [f"{op.type} {op.name}" for op in writes if op.name not in seen]
+    return unordered, graphs
+
+
 def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
@@ -88,6 +137,7 @@ def main():
     hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH),
                      epochs=1, steps_per_epoch=STEPS, verbose=2)
     got = logical_weights(model)
+    unordered, graphs_with_writes = writes_not_before_barrier(model)
 
     replicas_identical = True
     for v in model.variables:
@@ -112,6 +162,8 @@ def main():
         "num_replicas_in_sync": num_workers,
         "table_devices": [v.device for v in table.variables],
         "records": [r.to_dict() for r in strategy.placement_records()],
+        "unordered_ps_writes": unordered,
+        "graphs_with_ps_writes": graphs_with_writes,
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
     }
