@@ -11,7 +11,9 @@ paths).
 import importlib
 
 # ParameterServerStrategyV2 and its Extended: we subclass both (there is no
-# public extension point for variable creation or reduction).
+# public extension point for variable creation or reduction). connection.py
+# also reads its `_SET_SERVER_DEF_RETRIES` (50 in TF 2.15.1 and 2.21.0), the
+# retry count stock PSS gives `context.set_server_def_retries`.
 from tensorflow.python.distribute import parameter_server_strategy_v2  # noqa: F401
 
 # PerWorkerVariable is TF's "one copy per worker" variable; our replicated

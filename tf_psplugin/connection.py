@@ -18,7 +18,7 @@ from typing import Optional
 
 from tf_psplugin import config as config_lib
 from tf_psplugin import failover as failover_lib
-from tf_psplugin._tf_internal import context, remote, server_lib
+from tf_psplugin._tf_internal import context, parameter_server_strategy_v2, remote, server_lib
 
 
 class StrategyError(ValueError):
@@ -70,6 +70,10 @@ def connect(cluster_resolver, coordinator_name: str, workers_see_each_other: boo
     remote.connect_to_cluster(spec, job_name=coordinator_name,
                               protocol=cluster_resolver.rpc_layer or "grpc",
                               cluster_device_filters=filters)
+    # As stock PSS: retry setting the server def if a task is preempted while
+    # the chief connects (ParameterServerStrategyV2._connect_to_cluster, the
+    # last two statements, TF 2.15.1 and 2.21.0; the retry count is TF's).
+    context.set_server_def_retries(parameter_server_strategy_v2._SET_SERVER_DEF_RETRIES)  # pylint: disable=protected-access
     context.ensure_initialized()
 
 
