@@ -450,7 +450,12 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             # Recovery lets healthy parts finish; parts stuck in a collective
             # with the dead peer are abandoned by the restart.
             self.recovering = True
-            self.failover.recover(self, err)  # Raises TaskFailedError or FailoverError.
+            try:
+                self.failover.recover(self, err)  # Raises TaskFailedError or FailoverError.
+            finally:
+                # This strategy cannot train again (a restart, or elastic.run,
+                # builds a new one): free its threads so nothing of it stays.
+                self.shutdown()
         raise err
 
     def _worker_loop(self, worker, q):
@@ -458,6 +463,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         while True:
             part = q.get()
             if part is _STOP:
+                _release_executor(worker_executor)
                 return
             step = part.step
             outputs = None
@@ -577,6 +583,25 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 if self._inflight == 0:
                     self._idle.notify_all()
 
+    def shutdown(self) -> None:
+        """Stops this coordinator's threads for good (idempotent).
+
+        Its dispatch threads and watchdog end once their current part does
+        (a part stuck with a dead peer ends when that peer's RPCs fail), and
+        the stock worker threads stop (TF's `Cluster.stop`). Used after a
+        task failure, when the strategy can no longer train: without it,
+        every strategy a process builds (`tf_psplugin.elastic.run` builds one
+        per attempt) would keep its threads, and through them itself, alive.
+        """
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+        for q in self._queues:
+            q.put(_STOP)
+        with verbosity_lib.quiet_tf_info():  # "Stopping cluster, ..." at INFO.
+            self._cluster.stop()
+
     def __del__(self):
         stopped = getattr(self, "_stopped", None)
         if stopped is not None:
@@ -610,6 +635,20 @@ def _returns_dataset(per_worker) -> bool:
     """Whether a stock per-worker dataset's function returns a `tf.data.Dataset`."""
     fn = getattr(per_worker, "_dataset_fn", None)
     return isinstance(getattr(fn, "structured_outputs", None), tf.data.Dataset)
+
+
+def _release_executor(ex) -> None:
+    """Clears an executor's pending error before it is dropped.
+
+    After a failed step it holds the dead peer's error, which its
+    `__del__` would raise (Python prints that as an ignored exception with
+    a traceback, long after the failure was reported).
+    """
+    try:
+        ex.wait()
+    except tf.errors.OpError:
+        pass
+    ex.clear_error()
 
 
 def _new_sync_executor():

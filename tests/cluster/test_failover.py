@@ -180,14 +180,14 @@ _UNCAUGHT_JOB = '''
 
 # The small job under tf_psplugin.elastic.run: each attempt builds its strategy.
 _ELASTIC_JOB = '''
-    import os
+    import os, threading
     import tensorflow as tf, tf_psplugin
     from tf_psplugin import failover
     tf_psplugin.start_server()
 
     def train():
         attempt = os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]
-        print("ATTEMPT", attempt, os.getpid(), flush=True)
+        print("ATTEMPT", attempt, os.getpid(), threading.active_count(), flush=True)
         strategy = tf_psplugin.HybridParameterServerStrategy(
             collective_timeout_seconds=10,
             failover=failover.FailoverPolicy(task_restarts={restarts}))
@@ -308,6 +308,8 @@ def test_elastic_run_recovers_in_the_same_process(make_cluster, tmp_path):
             if "ATTEMPT " in line]
     assert len(pids) == 2, result.stdout[-6000:]
     assert pids[0][1] == pids[1][1]  # The same process: never replaced.
+    # The failed attempt's strategy stopped its threads (coordinator.shutdown).
+    assert pids[0][2] == pids[1][2], pids
     assert [p[0] for p in pids] == ["0", "1"]  # CHIEF_RESTARTS_ENV per attempt.
     assert "restarting chief" not in result.stdout
     assert "RESULT trained" in result.stdout and "running training again" in result.stdout

@@ -146,6 +146,7 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     coord._generation = 0  # pylint: disable=protected-access
     ran = []
     monkeypatch.setattr(coordinator_lib, "_new_sync_executor", lambda: None)
+    monkeypatch.setattr(coordinator_lib, "_release_executor", lambda ex: None)
     monkeypatch.setattr(coord, "_execute", lambda step, worker, ex: ran.append(
         (step.step_id, worker.worker_index)), raising=False)
 
