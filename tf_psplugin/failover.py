@@ -400,10 +400,15 @@ class FailoverController:
                 failed.add(task)
         if not failed:
             named = {t for t in tasks_named_in(error) if t in self._addresses}
-            # A hung task (the watchdog's error names every worker still in
-            # the step) accepts connections but does not answer; workers
-            # merely waiting in a collective for it still serve reads.
-            failed = self._unresponsive_workers(sorted(named)) or named
+            # A hung task accepts connections but does not answer; workers
+            # merely waiting in a collective for it still serve reads. Every
+            # worker is probed, not only those the watchdog named: it names
+            # the workers of the oldest stuck step, and the hung one may
+            # already have finished its part of that step (measured on TF
+            # 2.21: the watchdog named worker:0, waiting for the SIGSTOPped
+            # worker:1, which was stuck one step later).
+            workers = sorted(t for t in self._addresses if t[0] == "worker")
+            failed = self._unresponsive_workers(workers) or named
         return failed
 
     def _unresponsive_workers(self, tasks) -> Set[Tuple[str, int]]:
