@@ -543,10 +543,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             # barrier waits for it, and a write it does not wait for can land
             # after another worker's next-step lookup. Keras's new optimizers
             # return None from their update step (their slot and table writes
-            # are only ops in the graph), so depend on every op it created.
-            created = graph.get_operations()[first:]
+            # are only ops in the graph), so depend on the ops the update
+            # created that have no outputs: its writes (variable assigns,
+            # scatters, resource applies; none of them has an output) and any
+            # group of them. Only those, not every op: each control edge from
+            # a PS op is a cross-device transfer per step.
+            writes = [op for op in graph.get_operations()[first:] if not op.outputs]
             with tf.control_dependencies(
-                    created + [r for r in tf.nest.flatten(result) if r is not None]):
+                    writes + [r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
         if self.tracing_worker_index is not None and table_owner is not None:
