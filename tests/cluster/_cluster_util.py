@@ -118,6 +118,21 @@ def result_line(output: str, marker: str = "RESULT") -> Optional[str]:
     return found
 
 
+def assert_checks_passed(result, checks) -> None:
+    """Asserts a chief script's `CHECK <name> ok|FAIL <why>` lines: each in `checks`
+    present, none failed, and the script ended with `DONE` and exit 0."""
+    verdicts = {}
+    for line in result.stdout.splitlines():
+        if "CHECK " in line:
+            name, verdict = (line.split("CHECK ", 1)[1].split(" ", 1) + [""])[:2]
+            verdicts.setdefault(name, []).append(verdict)
+    failed = {name: v for name, v in verdicts.items() if any(x != "ok" for x in v)}
+    assert not failed, failed
+    missing = [name for name in checks if name not in verdicts]
+    assert not missing, (missing, result.stdout[-6000:])
+    assert result.returncode == 0 and "DONE" in result.stdout, result.stdout[-6000:]
+
+
 def pid_alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie (zombies are dead, just unreaped)."""
     try:

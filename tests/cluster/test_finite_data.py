@@ -36,13 +36,4 @@ def test_finite_data(make_cluster):
     cluster = make_cluster(num_workers=2, num_ps=1)
     cluster.start_servers()
     result = cluster.run_chief([cu.PYTHON, SCRIPT], timeout=500)
-    verdicts = {}
-    for line in result.stdout.splitlines():
-        if "CHECK " in line:
-            name, verdict = (line.split("CHECK ", 1)[1].split(" ", 1) + [""])[:2]
-            verdicts.setdefault(name, []).append(verdict)
-    failed = {name: v for name, v in verdicts.items() if any(x != "ok" for x in v)}
-    assert not failed, failed
-    missing = [name for name in CHECKS if name not in verdicts]
-    assert not missing, (missing, result.stdout[-6000:])
-    assert result.returncode == 0 and "DONE" in result.stdout, result.stdout[-6000:]
+    cu.assert_checks_passed(result, CHECKS)
