@@ -2,10 +2,14 @@
 
 The public `tf.distribute` surface has no hooks for "some variables on PS,
 others replicated on workers, kept in sync by collectives", so the strategy
-subclasses ParameterServerStrategy internals. Every private symbol the
-plugin uses is imported here, with the reason, so that a TF upgrade has one
-file to audit. Checked against TF 2.15.1 and the 2.16-2.21 line (same module
-paths).
+subclasses ParameterServerStrategy internals. Every private module the
+plugin uses is imported here, with the reason, and every private attribute of
+a TF/Keras class or module it reads, sets or overrides is registered in
+`PRIVATE_ATTRIBUTES` below with the class that defines it, so that a TF
+upgrade has one file to audit. tests/unit/test_tf_internal.py enforces both
+and checks every entry against the installed TF; CI runs it on TF 2.15.1 and
+2.21.0 (same module paths from 2.16 on). `_compat` refuses TF minors newer
+than the last one tested.
 """
 
 import importlib
@@ -98,52 +102,145 @@ def keras_private_module(name: str):
     """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
 
     Used by `progress.install_keras_hooks` and
-    `epochs.install_data_handler_hook` (see the notes at the end of this
-    module); checked on Keras 2.15 and tf-keras 2.16-2.21.
+    `epochs.install_data_handler_hook` (their attributes are in
+    PRIVATE_ATTRIBUTES); checked on Keras 2.15 and tf-keras 2.16-2.21.
     """
     from tf_psplugin._compat import KERAS_PACKAGE  # pylint: disable=g-import-not-at-top
 
     return importlib.import_module(f"{KERAS_PACKAGE}.src.{name}")
 
 
-# Private attributes (not imports) the plugin sets or reads, audited here too:
-# * `StrategyExtendedV2._retrace_functions_for_each_device` (strategy.py):
-#   TF's function cache (eager/polymorphic_function/function_context.py) puts
-#   the calling device into a tf.function's cache key when it is True; the
-#   coordinator relies on that to trace one copy of a sync step per update
-#   role. Read by the same code in TF 2.15.1 and 2.21.0.
-# * Closure internals `_function`, `_args`, `_kwargs`, `_output_type_spec`,
-#   `_concrete_function` and `closure_queue._cancellation_mgr`
-#   (coordinator.py): the stock Closure traces and wraps the function; we
-#   reuse it per role and dispatch its parts ourselves.
-# * `cluster_coordinator._get_error_from_remote_values` and
-#   `ClosureInputError` (coordinator.py `_execute`): a per-worker input whose
-#   creation failed must raise what the stock `Closure.execute_on` raises, so
-#   user errors and dead workers are told apart the same way.
-# * `tf.train.Checkpoint._write` overridden and `PythonState.
-#   _serialize_to_tensors` extended (checkpoint_write.py): every
-#   `Checkpoint.write`/`save` and `CheckpointManager.save` ends in `_write`,
-#   and TF's eager multi-device save traces a new function per save that the
-#   PS tasks never release (RSS grew with every checkpoint). Same signature
-#   and callback handling in TF 2.15.1 and 2.21.0.
-# * Keras 2 internals (not TF, same audit): `<keras>.src.engine.training.
-#   _get_verbosity` and `<keras>.src.callbacks.CallbackList.
-#   _add_default_callbacks` are wrapped once per process by the strategy's
-#   constructor (progress.py `install_keras_hooks`), so fit/evaluate accept
-#   verbose=1 and use the plugin's throttled ProgressBar under this strategy
-#   only; Keras has no hook for a strategy to choose its progress bar. Same
-#   names and signatures in Keras 2.15 and tf-keras 2.16-2.21.
-# * Keras 2's `<keras>.src.engine.data_adapter.get_data_handler` is wrapped
-#   once per process (epochs.py `install_data_handler_hook`): for a model under
-#   this strategy it marks evaluation inputs (Keras passes
-#   `pss_evaluation_shards` to evaluation handlers only) and sets the handler's
-#   `_inferred_steps` (its epoch length) and reads its `_dataset`; Keras has no
-#   hook for a strategy to say how long an epoch is. Same names in Keras 2.15
-#   and tf-keras 2.16-2.21.
-# * Per-worker datasets (epochs.py `SyncPerWorkerDataset`): it subclasses
-#   `coordinator_values.PerWorkerDatasetFromDatasetFunction`, reads its
-#   `_dataset_fn` (the traced dataset function) and calls the coordinator's
-#   `_create_per_worker_resources` to run one function on every worker (the
-#   public `schedule` runs on one), reading the result's `_values`: the
-#   stock class creates its iterators the same way. Same in TF 2.15.1 and
-#   2.21.0.
+# Private attributes: every private name of a TF/Keras class or module that
+# the plugin reads, sets or overrides, with the TF/Keras class (or module) that
+# defines it. tests/unit/test_tf_internal.py finds these uses in the package
+# and fails on a name missing here, on a name here that nothing uses any more,
+# and on a name the installed TF/Keras no longer defines at its owner; it runs
+# on TF 2.15.1 (Keras 2.15) and TF 2.21.0 (tf-keras 2.21), so every entry is
+# checked on both. Owners: "<module alias above>.<Class>", "keras:<module under
+# keras.src>.<Class>" (tf.keras on 2.15, tf_keras later) or "tf:<public path>".
+_PSV2_EXTENDED = "parameter_server_strategy_v2.ParameterServerStrategyV2Extended"
+_TF1_COLLECTIVE_EXTENDED = "collective_all_reduce_strategy.CollectiveAllReduceExtended"
+PRIVATE_ATTRIBUTES = {
+    # -- strategy.py, connection.py: the hybrid ParameterServerStrategyV2. --
+    # Its __init__ mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but
+    # installs the hybrid Extended and connects with device filters that let
+    # workers see each other; connection.py mirrors `_connect_to_cluster`.
+    "_verify_args_and_config": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_connect_to_cluster": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_extended": "distribute_lib.StrategyBase",
+    "_cluster_resolver": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_cluster_coordinator": _PSV2_EXTENDED,
+    "_should_use_with_coordinator": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_canonicalize_devices": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_is_parameter_server_strategy_v2": "parameter_server_strategy_v2.ParameterServerStrategyV2",
+    "_num_workers": _PSV2_EXTENDED,
+    "_num_ps": _PSV2_EXTENDED,
+    "_num_gpus_per_worker": _PSV2_EXTENDED,
+    "_variable_partitioner": _PSV2_EXTENDED,
+    "_SET_SERVER_DEF_RETRIES": "parameter_server_strategy_v2",
+    # Extended hooks TF calls (variable creation, reduction, updates, input);
+    # the stock ones place dense variables on PS and reduce on the coordinator.
+    "_create_var_creator": _PSV2_EXTENDED,
+    "_create_variable": _PSV2_EXTENDED,
+    "_create_variable_round_robin": _PSV2_EXTENDED,
+    "_reduce_to": _PSV2_EXTENDED,
+    "_batch_reduce_to": "distribute_lib.StrategyExtendedV2",
+    "_update": _PSV2_EXTENDED,
+    "_local_results": _PSV2_EXTENDED,
+    "_select_single_value": "parameter_server_strategy.ParameterServerStrategyExtended",
+    "_num_replicas_in_sync": _PSV2_EXTENDED,
+    "_container_strategy": "distribute_lib.StrategyExtendedV2",
+    "_experimental_distribute_dataset": _PSV2_EXTENDED,
+    "_distribute_datasets_from_function": _PSV2_EXTENDED,
+    "_input_workers_with_options": _PSV2_EXTENDED,
+    "_v": "ps_values.AggregatingVariable",  # the plain variable inside an aggregating one
+    # -- variables.py: the replicated dense variable extends PerWorkerVariable
+    # (public API has only per_worker_variable=True: not trainable, no sync) and
+    # builds its per-worker copies and checkpoint value itself.
+    "_coordinator": "ps_values.PerWorkerVariable",
+    "_coordinator_instance": "ps_values.PerWorkerVariable",
+    "_per_worker_vars": "ps_values.PerWorkerVariable",
+    "_maybe_create_per_worker_vars": "ps_values.PerWorkerVariable",
+    "_var_creator": "ps_values.PerWorkerVariable",
+    "_values": "coordinator_values.PerWorkerValues",
+    "_get_values": "coordinator_values.RemoteValueImpl",
+    "_trainable": "resource_variable_ops.BaseResourceVariable",
+    "_aggregation": "resource_variable_ops.BaseResourceVariable",
+    "_synchronization": "resource_variable_ops.BaseResourceVariable",
+    "_constraint": "resource_variable_ops.BaseResourceVariable",
+    "_handle_name": "resource_variable_ops.BaseResourceVariable",
+    "_unique_id": "resource_variable_ops.BaseResourceVariable",
+    "_shared_name": "tf_variables.Variable",
+    "_save_slice_info": "tf_variables.Variable",
+    "_distribute_strategy": "resource_variable_ops.BaseResourceVariable",
+    "_serialize_to_tensors": "trackable_base.Trackable",
+    "_restore_from_tensors": "trackable_base.Trackable",
+    # -- sharding.py: the table type extends ShardedVariable (lookups routed by
+    # layout, sliced saveables, its TypeSpec); optimizers create its slots.
+    "_variables": "sharded_variable.ShardedVariableMixin",
+    "_shape": "sharded_variable.ShardedVariableMixin",
+    "_dtype": "sharded_variable.ShardedVariableMixin",
+    "_decompose_indices": "sharded_variable.ShardedVariableMixin",
+    "_type_spec": "sharded_variable.ShardedVariable",
+    "_from_components": "sharded_variable.ShardedVariableSpec",
+    "_gather_saveables_for_checkpoint": "sharded_variable.ShardedVariableMixin",
+    "_copy_trackable_to_cpu": "sharded_variable.ShardedVariableMixin",
+    "_sharded_container": "sharded_variable.ShardedVariableMixin",  # export.py
+    "_create_slots_for_sharded_variables": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- coordinator.py: one closure dispatched to every worker. The stock
+    # Closure traces and wraps the function; we reuse its parts per role and
+    # set results/errors on TF's RemoteValueImpl the way Closure.execute_on does.
+    "_function": "cluster_coordinator.Closure",
+    "_args": "cluster_coordinator.Closure",
+    "_kwargs": "cluster_coordinator.Closure",
+    "_output_type_spec": "cluster_coordinator.Closure",
+    "_concrete_function": "cluster_coordinator.Closure",
+    "_cancellation_mgr": "cluster_coordinator._CoordinatedClosureQueue",
+    "_cluster": "cluster_coordinator.ClusterCoordinator",
+    "_being_scheduled": "cluster_coordinator.ClusterCoordinator",
+    "_get_error_from_remote_values": "cluster_coordinator",
+    "_select_worker_slice": "cluster_coordinator",
+    "_set_values": "coordinator_values.RemoteValueImpl",
+    "_set_error": "coordinator_values.RemoteValueImpl",
+    "_error": "coordinator_values.RemoteValueImpl",
+    "_status": "coordinator_values.RemoteValueImpl",
+    "_status_available_event": "coordinator_values.RemoteValueImpl",
+    "_wait_and_maybe_error": "coordinator_values.RemoteValueImpl",
+    "_original_dataset": "coordinator_values.PerWorkerDatasetFromDataset",
+    # -- epochs.py: SyncPerWorkerDataset extends PerWorkerDatasetFromDataset-
+    # Function and runs one function on every worker as the stock class creates
+    # its iterators; Keras's DataHandler is told the epoch length.
+    "_dataset_fn": "coordinator_values.PerWorkerDatasetFromDatasetFunction",
+    "_create_per_worker_resources": "cluster_coordinator.ClusterCoordinator",
+    "_inferred_steps": "keras:engine.data_adapter.DataHandler",
+    "_dataset": "keras:engine.data_adapter.DatasetAdapter",
+    # -- progress.py, summaries.py, checkpoint.py: Keras 2 callbacks. Keras has
+    # no hook for a strategy to choose its progress bar or say which callbacks
+    # run per batch; `_get_verbosity` raises under ParameterServerStrategy.
+    "_get_verbosity": "keras:engine.training",
+    "_add_default_callbacks": "keras:callbacks.CallbackList",
+    "_progbar": "keras:callbacks.CallbackList",
+    "_supports_tf_logs": "keras:callbacks.Callback",
+    "_implements_train_batch_hooks": "keras:callbacks.Callback",
+    "_called_in_fit": "keras:callbacks.ProgbarLogger",
+    "_reset_progbar": "keras:callbacks.ProgbarLogger",
+    "_maybe_init_progbar": "keras:callbacks.ProgbarLogger",
+    "_batch_update_progbar": "keras:callbacks.ProgbarLogger",
+    # checkpoint.py: slots exist before the first restore (legacy optimizers
+    # create them lazily in the first apply_gradients otherwise).
+    "_create_all_weights": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- checkpoint_write.py: every Checkpoint.write/save ends in `_write`; TF's
+    # eager multi-device save traces a new function per save that the PS tasks
+    # never release (RSS grew per checkpoint), so saves go through one trace.
+    "_write": "tf:train.Checkpoint",
+    # -- estimator/ (TF 2.15 only): the TF1 strategies' Extended hooks.
+    "_initialize_multi_worker": _TF1_COLLECTIVE_EXTENDED,
+    "_configure": _TF1_COLLECTIVE_EXTENDED,
+    "_update_config_proto": _TF1_COLLECTIVE_EXTENDED,
+    "_cluster_spec": _TF1_COLLECTIVE_EXTENDED,
+    "_is_chief": _TF1_COLLECTIVE_EXTENDED,
+    "_call_for_each_replica": _TF1_COLLECTIVE_EXTENDED,
+    "_make_input_fn_iterator": _TF1_COLLECTIVE_EXTENDED,
+    "_validate_colocate_with_variable": _TF1_COLLECTIVE_EXTENDED,
+    "_set_save_slice_info": "tf_variables.Variable",
+}

@@ -34,6 +34,14 @@ def connect(cluster_resolver, coordinator_name: str, workers_see_each_other: boo
     groups before connecting (it cannot be changed after). Both measured to
     work on TF 2.15.1 and 2.21.0.
 
+    Mirrors `ParameterServerStrategyV2._connect_to_cluster` (TF 2.15.1 and
+    2.21.0: device filters, the two environment variables, connect, server-def
+    retries, `ensure_initialized`). Differences: the worker filter may include
+    `/job:worker`, collective ops are configured before connecting, the
+    replica gauges (monitoring only) are not set, the coordinator name is
+    always "chief" (TF's check against "worker"/"ps" is moot), and
+    `_num_workers`/`_num_ps` are set by the strategy's `_connect_to_cluster`.
+
     Args:
         cluster_resolver: The training cluster (chief, workers, PS).
         coordinator_name: This process's job name ("chief").

@@ -1,15 +1,26 @@
 """Private TensorFlow/Keras API is reached only through tf_psplugin/_tf_internal.py.
 
-A TF upgrade then has one file to audit (issue 17). The scan reads every
-module of the package: any import of `tensorflow.python`, `keras.src` or
-`tf_keras.src`, any `tf.__internal__` attribute, and any `importlib`
-import elsewhere fails the test with the file and line.
+A TF upgrade then has one file to audit (issue 17).
+
+* Imports: any import of `tensorflow.python`, `keras.src` or `tf_keras.src`,
+  any `tf.__internal__` attribute, and any `importlib` import outside the
+  adapter fails with the file and line.
+* Attributes: every private attribute of a TF/Keras class or module that the
+  package reads, sets or overrides (found by `private_attributes.scan`) must
+  be registered in `_tf_internal.PRIVATE_ATTRIBUTES` with its owner, and
+  every registered name must still exist at its owner in the installed
+  TF/Keras (this file runs on TF 2.15 and on the newest TF in CI).
 """
 
 import ast
 import os
+import re
+import sys
 
 import pytest
+import tensorflow as tf
+
+from tests.unit import private_attributes
 
 PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "tf_psplugin")
 ADAPTER = "_tf_internal.py"
@@ -76,3 +87,105 @@ def test_every_adapter_import_is_used_somewhere():
                       for rel, path in _modules() if rel != ADAPTER)
     unused = sorted(name for name in exported if name not in sources)
     assert not unused, f"_tf_internal.py exports names nothing uses: {unused}"
+
+
+def _package_modules():
+    """(dotted name, path) of every module but the adapter."""
+    root = os.path.dirname(os.path.abspath(PACKAGE))
+    return sorted((os.path.relpath(path, root)[:-3].replace(os.sep, ".").replace(".__init__", ""),
+                   path) for rel, path in _modules() if rel != ADAPTER)
+
+
+# Keras modules whose private names the plugin touches (reached through
+# `_tf_internal.keras_private_module`).
+_KERAS_MODULES = ("engine.training", "callbacks", "engine.data_adapter",
+                  "optimizers.optimizer", "optimizers.legacy.optimizer_v2")
+
+
+def _tf_modules():
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    modules = [m for m in vars(_tf_internal).values()
+               if hasattr(m, "__name__") and type(m) is type(os)
+               and m.__name__.startswith(private_attributes.TF_PREFIXES)]
+    return modules + [_tf_internal.keras_private_module(n) for n in _KERAS_MODULES]
+
+
+def _resolve_owner(owner: str):
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    if owner.startswith("keras:"):
+        path = owner[len("keras:"):].split(".")
+        for cut in range(len(path), 0, -1):
+            try:
+                obj = _tf_internal.keras_private_module(".".join(path[:cut]))
+            except ImportError:
+                continue
+            rest = path[cut:]
+            break
+        else:
+            raise ImportError(owner)
+    elif owner.startswith("tf:"):
+        obj, rest = tf, owner[len("tf:"):].split(".")
+    else:
+        first, *rest = owner.split(".")
+        obj = getattr(_tf_internal, first)
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_private_tf_attribute_is_registered():
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    flagged = private_attributes.scan(_package_modules(), _tf_modules())
+    missing = {name: sorted(f"{os.path.relpath(p, PACKAGE)}:{line} {how}" for p, line, how in uses)
+               for name, uses in flagged.items() if name not in _tf_internal.PRIVATE_ATTRIBUTES}
+    assert not missing, (
+        "private TF/Keras attributes used but not registered in "
+        f"_tf_internal.PRIVATE_ATTRIBUTES (add each with its owner and why): {missing}")
+
+
+def test_every_registered_attribute_is_still_used():
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    sources = "".join(open(path, encoding="utf-8").read() for _, path in _package_modules())
+    stale = sorted(name for name in _tf_internal.PRIVATE_ATTRIBUTES
+                   if not re.search(r"(\.|def |[\"'])" + re.escape(name) + r"\b", sources))
+    assert not stale, f"PRIVATE_ATTRIBUTES lists names nothing uses any more: {stale}"
+
+
+def _registered():
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    return sorted(_tf_internal.PRIVATE_ATTRIBUTES.items())
+
+
+@pytest.mark.parametrize("name,owner", _registered())
+def test_registered_attribute_exists_in_the_installed_tf(name, owner):
+    target = _resolve_owner(owner)
+    assert private_attributes.defines(target, name), (
+        f"TF {tf.__version__} no longer defines {name} at {owner}: the plugin code that "
+        f"uses it (grep {name} tf_psplugin) must be ported to this TF version.")
+
+
+def test_the_attribute_scan_catches_each_kind_of_use(tmp_path, monkeypatch):
+    (tmp_path / "scan_probe.py").write_text(
+        "import tensorflow as tf\n"
+        "class Saver(tf.train.Checkpoint):\n"
+        "    def _write(self, prefix, options=None):\n"      # overrides TF's
+        "        self._my_own = 1\n"                          # the probe's own
+        "        return super()._write(prefix, options=options)\n"
+        "def peek(closure, model):\n"
+        "    model._should_use_with_coordinator = True\n"     # sets TF's
+        "    return closure._function, getattr(closure, '_args'), closure._mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from tf_psplugin import _tf_internal  # pylint: disable=g-import-not-at-top
+
+    flagged = private_attributes.scan(
+        [("scan_probe", str(tmp_path / "scan_probe.py"))],
+        [_tf_internal.cluster_coordinator, _tf_internal.parameter_server_strategy_v2])
+    found = {name: sorted({how for _, _, how in uses}) for name, uses in flagged.items()}
+    sys.modules.pop("scan_probe", None)
+    assert found == {"_write": ["overrides"], "_function": ["reads"], "_args": ["reads"],
+                     "_should_use_with_coordinator": ["sets"]}
