@@ -15,6 +15,9 @@ Modes (default: throughput):
 * ``--memory``: hybrid sync with one table of 1M/10M/50M rows, peak RSS per role;
 * ``--balance``: lookups per PS shard, contiguous vs interleaved (no cluster);
 * ``--scaling``: hybrid sync vs stock PSS with 1, 2 and 4 workers.
+* ``--network``: stock PSS and hybrid sync/async with 2, 4 and 8 workers,
+  every task on its own emulated host with a rate-limited link (needs root;
+  see `benchmarks/network.py`).
 """
 
 import argparse
@@ -27,7 +30,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import procs
+from benchmarks import network, procs
 
 THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
@@ -45,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--memory", action="store_true", help="peak RSS vs table size")
     mode.add_argument("--balance", action="store_true", help="lookups per PS shard (no cluster)")
     mode.add_argument("--scaling", action="store_true", help="1/2/4 workers, hybrid vs stock PSS")
+    mode.add_argument("--network", action="store_true",
+                      help="emulated hosts with slow links: W in --network_workers (needs root)")
     p.add_argument("--quick", action="store_true", help="fewer steps: whole run < 10 min")
     p.add_argument("--setups", default=",".join(THROUGHPUT_SETUPS),
                    help=f"comma-separated subset of {','.join(THROUGHPUT_SETUPS)}")
@@ -73,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
     p.add_argument("--log_dir", default=None, help="child logs (default: a temp dir)")
     p.add_argument("--output", default=None, help="also append the JSON lines to this file")
+    net = p.add_argument_group("--network")
+    net.add_argument("--link_mbit", type=float, default=50.0,
+                     help="every host's link rate, Mbit/s each direction")
+    net.add_argument("--network_workers", default="2,4,8")
+    net.add_argument("--per_worker_batch", type=int, default=256)
+    net.add_argument("--hidden", default=",".join(str(h) for h in network.DLRM_TOP_MLP),
+                     help="MLP widths for --network (default: DLRM's top MLP)")
+    net.add_argument("--network_steps", type=int, default=None,
+                     help="steps per epoch (hybrid; stock PSS runs W times as many; "
+                          "default 16, quick 8)")
+    net.add_argument("--network_spe", type=int, default=4, help="steps_per_execution")
+    net.add_argument("--network_epochs", type=int, default=None,
+                     help="timed epochs after the warm-up epoch (default 2, quick 1)")
+    net.add_argument("--chart", default=None,
+                     help="--network: PNG chart path (default none)")
     p.add_argument("--plugin_path", default=None,
                    help="measure the tf_psplugin package found in this directory instead "
                         "(e.g. a patched copy); the chief imports it first")
@@ -106,6 +126,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--global_batch must be divisible by --num_workers")
     args.memory_row_list = [int(r) for r in args.memory_rows.split(",") if r]
     args.scaling_worker_list = [int(w) for w in args.scaling_workers.split(",") if w]
+    args.network_workers = [int(w) for w in args.network_workers.split(",") if w]
+    args.hidden = [int(h) for h in str(args.hidden).split(",") if h]
+    if args.network_steps is None:
+        args.network_steps = 8 if quick else 16
+    if args.network_epochs is None:
+        args.network_epochs = 1 if quick else 2
+    if args.network_steps % args.network_spe:
+        parser.error("--network_steps must be a multiple of --network_spe")
     return args
 
 
@@ -427,6 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             mode_memory(args, log_dir, emit)
         elif args.scaling:
             mode_scaling(args, log_dir, emit)
+        elif args.network:
+            network.mode_network(args, log_dir, emit)
         else:
             mode_throughput(args, log_dir, emit)
     finally:

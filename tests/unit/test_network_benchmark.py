@@ -1,0 +1,82 @@
+"""benchmarks/network.py without clusters: the analytical minimum and the records.
+
+The runner that starts emulated hosts is replaced by a fake returning what a
+measurement would; the real run is `python -m benchmarks.run --network` (and
+tests/cluster/test_multihost.py for the hosts themselves).
+"""
+
+import json
+
+import pytest
+
+from benchmarks import model as model_lib
+from benchmarks import network, run
+
+
+def _spec(hidden=(1024, 1024, 512, 256)):
+    return model_lib.ModelSpec(hidden=tuple(hidden))
+
+
+def test_dense_parameters_of_the_dlrm_top_mlp():
+    # 429 inputs (13 dense + 26 x 16) -> 1024 -> 1024 -> 512 -> 256 -> 1, with biases.
+    expected = (429 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 512 + 512) \
+        + (512 * 256 + 256) + (256 + 1)
+    assert network.dense_parameters(_spec()) == expected == 2_146_305
+
+
+def test_analytical_minimum_per_setup():
+    spec, b = _spec(), 256
+    dense_bytes = 4 * network.dense_parameters(spec)
+    embedding = 26 * (8 + 2 * 4 * 16)
+    stock = network.analytical_min_bytes_per_example("stock_pss", spec, 8, b)
+    assert stock == {"embedding": embedding, "dense": 2 * dense_bytes / b,
+                     "total": embedding + 2 * dense_bytes / b}
+    for w in (2, 4, 8):
+        hybrid = network.analytical_min_bytes_per_example("hybrid_sync", spec, w, b)
+        assert hybrid["dense"] == pytest.approx(2 * (w - 1) * dense_bytes / (w * b))
+    # Ring all-reduce moves half of stock's dense bytes at W=2, 7/8 at W=8.
+    assert network.analytical_min_bytes_per_example("hybrid_sync", spec, 2, b)["dense"] \
+        == pytest.approx(stock["dense"] / 2)
+
+
+def _fake_result(setup, w, eps):
+    names = ["chief", "ps0", "ps1"] + [f"worker{i}" for i in range(w)]
+    hybrid = setup != "stock_pss"
+    steps = 8 if hybrid else 8 * w
+    return {"examples_per_sec": eps, "timed_seconds": 10.0, "timed_steps": steps,
+            "examples": steps * (256 * w if hybrid else 256),
+            "bytes": {n: {"rx_bytes": 1000 * (i + 1), "tx_bytes": 500 * (i + 1)}
+                      for i, n in enumerate(names)}}
+
+
+def test_records_ratios_and_summary(monkeypatch, capsys):
+    eps = {("stock_pss", 2): 100.0, ("hybrid_sync", 2): 150.0, ("hybrid_async", 2): 160.0,
+           ("stock_pss", 8): 80.0, ("hybrid_sync", 8): 200.0, ("hybrid_async", 8): 210.0}
+    monkeypatch.setattr(network, "run_one",
+                        lambda setup, w, *a: _fake_result(setup, w, eps[(setup, w)]))
+    args = run.parse_args(["--network", "--quick", "--network_workers", "2,8"])
+    lines = []
+    network.mode_network(args, "/tmp", lines.append)
+    records = [r for r in lines if r["kind"] == "network"]
+    assert [(r["setup"], r["num_workers"]) for r in records] == [
+        (s, w) for w in (2, 8) for s in network.NETWORK_SETUPS]
+    by = {(r["setup"], r["num_workers"]): r for r in records}
+    assert by[("hybrid_sync", 8)]["ratio_to_stock_pss"] == 2.5
+    assert by[("stock_pss", 2)]["ratio_to_stock_pss"] == 1.0
+    r = by[("hybrid_sync", 2)]
+    # Workers are the 4th and 5th hosts: (4000+2000 + 5000+2500)/2 bytes over 8 steps.
+    assert r["worker_bytes_per_step"] == round((6000 + 7500) / 2 / 8)
+    assert r["total_bytes_per_example"] == round(500 * (1 + 2 + 3 + 4 + 5) / (8 * 512), 1)
+    summary = lines[-1]
+    assert summary["kind"] == "network_summary"
+    assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 2.5
+    assert summary["workers_compared"] == [2, 8]
+    json.dumps(lines)  # every line is JSON
+
+
+def test_network_arguments():
+    args = run.parse_args(["--network"])
+    assert args.network_workers == [2, 4, 8] and args.hidden == [1024, 1024, 512, 256]
+    assert run.parse_args(["--network", "--quick"]).network_steps < args.network_steps
+    with pytest.raises(SystemExit):
+        run.parse_args(["--network", "--network_steps", "6", "--network_spe", "4"])
