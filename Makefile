@@ -27,7 +27,7 @@ LATEST_SELECT := -m "not tf215_only"
 # reason. Keep it empty.
 LATEST_DESELECT ?=
 
-.PHONY: demo test test-tf215 test-tflatest test-fast test-cluster env env-tflatest clean
+.PHONY: demo test test-tf215 test-tflatest test-fast test-cluster env env-tflatest host-tools clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@start=$$SECONDS; set -ex; \
@@ -61,6 +61,13 @@ env: $(VENV)/.installed
 
 env-tflatest: $(LATEST_VENV)/.installed
 
+# The emulated-host tests and `benchmarks.run --network` need iproute2's `ip`
+# and `tc` (and root, which CI has): installed from Debian's packages if absent.
+host-tools:
+	@command -v ip >/dev/null && command -v tc >/dev/null || { \
+		echo "make: installing iproute2 (ip, tc) for the emulated-host tests"; \
+		apt-get install -y -q iproute2 || { apt-get update -q && apt-get install -y -q iproute2; }; }
+
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR)
 	$(PY) -m tf_psplugin.launch --workers 2 --ps 2 --evaluator -- \
@@ -68,7 +75,7 @@ demo: $(VENV)/.installed
 
 # Both environments, both runs, whatever the first one's result; the exit
 # status is nonzero if either failed.
-test: $(VENV)/.installed $(LATEST_VENV)/.installed
+test: $(VENV)/.installed $(LATEST_VENV)/.installed host-tools
 	@status=0; \
 	$(MAKE) --no-print-directory test-tf215 || status=1; \
 	$(MAKE) --no-print-directory test-tflatest || status=1; \

@@ -41,6 +41,19 @@ def _ours(run_namespaces):
     return sorted(set(run_namespaces) & set(hosts_lib._namespaces()))  # pylint: disable=protected-access
 
 
+def _processes_running(argv):
+    """Pids whose command line is exactly `argv` (read from /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[:-1] == [a.encode() for a in argv]:
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def _start_sink(hosts, name):
     sink = hosts.popen(name, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "listening"
@@ -94,8 +107,7 @@ def test_everything_is_removed_when_the_body_raises():
             1 / 0  # pylint: disable=pointless-statement
     assert _ours(created) == []
     assert sleeper.poll() is not None
-    left = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True)
-    assert left.stdout.strip() == "", f"processes left behind: {left.stdout}"
+    assert _processes_running(["sleep", "600"]) == [], "processes left behind"
 
 
 def test_a_killed_run_is_cleaned_up_by_the_next():
