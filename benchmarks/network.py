@@ -170,20 +170,34 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec) -> di
                     else result["timed_steps"] / num_workers)
     total_tx = sum(m["tx_bytes"] for m in result["bytes"].values())
     minimum = analytical_min_bytes_per_example(setup, spec, num_workers, args.per_worker_batch)
-    return {
+    worker_bytes_per_step = sum(per_role["worker"]) / len(per_role["worker"]) / worker_steps
+    record = {
         "kind": "network", "setup": setup, "num_workers": num_workers, "num_ps": args.num_ps,
         "link_mbit": args.link_mbit, "per_worker_batch": args.per_worker_batch,
         "examples_per_sec": round(result["examples_per_sec"], 1),
         "timed_seconds": round(result["timed_seconds"], 2), "examples": examples,
         "bytes_per_example": {role: round(sum(v) / len(v) / examples, 1)
                               for role, v in per_role.items() if v},
-        "worker_bytes_per_step": round(sum(per_role["worker"]) / len(per_role["worker"])
-                                       / worker_steps),
+        "worker_bytes_per_step": round(worker_bytes_per_step),
         "total_bytes_per_example": round(total_tx / examples, 1),
         "analytical_min_bytes_per_example": {k: round(v, 1) for k, v in minimum.items()},
         "ratio_to_analytical_min": round(total_tx / examples / minimum["total"], 3),
         "dense_parameters": dense_parameters(spec),
     }
+    if setup != "stock_pss":
+        # What a worker moves besides the dense ring all-reduce (which sends
+        # and receives 2 (W-1)/W x 4 x params each per step, whatever the
+        # design): embedding ids, rows, gradient exchange, control.
+        ring = ring_allreduce_bytes_per_worker_step(spec, num_workers)
+        record["worker_allreduce_bytes_per_step"] = round(ring)
+        record["worker_bytes_per_step_beyond_allreduce"] = round(worker_bytes_per_step - ring)
+    return record
+
+
+def ring_allreduce_bytes_per_worker_step(spec, num_workers: int) -> float:
+    """Bytes one worker sends plus receives per step in a ring all-reduce of the dense gradients."""
+    w = num_workers
+    return 2 * 2 * (w - 1) / w * 4 * dense_parameters(spec)
 
 
 def mode_network(args, log_dir: str, emit) -> List[dict]:
@@ -222,6 +236,12 @@ def mode_network(args, log_dir: str, emit) -> List[dict]:
         summary["hybrid_sync_over_stock_pss_at_max_w"] = sync[hi].get("ratio_to_stock_pss")
         summary["hybrid_sync_worker_bytes_per_step_growth"] = round(
             sync[hi]["worker_bytes_per_step"] / sync[lo]["worker_bytes_per_step"], 3)
+        summary["hybrid_sync_worker_bytes_beyond_allreduce_growth"] = round(
+            sync[hi]["worker_bytes_per_step_beyond_allreduce"]
+            / sync[lo]["worker_bytes_per_step_beyond_allreduce"], 3)
+        summary["allreduce_bytes_growth_bound"] = round(
+            ring_allreduce_bytes_per_worker_step(spec, hi)
+            / ring_allreduce_bytes_per_worker_step(spec, lo), 3)
         summary["workers_compared"] = [lo, hi]
     summary["max_ratio_to_analytical_min"] = max(
         (r["ratio_to_analytical_min"] for r in records if r.get("ratio_to_analytical_min")),

@@ -67,10 +67,18 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     # Workers are the 4th and 5th hosts: (4000+2000 + 5000+2500)/2 bytes over 8 steps.
     assert r["worker_bytes_per_step"] == round((6000 + 7500) / 2 / 8)
     assert r["total_bytes_per_example"] == round(500 * (1 + 2 + 3 + 4 + 5) / (8 * 512), 1)
+    # The ring all-reduce part: each worker sends and receives 2 (W-1)/W x 4 x params.
+    ring = 2 * 2 * (2 - 1) / 2 * 4 * network.dense_parameters(_spec())
+    assert r["worker_allreduce_bytes_per_step"] == round(ring)
+    assert r["worker_bytes_per_step_beyond_allreduce"] == round((6000 + 7500) / 2 / 8 - ring)
+    assert "worker_allreduce_bytes_per_step" not in by[("stock_pss", 2)]
     summary = lines[-1]
     assert summary["kind"] == "network_summary"
     assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 2.5
     assert summary["workers_compared"] == [2, 8]
+    # Ring all-reduce bytes per worker grow as (W-1)/W: 7/8 over 1/2 from W=2 to 8.
+    assert summary["allreduce_bytes_growth_bound"] == 1.75
+    assert "hybrid_sync_worker_bytes_beyond_allreduce_growth" in summary
     json.dumps(lines)  # every line is JSON
 
 
