@@ -1,9 +1,11 @@
 """Collective communication among the workers of the AllReduce group.
 
 Dense gradients are summed across workers with one packed all-reduce per step
-(one collective launch instead of one per variable); embedding gradients in
-``"sync"`` mode are all-gathered, also packed, so every worker sees the
-global sparse gradient and exactly one worker applies it to each PS shard.
+(one collective launch instead of one per variable). Embedding gradients in
+``"sync"`` mode are summed on their PS (`sparse_exchange.py`) after a
+barrier from here; with ``sparse_exchange="allgather"`` they are
+all-gathered, also packed, so every worker sees the global sparse gradient
+and exactly one worker applies it to each PS shard.
 
 Instance keys are handed out at trace time, one per collective op, as
 MultiWorkerMirroredStrategy's CollectiveKeys do. The coordinator traces one

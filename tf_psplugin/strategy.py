@@ -11,7 +11,8 @@ running a coordinator) that changes three things:
   value (exact metrics, no per-step PS traffic).
 * **Reduction** (`_batch_reduce_to`, `_reduce_to`): while a synchronous
   step is traced, dense gradients are summed across workers with one packed
-  collective all-reduce; embedding gradients are all-gathered (``"sync"``) or
+  collective all-reduce; embedding gradients are handed to the PS that holds
+  their shard and summed there (``"sync"``, see `sparse_exchange.py`) or
   left local (``"async"``). `num_replicas_in_sync` is the number of workers,
   so Keras scales losses correctly.
 * **Updates** (`_update`): a replicated variable is updated locally on each
@@ -31,6 +32,7 @@ With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
 the plugin's table sharding), for comparison and for fully-async users.
 """
 
+import contextlib
 import functools
 import random
 from typing import List, Optional
@@ -45,6 +47,7 @@ from tf_psplugin import failover as failover_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
 from tf_psplugin import shard_init
+from tf_psplugin import sparse_exchange as sparse_exchange_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import distribute_lib, input_util, ops
@@ -116,6 +119,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             checkpoint (see `failover.py`; `tf_psplugin.elastic.run` recovers
             in-process instead).
         log_placement: Log the placement report once, at the first step.
+        sparse_exchange: How ``"sync"`` mode sums embedding gradients:
+            ``"ps"`` (default: each worker sends its own to the PS holding
+            the shard, where one worker's update sums them; a worker's bytes
+            do not grow with the number of workers) or ``"allgather"``
+            (every worker receives every other worker's gradients; kept for
+            comparison, see `benchmarks.run --network`).
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -128,7 +137,11 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
                  connect_timeout_seconds: float = 300.0,
                  failover: Optional[failover_lib.FailoverPolicy] = None,
-                 log_placement: bool = True):
+                 log_placement: bool = True, sparse_exchange: str = "ps"):
+        if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
+            raise StrategyError(
+                f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
+                f"{', '.join(map(repr, sparse_exchange_lib.SPARSE_EXCHANGES))}.")
         if embedding_updates not in EMBEDDING_UPDATES:
             raise StrategyError(
                 f"embedding_updates={embedding_updates!r} is not supported. "
@@ -174,7 +187,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             self._extended = HybridExtended(
                 self, resolver, embedding_updates=embedding_updates,
                 dense_allreduce=self._dense_allreduce, placement=placement,
-                collective_timeout_seconds=self._collective_timeout, log_placement=log_placement)
+                collective_timeout_seconds=self._collective_timeout, log_placement=log_placement,
+                sparse_exchange=sparse_exchange)
             super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
                 self._extended)
             self._should_use_with_coordinator = True
@@ -238,8 +252,11 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def __init__(self, container_strategy, cluster_resolver, embedding_updates: str,
                  dense_allreduce: bool, placement: placement_lib.PlacementPolicy,
-                 collective_timeout_seconds: float, log_placement: bool):
+                 collective_timeout_seconds: float, log_placement: bool,
+                 sparse_exchange: str = "ps"):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
+        self.sparse_exchange = sparse_exchange
+        self._gradient_queues = sparse_exchange_lib.PsGradientQueues(self._num_workers)
         self.embedding_updates = embedding_updates
         self.dense_allreduce = dense_allreduce
         self.placement = placement
@@ -484,30 +501,85 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
         if sparse_idx and self._sync_embeddings:
-            gathered = self.collective_group.all_gather_indexed_slices(
-                [values[i] for i in sparse_idx])
+            sparse = [values[i] for i in sparse_idx]
+            if self._exchange_through_ps():
+                gathered = self._sum_on_ps(
+                    sparse, [value_destination_pairs[i][1] for i in sparse_idx])
+            else:
+                gathered = self.collective_group.all_gather_indexed_slices(sparse)
             for i, g in zip(sparse_idx, gathered):
                 if mean:
-                    g = tf.IndexedSlices(g.values / self._num_workers, g.indices, g.dense_shape)
+                    with _on_device_of(g.values):  # On the PS when summed there.
+                        g = tf.IndexedSlices(g.values / self._num_workers, g.indices,
+                                             g.dense_shape)
                 out[i] = g
         return self._after_reduction(out)
+
+    def _exchange_through_ps(self) -> bool:
+        # A trace shared by several update roles (`tracing_worker_index` is
+        # None: a concrete function was scheduled) cannot know which PS it
+        # takes from; it all-gathers instead.
+        return (self.sparse_exchange == "ps" and self._num_workers > 1
+                and self.tracing_worker_index is not None)
+
+    def _sum_on_ps(self, slices, destinations) -> List[tf.IndexedSlices]:
+        """Sync sparse gradients through the PS queues (see `sparse_exchange`).
+
+        Returns, per input, the global sparse gradient (on its PS) where this
+        trace's role updates that PS, else the local slices (never applied:
+        `_update` leaves other roles' shards out). All of them depend on the
+        barrier, so every worker hands in and joins it.
+        """
+        groups = {}
+        for j, (s, dest) in enumerate(zip(slices, destinations)):
+            ps = tf.DeviceSpec.from_string(_unwrap(dest).device or "").task or 0
+            groups.setdefault((ps, s.values.dtype), []).append(j)
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        hand_ins = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
+                    for (ps, _), js in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))]
+        token = self.collective_group.barrier(hand_ins)
+        role = self.update_role(self.tracing_worker_index)
+        out = list(slices)
+        with tf.control_dependencies([token]):
+            for (ps, _), js in groups.items():
+                if ps in role:
+                    taken = self._gradient_queues.take(ps, [slices[j] for j in js])
+                    for j, g in zip(js, taken):
+                        out[j] = g
+                else:
+                    for j in js:
+                        out[j] = tf.IndexedSlices(tf.identity(slices[j].values),
+                                                  slices[j].indices, slices[j].dense_shape)
+        return out
 
     def _after_reduction(self, out):
         """Counts the reduction, makes every update wait for the count, opens the step."""
         if self.reduced_steps is None:
             return out
-        tensors = []
+        tensors, on_ps = [], {}
         for o in out:
-            tensors.extend([o.values, o.indices] if isinstance(o, tf.IndexedSlices) else [o])
+            for t in [o.values, o.indices] if isinstance(o, tf.IndexedSlices) else [o]:
+                if "/job:ps" in (t.device or ""):
+                    on_ps.setdefault(t.device, []).append(t)
+                else:
+                    tensors.append(t)
+        # Gradients summed on a PS stay there: one control edge per PS, and
+        # the identities below are made on the PS too (an identity here
+        # would copy the global gradient to this worker and back).
+        for device, ts in on_ps.items():
+            with tf.device(device):
+                tensors.append(tf.group(ts))
         with tf.control_dependencies(tensors):
             counted = self.reduced_steps.assign_add(1, read_value=False)
         result = []
         with tf.control_dependencies([counted]):
             for o in out:
-                if isinstance(o, tf.IndexedSlices):
-                    result.append(tf.IndexedSlices(tf.identity(o.values), o.indices, o.dense_shape))
-                else:
-                    result.append(tf.identity(o))
+                with _on_device_of(o.values if isinstance(o, tf.IndexedSlices) else o):
+                    if isinstance(o, tf.IndexedSlices):
+                        result.append(tf.IndexedSlices(tf.identity(o.values), o.indices,
+                                                       o.dense_shape))
+                    else:
+                        result.append(tf.identity(o))
         variables_lib.open_step()
         return result
 
@@ -618,6 +690,12 @@ class WorkerInputContext(tf.distribute.InputContext):
         if tf.executing_eagerly():
             return 0
         return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+
+def _on_device_of(tensor):
+    """A device scope for ops that belong beside `tensor` when it is on a PS."""
+    device = getattr(tensor, "device", "") or ""
+    return tf.device(device) if "/job:ps" in device else contextlib.nullcontext()
 
 
 def _unwrap(var):

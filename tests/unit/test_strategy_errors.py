@@ -86,6 +86,7 @@ def test_worker_resolver_rejected():
     ({"embedding_updates": "eventually"}, "embedding_updates"),
     ({"dense_placement": "gpu"}, "dense_placement"),
     ({"sharding": "random"}, "sharding"),
+    ({"sparse_exchange": "gossip"}, "sparse_exchange"),
 ])
 def test_bad_options(kwargs, needle):
     resolver = _resolver({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
