@@ -30,23 +30,38 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer,sharding,steps_per_execution,variant,num_workers", [
-    ("sgd", "interleaved", 1, "plain", 2),
-    ("adagrad", "interleaved", 1, "plain", 2),
-    ("adagrad", "contiguous", 1, "plain", 2),
-    ("adagrad", "interleaved", 5, "plain", 2),
-    ("adam_new", "interleaved", 1, "plain", 2),
-    # Sparse row counts that change every step (ids de-duplicated before the
-    # lookup), and a worker that owns no table shard (3 workers, 2 shards).
-    ("adagrad", "interleaved", 1, "dedup", 3),
-])
+@pytest.mark.parametrize(
+    "optimizer,sharding,steps_per_execution,variant,num_workers,exchange", [
+        ("sgd", "interleaved", 1, "plain", 2, "ps"),
+        ("adagrad", "interleaved", 1, "plain", 2, "ps"),
+        ("adagrad", "contiguous", 1, "plain", 2, "ps"),
+        ("adagrad", "interleaved", 5, "plain", 2, "ps"),
+        ("adam_new", "interleaved", 1, "plain", 2, "ps"),
+        # Sparse row counts that change every step (ids de-duplicated before
+        # the lookup), and a worker that owns no table shard (3 workers, 2
+        # shards); the PS sums 3 workers' gradients in worker order.
+        ("adagrad", "interleaved", 1, "dedup", 3, "ps"),
+        # The all-gather exchange, kept for comparison.
+        ("adagrad", "interleaved", 1, "dedup", 3, "allgather"),
+    ])
 def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding,
-                                                     steps_per_execution, variant, num_workers):
+                                                     steps_per_execution, variant, num_workers,
+                                                     exchange):
     report, log = run_chief_script(
         make_cluster, tmp_path, "sync_equivalence.py",
-        [optimizer, sharding, "sync", str(steps_per_execution), variant],
+        [optimizer, sharding, "sync", str(steps_per_execution), variant, exchange],
         num_workers=num_workers)
     assert report["num_replicas_in_sync"] == num_workers
+    ops = report["sparse_exchange_ops"]
+    if exchange == "ps":
+        # Every worker hands its gradients to both PS tasks; the updating
+        # roles take them on the PS; nothing is all-gathered, and the summed
+        # gradient never feeds an op on a worker.
+        assert ops["enqueue"] >= 2 and ops["dequeue_on_ps"] >= num_workers, ops
+        assert ops["all_gather"] == 0, ops
+        assert not report["summed_gradient_on_workers"], report["summed_gradient_on_workers"]
+    else:
+        assert ops["enqueue"] == 0 and ops["dequeue_on_ps"] == 0 and ops["all_gather"] > 0, ops
     assert report["replicas_identical"], "dense replicas diverged across workers"
     # Exact whatever the timing: every table/slot write on a PS precedes the
     # end-of-step barrier (checked in the traced graphs, not by luck).

@@ -19,6 +19,7 @@ SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 # "dedup": the model looks up each distinct id once per batch, so the sparse
 # gradient's row count changes from step to step.
 DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
+EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
 
@@ -79,6 +80,52 @@ _PS_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
               "ResourceApplyAdagradV2", "ResourceApplyAdam", "ResourceSparseApplyAdam"}
 
 
+def traced_graphs(model):
+    """Every traced graph of the train function, with its while-loop bodies."""
+    fn = next(c.cell_contents for c in model.train_function.__closure__
+              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
+
+    def graphs_of(graph):  # The graph and its while-loop bodies (steps_per_execution > 1).
+        yield graph
+        for op in graph.get_operations():
+            body = getattr(op, "_body_graph", None)  # Set by while_v2.
+            if body is not None:
+                yield from graphs_of(body)
+
+    for c in fn._list_all_concrete_functions():  # pylint: disable=protected-access
+        yield from graphs_of(c.graph)
+
+
+def sparse_exchange_ops(model):
+    """Counts of the sparse exchange's ops, and worker ops fed by a PS-summed gradient.
+
+    With sparse_exchange="ps" the global sparse gradient is taken from a
+    queue on the PS and must stay there: any op not placed on a PS that
+    consumes it (directly or through other ops) means it crossed the network
+    again (an op without a device runs on the worker that runs the step).
+    """
+    counts = {"enqueue": 0, "dequeue_on_ps": 0, "all_gather": 0}
+    on_workers = []
+    for graph in traced_graphs(model):
+        for op in graph.get_operations():
+            if op.type.startswith("QueueEnqueue"):
+                counts["enqueue"] += 1
+            elif op.type.startswith("QueueDequeue") and "/job:ps" in op.device:
+                counts["dequeue_on_ps"] += 1
+                todo, seen = [c for t in op.outputs for c in t.consumers()], set()
+                while todo:
+                    consumer = todo.pop()
+                    if consumer.name in seen:
+                        continue
+                    seen.add(consumer.name)
+                    if "/job:ps" not in consumer.device:
+                        on_workers.append(f"{consumer.type} {consumer.name}")
+                    todo.extend(c for t in consumer.outputs for c in t.consumers())
+            elif op.type.startswith("CollectiveGather"):
+                counts["all_gather"] += 1
+    return counts, on_workers
+
+
 def writes_not_before_barrier(model):
     """PS writes of the traced sync steps that the end-of-step barrier does not wait for.
 
@@ -87,18 +134,8 @@ def writes_not_before_barrier(model):
     the step's last collective whose input is a constant with control
     inputs (collectives.barrier).
     """
-    fn = next(c.cell_contents for c in model.train_function.__closure__
-              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
-    def graphs_of(graph):  # The graph and its while-loop bodies (steps_per_execution > 1).
-        yield graph
-        for op in graph.get_operations():
-            body = getattr(op, "_body_graph", None)  # Set by while_v2.
-            if body is not None:
-                yield from graphs_of(body)
-
     unordered, graphs = [], 0
-    for graph in (g for c in fn._list_all_concrete_functions()  # pylint: disable=protected-access
-                  for g in graphs_of(c.graph)):
+    for graph in traced_graphs(model):
         ops = graph.get_operations()
         writes = [op for op in ops if op.type in _PS_WRITES and "/job:ps" in op.device]
         if not writes:
@@ -125,7 +162,7 @@ def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        sharding=SHARDING, embedding_updates=UPDATES)
+        sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE)
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
@@ -138,6 +175,7 @@ def main():
                      epochs=1, steps_per_epoch=STEPS, verbose=2)
     got = logical_weights(model)
     unordered, graphs_with_writes = writes_not_before_barrier(model)
+    exchange_ops, summed_gradient_on_workers = sparse_exchange_ops(model)
 
     replicas_identical = True
     for v in model.variables:
@@ -164,6 +202,8 @@ def main():
         "records": [r.to_dict() for r in strategy.placement_records()],
         "unordered_ps_writes": unordered,
         "graphs_with_ps_writes": graphs_with_writes,
+        "sparse_exchange_ops": exchange_ops,
+        "summed_gradient_on_workers": summed_gradient_on_workers,
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
     }
