@@ -139,7 +139,8 @@ def _build_ps_chief(job):
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
             embedding_updates=job["embedding_updates"], log_placement=False,
-            sharding=job.get("sharding") or None)
+            sharding=job.get("sharding") or None,
+            sparse_exchange=job.get("sparse_exchange", "ps"))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.

@@ -38,9 +38,13 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import procs
 
-NETWORK_SETUPS = ("stock_pss", "hybrid_sync", "hybrid_async")
+# hybrid_sync_allgather: sync mode with sparse_exchange="allgather" (the
+# earlier design), to show what summing the sparse gradients on the PS saves.
+NETWORK_SETUPS = ("stock_pss", "hybrid_sync", "hybrid_sync_allgather", "hybrid_async")
+QUICK_SETUPS = ("stock_pss", "hybrid_sync")
 DLRM_TOP_MLP = (1024, 1024, 512, 256)
 PORT = 2222  # every emulated host has its own port space
+EXIT_GRACE_SECONDS = 120  # for the chief to exit after its last timed epoch
 
 
 def dense_parameters(spec) -> int:
@@ -115,6 +119,7 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
         "steps_per_execution": args.network_spe, "steps_per_epoch": epoch_steps,
         "timed_epochs": args.network_epochs, "pool_batches": 4,
         "embedding_updates": "async" if setup == "hybrid_async" else "sync",
+        "sparse_exchange": "allgather" if setup == "hybrid_sync_allgather" else "ps",
         "partition_min_bytes": 1 << 20, "announce_epochs": True,
     }
     log = os.path.join(log_dir, f"network-{setup}-w{num_workers}.log")
@@ -138,21 +143,39 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
             chief = hosts.popen("chief", procs.child_command(job),
                                 env=dict(env, TF_CONFIG=_tf_config(cluster, "chief", 0)),
                                 stdout=out, stderr=subprocess.STDOUT)
+            exited = True
             try:
-                _wait_for_line(log, "BENCH_EPOCH_END 0", chief, args.timeout)
+                t0 = _wait_for_line(log, "BENCH_EPOCH_END 0", chief, args.timeout)
                 first = hosts.all_counters()
                 last_epoch = args.network_epochs
-                _wait_for_line(log, f"BENCH_EPOCH_END {last_epoch}", chief, args.timeout)
+                t1 = _wait_for_line(log, f"BENCH_EPOCH_END {last_epoch}", chief, args.timeout)
                 last = hosts.all_counters()
-                chief.wait(timeout=120)
+                try:
+                    chief.wait(timeout=EXIT_GRACE_SECONDS)
+                except subprocess.TimeoutExpired:
+                    # Measured once: stock PSS with 8 workers on 50 Mbit/s
+                    # links printed its last epoch end and did not return
+                    # from fit() within 120 s. The timed epochs are complete
+                    # by then; the hosts' cleanup kills the chief.
+                    exited = False
             finally:
                 for f in server_logs:
                     f.close()
-        if chief.returncode != 0:
+        if exited and chief.returncode != 0:
             raise procs.BenchmarkProcessError(
                 f"chief exited {chief.returncode}; log {log}:\n{procs._tail(log)}")  # pylint: disable=protected-access
-    with open(log, encoding="utf-8") as f:
-        result = procs.parse_result(f.read())
+    if exited:
+        with open(log, encoding="utf-8") as f:
+            result = procs.parse_result(f.read())
+    else:
+        # The same interval as the chief's own timer, on this process's clock
+        # (the lines are polled every 50 ms).
+        timed_steps = epoch_steps * args.network_epochs
+        examples_per_step = b * num_workers if hybrid else b
+        result = {"timed_steps": timed_steps, "timed_seconds": t1 - t0,
+                  "examples_per_sec": timed_steps * examples_per_step / (t1 - t0),
+                  "chief_exit": f"did not exit within {EXIT_GRACE_SECONDS} s of its last "
+                                "epoch; killed (timing from its epoch-end lines)"}
     result["bytes"] = {n: {k: last[n][k] - first[n][k] for k in ("rx_bytes", "tx_bytes")}
                        for n in names}
     result["examples"] = result["timed_steps"] * (b * num_workers if hybrid else b)
@@ -184,6 +207,8 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec) -> di
         "ratio_to_analytical_min": round(total_tx / examples / minimum["total"], 3),
         "dense_parameters": dense_parameters(spec),
     }
+    if "chief_exit" in result:
+        record["chief_exit"] = result["chief_exit"]
     if setup != "stock_pss":
         # What a worker moves besides the dense ring all-reduce (which sends
         # and receives 2 (W-1)/W x 4 x params each per step, whatever the
@@ -207,7 +232,7 @@ def mode_network(args, log_dir: str, emit) -> List[dict]:
     spec_dict = {"vocab_size": args.vocab_size, "embedding_dim": args.embedding_dim,
                  "variant": args.variant, "hidden": list(args.hidden)}
     spec = model_lib.ModelSpec.from_dict(spec_dict)
-    setups = [s for s in args.setups.split(",") if s in NETWORK_SETUPS] or list(NETWORK_SETUPS)
+    setups = list(args.setup_list)
     records = []
     for w in args.network_workers:
         by_setup = {}
@@ -229,20 +254,23 @@ def mode_network(args, log_dir: str, emit) -> List[dict]:
     summary = {"kind": "network_summary", "targets": {
         "hybrid_sync_over_stock_pss_at_max_w": 2.0, "worker_bytes_per_step_growth": 1.3,
         "bytes_over_analytical_min": 1.3}}
-    sync = {r["num_workers"]: r for r in records
-            if r["setup"] == "hybrid_sync" and r.get("examples_per_sec")}
-    if sync:
+    for name in ("hybrid_sync", "hybrid_sync_allgather"):
+        sync = {r["num_workers"]: r for r in records
+                if r["setup"] == name and r.get("examples_per_sec")}
+        if not sync:
+            continue
         lo, hi = min(sync), max(sync)
-        summary["hybrid_sync_over_stock_pss_at_max_w"] = sync[hi].get("ratio_to_stock_pss")
-        summary["hybrid_sync_worker_bytes_per_step_growth"] = round(
+        summary[f"{name}_over_stock_pss_at_max_w"] = sync[hi].get("ratio_to_stock_pss")
+        summary[f"{name}_worker_bytes_per_step_growth"] = round(
             sync[hi]["worker_bytes_per_step"] / sync[lo]["worker_bytes_per_step"], 3)
-        summary["hybrid_sync_worker_bytes_beyond_allreduce_growth"] = round(
+        summary[f"{name}_worker_bytes_beyond_allreduce_growth"] = round(
             sync[hi]["worker_bytes_per_step_beyond_allreduce"]
             / sync[lo]["worker_bytes_per_step_beyond_allreduce"], 3)
+        summary["workers_compared"] = [lo, hi]
+        # Ring all-reduce bytes per worker grow as (W-1)/W whatever the design.
         summary["allreduce_bytes_growth_bound"] = round(
             ring_allreduce_bytes_per_worker_step(spec, hi)
             / ring_allreduce_bytes_per_worker_step(spec, lo), 3)
-        summary["workers_compared"] = [lo, hi]
     summary["max_ratio_to_analytical_min"] = max(
         (r["ratio_to_analytical_min"] for r in records if r.get("ratio_to_analytical_min")),
         default=None)

@@ -15,9 +15,11 @@ Modes (default: throughput):
 * ``--memory``: hybrid sync with one table of 1M/10M/50M rows, peak RSS per role;
 * ``--balance``: lookups per PS shard, contiguous vs interleaved (no cluster);
 * ``--scaling``: hybrid sync vs stock PSS with 1, 2 and 4 workers.
-* ``--network``: stock PSS and hybrid sync/async with 2, 4 and 8 workers,
+* ``--network``: stock PSS, hybrid sync (sparse gradients summed on the PS,
+  and all-gathered for comparison) and hybrid async with 2, 4 and 8 workers,
   every task on its own emulated host with a rate-limited link (needs root;
-  see `benchmarks/network.py`).
+  see `benchmarks/network.py`); ``--quick``: stock PSS and hybrid sync at 2
+  and 8 workers.
 """
 
 import argparse
@@ -51,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--network", action="store_true",
                       help="emulated hosts with slow links: W in --network_workers (needs root)")
     p.add_argument("--quick", action="store_true", help="fewer steps: whole run < 10 min")
-    p.add_argument("--setups", default=",".join(THROUGHPUT_SETUPS),
-                   help=f"comma-separated subset of {','.join(THROUGHPUT_SETUPS)}")
+    p.add_argument("--setups", default=None,
+                   help=f"comma-separated subset of {','.join(THROUGHPUT_SETUPS)} "
+                   f"(--network: of {','.join(network.NETWORK_SETUPS)}); default all")
     p.add_argument("--global_batch", type=int, default=1024)
     p.add_argument("--steps_per_execution", type=int, default=8)
     p.add_argument("--steps", type=int, default=None,
@@ -81,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     net = p.add_argument_group("--network")
     net.add_argument("--link_mbit", type=float, default=50.0,
                      help="every host's link rate, Mbit/s each direction")
-    net.add_argument("--network_workers", default="2,4,8")
+    net.add_argument("--network_workers", default=None,
+                     help="worker counts (default 2,4,8; quick 2,8)")
     net.add_argument("--per_worker_batch", type=int, default=256)
     net.add_argument("--hidden", default=",".join(str(h) for h in network.DLRM_TOP_MLP),
                      help="MLP widths for --network (default: DLRM's top MLP)")
@@ -110,10 +114,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.steps = 64 if quick else 256
     if args.pool_batches is None:
         args.pool_batches = 16 if quick else 32
+    known = network.NETWORK_SETUPS if args.network else THROUGHPUT_SETUPS
+    if args.setups is None:
+        # --network --quick: the two setups its targets compare, W = 2 and 8
+        # (~10 min; every setup at W = 2, 4, 8 takes ~26 min on this box).
+        args.setups = ",".join(network.QUICK_SETUPS if args.network and quick else known)
     setups = [s for s in args.setups.split(",") if s]
-    unknown = sorted(set(setups) - set(THROUGHPUT_SETUPS))
+    unknown = sorted(set(setups) - set(known))
     if unknown:
-        parser.error(f"unknown setups {unknown}; choose from {','.join(THROUGHPUT_SETUPS)}")
+        parser.error(f"unknown setups {unknown}; choose from {','.join(known)}")
     args.setup_list = setups
     spe = args.steps_per_execution
     if spe < 1 or args.warmup_steps % spe or args.steps % args.warmup_steps:
@@ -126,6 +135,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--global_batch must be divisible by --num_workers")
     args.memory_row_list = [int(r) for r in args.memory_rows.split(",") if r]
     args.scaling_worker_list = [int(w) for w in args.scaling_workers.split(",") if w]
+    if args.network_workers is None:
+        args.network_workers = "2,8" if quick else "2,4,8"
     args.network_workers = [int(w) for w in args.network_workers.split(",") if w]
     args.hidden = [int(h) for h in str(args.hidden).split(",") if h]
     if args.network_steps is None:

@@ -51,10 +51,12 @@ def _fake_result(setup, w, eps):
 
 def test_records_ratios_and_summary(monkeypatch, capsys):
     eps = {("stock_pss", 2): 100.0, ("hybrid_sync", 2): 150.0, ("hybrid_async", 2): 160.0,
+           ("hybrid_sync_allgather", 2): 140.0, ("hybrid_sync_allgather", 8): 150.0,
            ("stock_pss", 8): 80.0, ("hybrid_sync", 8): 200.0, ("hybrid_async", 8): 210.0}
     monkeypatch.setattr(network, "run_one",
                         lambda setup, w, *a: _fake_result(setup, w, eps[(setup, w)]))
-    args = run.parse_args(["--network", "--quick", "--network_workers", "2,8"])
+    args = run.parse_args(["--network", "--quick", "--network_workers", "2,8",
+                           "--setups", ",".join(network.NETWORK_SETUPS)])
     lines = []
     network.mode_network(args, "/tmp", lines.append)
     records = [r for r in lines if r["kind"] == "network"]
@@ -79,12 +81,20 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     # Ring all-reduce bytes per worker grow as (W-1)/W: 7/8 over 1/2 from W=2 to 8.
     assert summary["allreduce_bytes_growth_bound"] == 1.75
     assert "hybrid_sync_worker_bytes_beyond_allreduce_growth" in summary
+    assert summary["hybrid_sync_allgather_over_stock_pss_at_max_w"] == 1.875
     json.dumps(lines)  # every line is JSON
 
 
 def test_network_arguments():
     args = run.parse_args(["--network"])
+    assert args.setup_list == list(network.NETWORK_SETUPS)
+    assert run.parse_args(["--network", "--setups", "hybrid_sync_allgather"]).setup_list == [
+        "hybrid_sync_allgather"]
+    with pytest.raises(SystemExit):  # a network-only setup outside --network
+        run.parse_args(["--setups", "hybrid_sync_allgather"])
     assert args.network_workers == [2, 4, 8] and args.hidden == [1024, 1024, 512, 256]
-    assert run.parse_args(["--network", "--quick"]).network_steps < args.network_steps
+    quick = run.parse_args(["--network", "--quick"])
+    assert quick.network_steps < args.network_steps
+    assert quick.network_workers == [2, 8] and quick.setup_list == ["stock_pss", "hybrid_sync"]
     with pytest.raises(SystemExit):
         run.parse_args(["--network", "--network_steps", "6", "--network_spe", "4"])
