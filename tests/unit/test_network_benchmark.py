@@ -82,6 +82,11 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     assert summary["allreduce_bytes_growth_bound"] == 1.75
     assert "hybrid_sync_worker_bytes_beyond_allreduce_growth" in summary
     assert summary["hybrid_sync_allgather_over_stock_pss_at_max_w"] == 1.875
+    # Per setup: the worst ratio to the analytical minimum over its W.
+    assert set(summary["max_ratio_to_analytical_min"]) == set(network.NETWORK_SETUPS)
+    assert summary["max_ratio_to_analytical_min"]["hybrid_sync"] == max(
+        by[("hybrid_sync", w)]["ratio_to_analytical_min"] for w in (2, 8))
+    assert network.summarize(records, _spec()) == summary
     json.dumps(lines)  # every line is JSON
 
 
