@@ -101,8 +101,9 @@ from tensorflow.python.ops import variables as tf_variables  # noqa: F401
 def keras_private_module(name: str):
     """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
 
-    Used by `progress.install_keras_hooks` and
-    `epochs.install_data_handler_hook` (their attributes are in
+    Used by `progress.install_keras_hooks`,
+    `epochs.install_data_handler_hook` and
+    `sparse_exchange.install_keras_dedup_hook` (their attributes are in
     PRIVATE_ATTRIBUTES); checked on Keras 2.15 and tf-keras 2.16-2.21.
     """
     from tf_psplugin._compat import KERAS_PACKAGE  # pylint: disable=g-import-not-at-top
@@ -229,6 +230,9 @@ PRIVATE_ATTRIBUTES = {
     # checkpoint.py: slots exist before the first restore (legacy optimizers
     # create them lazily in the first apply_gradients otherwise).
     "_create_all_weights": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- sparse_exchange.py: Keras's optimizer sums duplicate sparse rows
+    # outside extended.update; for a gradient summed on a PS, that sum runs there.
+    "_deduplicate_sparse_grad": "keras:optimizers.optimizer.Optimizer",
     # -- checkpoint_write.py: every Checkpoint.write/save ends in `_write`; TF's
     # eager multi-device save traces a new function per save that the PS tasks
     # never release (RSS grew per checkpoint), so saves go through one trace.

@@ -26,14 +26,75 @@ after every worker's hand-in has completed, so each take finds its W
 elements, and the end-of-step barrier keeps the next step's hand-ins out
 until the update is done. A worker that dies before the barrier leaves
 elements behind in queues nobody takes from again: failover ends the chief,
-and the next chief creates new queues.
+and the next chief creates queues of its own, under new names (at most one
+step's sparse gradients per failure stay behind on the PS).
+
+Keras's (non-legacy) optimizer sums a sparse gradient's duplicate rows
+before its update, outside the per-variable update and so on the worker:
+for a gradient summed on a PS that would copy the global gradient to the
+updating worker and back. `install_keras_dedup_hook` runs that sum on the
+PS that holds the gradient instead (legacy optimizers sum inside the update,
+already on the PS).
 """
 
+import threading
+import uuid
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_psplugin import _tf_internal
+
 SPARSE_EXCHANGES = ("ps", "allgather")
+
+# A queue element: worker index, rows per shard, flat indices, flat values.
+_COMPONENT_TYPES = [tf.int64, tf.int64, tf.int64]
+
+
+_install_lock = threading.Lock()
+_dedup_hook_installed = False
+
+
+def _ps_device_of(grad) -> str:
+    """The PS device a sparse gradient's values live on, or "" if none."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return ""
+    device = getattr(grad.values, "device", "") or ""
+    return device if "/job:ps" in device else ""
+
+
+def install_keras_dedup_hook() -> None:
+    """Makes Keras's optimizer sum duplicate rows on the PS holding the gradient.
+
+    Keras 2's `optimizers.Optimizer.apply_gradients` (Keras 2.15, tf-keras
+    2.16-2.21) calls `_deduplicate_sparse_grad` after the cross-worker
+    aggregation and outside `extended.update`, so its unique/segment-sum ops
+    get the worker's device. There is no public hook for where it runs; this
+    wraps it (class level, once per process) so that a gradient whose values
+    live on a PS task is summed there. Every other gradient, under any other
+    strategy, goes through Keras's original code unchanged.
+    """
+    global _dedup_hook_installed
+    with _install_lock:
+        if _dedup_hook_installed:
+            return
+        optimizer_module = _tf_internal.keras_private_module("optimizers.optimizer")
+        cls = optimizer_module.Optimizer
+        original = cls._deduplicate_sparse_grad
+
+        def _deduplicate_sparse_grad(self, grads):
+            result = []
+            for grad in grads:
+                device = _ps_device_of(grad)
+                if device:
+                    with tf.device(device):
+                        result.extend(original(self, [grad]))
+                else:
+                    result.extend(original(self, [grad]))
+            return result
+
+        cls._deduplicate_sparse_grad = _deduplicate_sparse_grad
+        _dedup_hook_installed = True
 
 
 def ps_device(ps_index: int) -> str:
@@ -52,17 +113,27 @@ class PsGradientQueues:
     def __init__(self, num_workers: int, device_fn: Callable[[int], str] = ps_device):
         self.num_workers = int(num_workers)
         self._device_fn = device_fn
-        self._queues: Dict[Tuple[int, tf.DType], tf.queue.FIFOQueue] = {}
+        # Each instance names its queues afresh. Eager `tf.queue.FIFOQueue`
+        # names a queue by a process-local counter, so a restarted chief
+        # would get the queue its predecessor left on the PS, with the
+        # elements of the step that failed still in it (the next step's
+        # hand-ins then block on the full queue). uuid4, not `random`: a
+        # user's `set_random_seed` must not repeat it either.
+        self._name = f"tf_psplugin_sparse_grads_{uuid.uuid4().hex}"
+        self._queues: Dict[Tuple[int, tf.DType], tf.Tensor] = {}
 
-    def _queue(self, ps_index: int, dtype: tf.DType) -> tf.queue.FIFOQueue:
+    def _queue(self, ps_index: int, dtype: tf.DType) -> tf.Tensor:
+        """The handle of ps:`ps_index`'s queue for `dtype` values."""
         key = (int(ps_index), dtype)
         if key not in self._queues:
             # Created once, eagerly, on the PS (also when first needed while a
-            # step is traced): the step functions capture its handle.
+            # step is traced): the step functions capture its handle. The raw
+            # op, because only it takes our shared_name in eager mode.
             with tf.init_scope(), tf.device(self._device_fn(ps_index)):
-                self._queues[key] = tf.queue.FIFOQueue(
-                    capacity=self.num_workers, dtypes=[tf.int64, tf.int64, tf.int64, dtype],
-                    name=f"tf_psplugin_sparse_grads_ps{int(ps_index)}_{dtype.name}")
+                self._queues[key] = tf.raw_ops.FIFOQueueV2(
+                    component_types=_COMPONENT_TYPES + [dtype], shapes=[],
+                    capacity=self.num_workers, container="",
+                    shared_name=f"{self._name}_ps{int(ps_index)}_{dtype.name}")
         return self._queues[key]
 
     def hand_in(self, ps_index: int, worker_index: tf.Tensor,
@@ -82,8 +153,9 @@ class PsGradientQueues:
         counts = tf.stack([tf.shape(s.indices, out_type=tf.int64)[0] for s in slices])
         flat_idx = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
         flat_val = tf.concat([tf.reshape(s.values, [-1]) for s in slices], axis=0)
-        return self._queue(ps_index, dtype).enqueue(
-            [tf.cast(worker_index, tf.int64), counts, flat_idx, flat_val])
+        return tf.raw_ops.QueueEnqueueV2(
+            handle=self._queue(ps_index, dtype),
+            components=[tf.cast(worker_index, tf.int64), counts, flat_idx, flat_val])
 
     def take(self, ps_index: int, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
         """Dequeues every worker's gradients for ps:`ps_index`; sums nothing.
@@ -105,7 +177,9 @@ class PsGradientQueues:
         widths = [_row_width(s) for s in slices]
         queue = self._queue(ps_index, dtype)
         with tf.device(self._device_fn(ps_index)):
-            elements = [queue.dequeue() for _ in range(self.num_workers)]
+            elements = [tf.raw_ops.QueueDequeueV2(handle=queue,
+                                                  component_types=_COMPONENT_TYPES + [dtype])
+                        for _ in range(self.num_workers)]
             for e in elements:  # The queue has no static shapes.
                 for t, shape in zip(e, ([], [k], [None], [None])):
                     t.set_shape(shape)

@@ -203,6 +203,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         progress_lib.install_keras_hooks()
         # fit/evaluate on finite data: one epoch length for every worker.
         epochs_lib.install_data_handler_hook()
+        # Keras's optimizer sums duplicate sparse rows on the PS that holds them.
+        sparse_exchange_lib.install_keras_dedup_hook()
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
             coordinator.failover = failover_lib.FailoverController(self, policy)

@@ -55,6 +55,27 @@ def test_queues_are_per_ps_and_dtype_and_created_once():
     assert len(queues._queues) == 2  # pylint: disable=protected-access
 
 
+def test_a_new_instance_never_reuses_an_abandoned_queue():
+    # A chief that failed mid-step leaves worker 0's element in its queue on
+    # the PS; the restarted chief (same program, same seed) must get queues
+    # of its own: the leftover would fill the new queue and block a hand-in.
+    tf.keras.utils.set_random_seed(7)
+    old = sparse_exchange.PsGradientQueues(2, device_fn=lambda p: "/device:CPU:0")
+    a, b = _slices(3, 4, 10, 1), _slices(1, 4, 10, 2)
+    old.hand_in(0, tf.constant(0), [a])  # the step that failed
+    tf.keras.utils.set_random_seed(7)
+    new = sparse_exchange.PsGradientQueues(2, device_fn=lambda p: "/device:CPU:0")
+    assert new._name != old._name  # pylint: disable=protected-access
+    fresh = new._queue(0, tf.float32)  # pylint: disable=protected-access
+    assert int(tf.raw_ops.QueueSizeV2(handle=fresh)) == 0
+    new.hand_in(0, tf.constant(1), [b])
+    new.hand_in(0, tf.constant(0), [a])
+    np.testing.assert_array_equal(new.take(0, [a])[0].values.numpy(),
+                                  np.concatenate([a.values.numpy(), b.values.numpy()]))
+    old_queue = old._queue(0, tf.float32)  # pylint: disable=protected-access
+    assert int(tf.raw_ops.QueueSizeV2(handle=old_queue)) == 1
+
+
 def test_take_in_a_traced_function_uses_the_eager_queue():
     queues = sparse_exchange.PsGradientQueues(2, device_fn=lambda p: "/device:CPU:0")
     a, b = _slices(3, 4, 10, 1), _slices(1, 4, 10, 2)
