@@ -159,7 +159,7 @@ class CollectiveGroup:
             return list(slices)
         k = len(slices)
         rows = [tf.shape(s.indices, out_type=tf.int64)[0] for s in slices]
-        widths = [_row_width(s) for s in slices]
+        widths = [row_width(s) for s in slices]
         value_dtype = slices[0].values.dtype
         counts = tf.stack(rows)  # [k]
         all_counts = tf.reshape(self.all_gather(counts), [self.group_size, k])
@@ -230,7 +230,8 @@ class CollectiveGroup:
         return self.all_reduce(token)
 
 
-def _row_width(s: tf.IndexedSlices) -> int:
+def row_width(s: tf.IndexedSlices) -> int:
+    """Elements per row of a sparse gradient (its static embedding width)."""
     shape = s.values.shape[1:]
     if not shape.is_fully_defined():
         raise ValueError(

@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import tensorflow as tf
 
 from tf_psplugin import _tf_internal
+from tf_psplugin import collectives
 
 SPARSE_EXCHANGES = ("ps", "allgather")
 
@@ -174,7 +175,7 @@ class PsGradientQueues:
         """
         k = len(slices)
         dtype = slices[0].values.dtype
-        widths = [_row_width(s) for s in slices]
+        widths = [collectives.row_width(s) for s in slices]
         queue = self._queue(ps_index, dtype)
         with tf.device(self._device_fn(ps_index)):
             elements = [tf.raw_ops.QueueDequeueV2(handle=queue,
@@ -202,14 +203,3 @@ class PsGradientQueues:
                                             s.dense_shape))
         return out
 
-
-def _row_width(s: tf.IndexedSlices) -> int:
-    shape = s.values.shape[1:]
-    if not shape.is_fully_defined():
-        raise ValueError(
-            "tf_psplugin: an embedding gradient has rows of unknown width "
-            f"{s.values.shape}; tables must have a static embedding dimension.")
-    width = 1
-    for d in shape:
-        width *= int(d)
-    return width
