@@ -37,6 +37,7 @@ PS that holds the gradient instead (legacy optimizers sum inside the update,
 already on the PS).
 """
 
+import contextlib
 import threading
 import uuid
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -56,12 +57,13 @@ _install_lock = threading.Lock()
 _dedup_hook_installed = False
 
 
-def _ps_device_of(grad) -> str:
-    """The PS device a sparse gradient's values live on, or "" if none."""
-    if not isinstance(grad, tf.IndexedSlices):
-        return ""
-    device = getattr(grad.values, "device", "") or ""
-    return device if "/job:ps" in device else ""
+def on_ps_device_of(tensor):
+    """A device scope for ops that belong beside `tensor` when it is on a PS.
+
+    A null context for a tensor anywhere else (a worker, or no device).
+    """
+    device = getattr(tensor, "device", "") or ""
+    return tf.device(device) if "/job:ps" in device else contextlib.nullcontext()
 
 
 def install_keras_dedup_hook() -> None:
@@ -86,11 +88,8 @@ def install_keras_dedup_hook() -> None:
         def _deduplicate_sparse_grad(self, grads):
             result = []
             for grad in grads:
-                device = _ps_device_of(grad)
-                if device:
-                    with tf.device(device):
-                        result.extend(original(self, [grad]))
-                else:
+                values = grad.values if isinstance(grad, tf.IndexedSlices) else None
+                with on_ps_device_of(values):
                     result.extend(original(self, [grad]))
             return result
 

@@ -32,7 +32,6 @@ With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
 the plugin's table sharding), for comparison and for fully-async users.
 """
 
-import contextlib
 import functools
 import random
 from typing import List, Optional
@@ -511,7 +510,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 gathered = self.collective_group.all_gather_indexed_slices(sparse)
             for i, g in zip(sparse_idx, gathered):
                 if mean:
-                    with _on_device_of(g.values):  # On the PS when summed there.
+                    # On the PS when summed there.
+                    with sparse_exchange_lib.on_ps_device_of(g.values):
                         g = tf.IndexedSlices(g.values / self._num_workers, g.indices,
                                              g.dense_shape)
                 out[i] = g
@@ -537,8 +537,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             ps = tf.DeviceSpec.from_string(_unwrap(dest).device or "").task or 0
             groups.setdefault((ps, s.values.dtype), []).append(j)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        in_order = sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))
         hand_ins = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
-                    for (ps, _), js in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))]
+                    for (ps, _), js in in_order]
         token = self.collective_group.barrier(hand_ins)
         role = self.update_role(self.tracing_worker_index)
         out = list(slices)
@@ -576,7 +577,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         result = []
         with tf.control_dependencies([counted]):
             for o in out:
-                with _on_device_of(o.values if isinstance(o, tf.IndexedSlices) else o):
+                tensor = o.values if isinstance(o, tf.IndexedSlices) else o
+                with sparse_exchange_lib.on_ps_device_of(tensor):
                     if isinstance(o, tf.IndexedSlices):
                         result.append(tf.IndexedSlices(tf.identity(o.values), o.indices,
                                                        o.dense_shape))
@@ -692,12 +694,6 @@ class WorkerInputContext(tf.distribute.InputContext):
         if tf.executing_eagerly():
             return 0
         return tf.distribute.coordinator.experimental_get_current_worker_index()
-
-
-def _on_device_of(tensor):
-    """A device scope for ops that belong beside `tensor` when it is on a PS."""
-    device = getattr(tensor, "device", "") or ""
-    return tf.device(device) if "/job:ps" in device else contextlib.nullcontext()
 
 
 def _unwrap(var):
