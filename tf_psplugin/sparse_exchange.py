@@ -57,13 +57,19 @@ _install_lock = threading.Lock()
 _dedup_hook_installed = False
 
 
+def ps_device_of(tensor) -> str:
+    """The PS device `tensor` lives on, or "" (a worker, no device, None)."""
+    device = getattr(tensor, "device", "") or ""
+    return device if "/job:ps" in device else ""
+
+
 def on_ps_device_of(tensor):
     """A device scope for ops that belong beside `tensor` when it is on a PS.
 
     A null context for a tensor anywhere else (a worker, or no device).
     """
-    device = getattr(tensor, "device", "") or ""
-    return tf.device(device) if "/job:ps" in device else contextlib.nullcontext()
+    device = ps_device_of(tensor)
+    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def install_keras_dedup_hook() -> None:

@@ -562,8 +562,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         tensors, on_ps = [], {}
         for o in out:
             for t in [o.values, o.indices] if isinstance(o, tf.IndexedSlices) else [o]:
-                if "/job:ps" in (t.device or ""):
-                    on_ps.setdefault(t.device, []).append(t)
+                device = sparse_exchange_lib.ps_device_of(t)
+                if device:
+                    on_ps.setdefault(device, []).append(t)
                 else:
                     tensors.append(t)
         # Gradients summed on a PS stay there: one control edge per PS, and
