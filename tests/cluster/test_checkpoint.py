@@ -254,7 +254,8 @@ ckpt_lib.CheckpointManager(info.path.rsplit("/", 1)[0], model=m5, optimizer=m5.o
 report["write_on_chief_files"] = sorted(info.files)
 report["write_on_chief_exact"] = all(np.array_equal(v, expected[k])
                                      for k, v in state(m5).items())
-print("RESULT", json.dumps(report))
+# One write: a coordinator thread's log line cannot split it (PYTHONUNBUFFERED).
+sys.stdout.write("RESULT " + json.dumps(report) + "\\n")
 """
 
 SERVE = """

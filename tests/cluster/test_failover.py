@@ -132,7 +132,11 @@ def test_chief_kill_is_restarted_by_the_launcher_and_resumes(reference, make_clu
 
 
 _SMALL_JOB = '''
-    import os, signal, time
+    import os, signal, sys, time
+    def say(*parts):
+        # One write per line: under PYTHONUNBUFFERED print() writes each part
+        # apart, and a log line from a coordinator thread can land between them.
+        sys.stdout.write(" ".join(str(p) for p in parts) + "\\n")
     import numpy as np, tensorflow as tf, tf_psplugin
     from tf_psplugin import failover
     tf_psplugin.start_server()
@@ -151,8 +155,8 @@ _SMALL_JOB = '''
     try:
         m.fit(ds, epochs=1, steps_per_epoch=100000, verbose=0)
     except failover.FailoverError as e:
-        print("RESULT", str(e).splitlines()[0], flush=True)
-        print("STOPPED_AT", time.monotonic(), flush=True)
+        say("RESULT", str(e).splitlines()[0])
+        say("STOPPED_AT", time.monotonic())
         raise SystemExit(3)
 '''
 
@@ -180,14 +184,18 @@ _UNCAUGHT_JOB = '''
 
 # The small job under tf_psplugin.elastic.run: each attempt builds its strategy.
 _ELASTIC_JOB = '''
-    import os, threading
+    import os, sys, threading
+    def say(*parts):
+        # One write per line: under PYTHONUNBUFFERED print() writes each part
+        # apart, and a log line from a coordinator thread can land between them.
+        sys.stdout.write(" ".join(str(p) for p in parts) + "\\n")
     import tensorflow as tf, tf_psplugin
     from tf_psplugin import failover
     tf_psplugin.start_server()
 
     def train():
         attempt = os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]
-        print("ATTEMPT", attempt, os.getpid(), threading.active_count(), flush=True)
+        say("ATTEMPT", attempt, os.getpid(), threading.active_count())
         strategy = tf_psplugin.HybridParameterServerStrategy(
             collective_timeout_seconds=10,
             failover=failover.FailoverPolicy(task_restarts={restarts}))
@@ -204,10 +212,9 @@ _ELASTIC_JOB = '''
         return "trained"
 
     try:
-        print("RESULT", tf_psplugin.elastic.run(train, recovery_timeout_seconds={timeout}),
-              flush=True)
+        say("RESULT", tf_psplugin.elastic.run(train, recovery_timeout_seconds={timeout}))
     except failover.FailoverError as e:
-        print("RESULT", str(e).splitlines()[0], flush=True)
+        say("RESULT", str(e).splitlines()[0])
         raise SystemExit(3)
 '''
 

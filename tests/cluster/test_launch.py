@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cluster
 # worker has run one. ps/worker tasks run the same script (--servers command):
 # server.start() serves there and never returns.
 PSS_SCRIPT = """
-import json
+import json, sys
 from tf_psplugin import server
 
 config = server.start()  # tf_psplugin: ps/worker tasks block here.
@@ -46,9 +46,10 @@ for _ in range(25):
     seen.update(int(v.fetch()) for v in values)
     if len(seen) == config.num_workers:
         break
-print("RESULT", json.dumps({
+# One write: a coordinator thread's log line cannot split it (PYTHONUNBUFFERED).
+sys.stdout.write("RESULT " + json.dumps({
     "devices": [v.device for v in variables], "workers": sorted(seen),
-    "v0": float(variables[0].numpy()), "scheduled": scheduled}))
+    "v0": float(variables[0].numpy()), "scheduled": scheduled}) + "\\n")
 """
 
 # No TensorFlow: the chief's behaviour is chosen by argv[1].
