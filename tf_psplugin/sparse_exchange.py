@@ -3,9 +3,12 @@
 In ``"sync"`` embedding mode each table shard must be updated once per step
 with the global sparse gradient. Every worker hands its own sparse gradients
 for the shards on ps:p to ps:p, where they wait in a queue; once every worker
-has handed them in (a collective barrier says so), the one worker that
-updates ps:p's shards (`HybridExtended.update_role`) takes all of them out of
-the queue *on ps:p* and applies the update there. A worker therefore sends
+has handed them in, the one worker that updates ps:p's shards
+(`HybridExtended.update_role`) takes all of them out of the queue *on ps:p*
+and applies the update there. A collective says when every worker has handed
+in: the step's dense all-reduce, which runs after the hand-ins and so
+doubles as the barrier (a separate barrier only when there is no dense
+gradient). A worker therefore sends
 its own sparse gradients once, to the PS, whatever the number of workers;
 nothing sparse crosses between workers, and the updating worker's graph only
 sends the PS control edges. This is what TF1's SyncReplicasOptimizer did
@@ -21,10 +24,10 @@ worker sorts the W elements by it before concatenating, so the global
 gradient is the same concatenation, in the same order, as the all-gather's:
 the update does not depend on which worker was fastest.
 
-The queue never waits: the barrier that precedes the take completes only
+The queue never waits: the collective that precedes the take completes only
 after every worker's hand-in has completed, so each take finds its W
 elements, and the end-of-step barrier keeps the next step's hand-ins out
-until the update is done. A worker that dies before the barrier leaves
+until the update is done. A worker that dies before that collective leaves
 elements behind in queues nobody takes from again: failover ends the chief,
 and the next chief creates queues of its own, under new names (at most one
 step's sparse gradients per failure stay behind on the PS).

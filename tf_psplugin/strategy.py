@@ -34,7 +34,7 @@ the plugin's table sharding), for comparison and for fully-async users.
 
 import functools
 import random
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -496,16 +496,28 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 dense_idx.append(i)
                 if isinstance(v, tf.IndexedSlices):
                     values[i] = tf.convert_to_tensor(v)
+        through_ps = bool(sparse_idx) and self._sync_embeddings and self._exchange_through_ps()
+        hand_in = None
+        if through_ps:
+            hand_in = self._hand_in([values[i] for i in sparse_idx],
+                                    [value_destination_pairs[i][1] for i in sparse_idx])
+        token = None
         if dense_idx:
-            reduced = self.collective_group.all_reduce_packed(
-                [values[i] for i in dense_idx], mean=mean)
+            # The hand-ins first: then the dense all-reduce doubles as the
+            # barrier the PS exchange needs (it completes on a worker only
+            # once every worker has handed in), one collective fewer a step.
+            with tf.control_dependencies(hand_in.ops if hand_in else []):
+                reduced = self.collective_group.all_reduce_packed(
+                    [values[i] for i in dense_idx], mean=mean)
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
+            token = reduced[0]
         if sparse_idx and self._sync_embeddings:
             sparse = [values[i] for i in sparse_idx]
-            if self._exchange_through_ps():
-                gathered = self._sum_on_ps(
-                    sparse, [value_destination_pairs[i][1] for i in sparse_idx])
+            if through_ps:
+                if token is None:
+                    token = self.collective_group.barrier(hand_in.ops)
+                gathered = self._take(hand_in, token)
             else:
                 gathered = self.collective_group.all_gather_indexed_slices(sparse)
             for i, g in zip(sparse_idx, gathered):
@@ -524,13 +536,10 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         return (self.sparse_exchange == "ps" and self._num_workers > 1
                 and self.tracing_worker_index is not None)
 
-    def _sum_on_ps(self, slices, destinations) -> List[tf.IndexedSlices]:
-        """Sync sparse gradients through the PS queues (see `sparse_exchange`).
+    def _hand_in(self, slices, destinations) -> "_HandIn":
+        """Hands this worker's sparse gradients to the PS queues (see `sparse_exchange`).
 
-        Returns, per input, the global sparse gradient (on its PS) where this
-        trace's role updates that PS, else the local slices (never applied:
-        `_update` leaves other roles' shards out). All of them depend on the
-        barrier, so every worker hands in and joins it.
+        Groups them by PS and dtype, in an order every worker shares.
         """
         groups = {}
         for j, (s, dest) in enumerate(zip(slices, destinations)):
@@ -538,13 +547,23 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             groups.setdefault((ps, s.values.dtype), []).append(j)
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         in_order = sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))
-        hand_ins = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
-                    for (ps, _), js in in_order]
-        token = self.collective_group.barrier(hand_ins)
+        ops_ = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
+                for (ps, _), js in in_order]
+        return _HandIn(list(slices), groups, ops_)
+
+    def _take(self, hand_in: "_HandIn", token) -> List[tf.IndexedSlices]:
+        """The global sparse gradients, once every worker handed in (`token`).
+
+        Returns, per input, the global sparse gradient (on its PS) where this
+        trace's role updates that PS, else the local slices (never applied:
+        `_update` leaves other roles' shards out). All of them depend on the
+        token, so no worker takes before every worker handed in.
+        """
+        slices = hand_in.slices
         role = self.update_role(self.tracing_worker_index)
         out = list(slices)
         with tf.control_dependencies([token]):
-            for (ps, _), js in groups.items():
+            for (ps, _), js in hand_in.groups.items():
                 if ps in role:
                     taken = self._gradient_queues.take(ps, [slices[j] for j in js])
                     for j, g in zip(js, taken):
@@ -695,6 +714,14 @@ class WorkerInputContext(tf.distribute.InputContext):
         if tf.executing_eagerly():
             return 0
         return tf.distribute.coordinator.experimental_get_current_worker_index()
+
+
+class _HandIn(NamedTuple):
+    """One worker's sparse gradients handed in to the PS queues in a step."""
+
+    slices: List[tf.IndexedSlices]
+    groups: dict  # (ps task, dtype) -> indices into `slices`
+    ops: list  # the enqueue ops, one per group
 
 
 def _unwrap(var):

@@ -2,7 +2,8 @@
 
 Run by tests/cluster/test_strategy.py under a LocalCluster (TF_CONFIG set).
 Writes a JSON report to argv[1]: max |diff| per weight, replica equality,
-placement (device strings), and the losses Keras reported.
+placement (device strings), the losses and metrics Keras reported, and
+graph checks of the traced step (ordering, collectives per step).
 """
 
 import json
@@ -158,6 +159,42 @@ def writes_not_before_barrier(model):
     return unordered, graphs
 
 
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        o = todo.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        todo.extend(t.op for t in o.inputs)
+        todo.extend(o.control_inputs)
+    return seen
+
+
+def takes_before_all_hand_ins(model):
+    """PS takes (dequeues) not ordered after a collective that waits for every hand-in.
+
+    The PS exchange is exact only if no worker takes before every worker
+    handed in: each take must wait for a collective (the barrier, or the
+    dense all-reduce that doubles as it) that itself waits for every one of
+    its graph's enqueues. Also returns the collectives per traced graph.
+    """
+    early, collectives_per_graph = [], []
+    for graph in traced_graphs(model):
+        ops = graph.get_operations()
+        enqueues = {op.name for op in ops if op.type.startswith("QueueEnqueue")}
+        collectives = [op for op in ops if op.type.startswith("Collective")]
+        if collectives:
+            collectives_per_graph.append(len(collectives))
+        if not enqueues:
+            continue
+        gates = {op.name for op in collectives if enqueues <= _ancestors(op)}
+        for op in ops:
+            if op.type.startswith("QueueDequeue") and not gates & _ancestors(op):
+                early.append(f"{graph.name}: {op.type} {op.name}")
+    return early, collectives_per_graph
+
+
 def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
@@ -176,6 +213,7 @@ def main():
     got = logical_weights(model)
     unordered, graphs_with_writes = writes_not_before_barrier(model)
     exchange_ops, summed_gradient_on_workers = sparse_exchange_ops(model)
+    early_takes, collectives_per_graph = takes_before_all_hand_ins(model)
 
     replicas_identical = True
     for v in model.variables:
@@ -204,6 +242,8 @@ def main():
         "graphs_with_ps_writes": graphs_with_writes,
         "sparse_exchange_ops": exchange_ops,
         "summed_gradient_on_workers": summed_gradient_on_workers,
+        "early_takes": early_takes,
+        "collectives_per_graph": collectives_per_graph,
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
     }
