@@ -265,12 +265,15 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         extended = self.strategy.extended
         per_role = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
             fn, tf.types.experimental.ConcreteFunction)
+        extended.on_read_updates.check_usable(fn)
         with self.strategy.scope():
             extended._being_scheduled = True  # pylint: disable=protected-access
             extended.tracing_sync_step = True
             try:
                 if not per_role:
-                    return [self._new_closure(fn, args, kwargs)] * self._num_workers
+                    closure = self._new_closure(fn, args, kwargs)
+                    extended.on_read_updates.check_flushed(fn)
+                    return [closure] * self._num_workers
                 by_leader = {}
                 with extended.collective_group.same_keys_per_trace():
                     for leader in self._role_leaders():
@@ -278,8 +281,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                             extended.tracing_worker_index = leader.worker_index
                             with tf.device(leader.device_name):
                                 by_leader[id(leader)] = self._new_closure(fn, args, kwargs)
+                            # A trace (if any) is over: nothing may be left pending.
+                            extended.on_read_updates.check_flushed(fn)
                 return [by_leader[id(leader)] for leader in self._role_leaders()]
             finally:
+                extended.on_read_updates.discard()
                 extended._being_scheduled = False  # pylint: disable=protected-access
                 extended.tracing_sync_step = False
                 extended.tracing_worker_index = None

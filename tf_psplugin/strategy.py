@@ -7,8 +7,10 @@ running a coordinator) that changes three things:
   are sharded across every PS task; every other variable becomes a
   `ReplicatedVariable` with one copy per worker. Metric accumulators and
   batch-norm statistics (``ON_READ`` variables) are replicated too; their
-  in-step updates are all-reduced first, so every replica holds the global
-  value (exact metrics, no per-step PS traffic).
+  in-step updates are applied with the deltas all-reduced, packed into the
+  gradient all-reduce or into one all-reduce at their next read
+  (`on_read_updates.py`), so every replica holds the global value (exact
+  metrics, no per-step PS traffic).
 * **Reduction** (`_batch_reduce_to`, `_reduce_to`): while a synchronous
   step is traced, dense gradients are summed across workers with one packed
   collective all-reduce; embedding gradients are handed to the PS that holds
@@ -43,6 +45,7 @@ from tf_psplugin import config as config_lib
 from tf_psplugin import connection
 from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import failover as failover_lib
+from tf_psplugin import on_read_updates as on_read_updates_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
 from tf_psplugin import shard_init
@@ -124,6 +127,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             do not grow with the number of workers) or ``"allgather"``
             (every worker receives every other worker's gradients; kept for
             comparison, see `benchmarks.run --network`).
+        pack_on_read_updates: Apply a synchronous step's updates of metric
+            accumulators and batch-norm statistics with their deltas packed
+            into the gradient all-reduce, or into one all-reduce when the
+            step next reads them (default). False: one all-reduce per update,
+            where it happens (for a custom step that updates a metric after
+            its gradients and never reads it; see `on_read_updates.py`).
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -136,7 +145,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
                  connect_timeout_seconds: float = 300.0,
                  failover: Optional[failover_lib.FailoverPolicy] = None,
-                 log_placement: bool = True, sparse_exchange: str = "ps"):
+                 log_placement: bool = True, sparse_exchange: str = "ps",
+                 pack_on_read_updates: bool = True):
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
@@ -187,7 +197,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 self, resolver, embedding_updates=embedding_updates,
                 dense_allreduce=self._dense_allreduce, placement=placement,
                 collective_timeout_seconds=self._collective_timeout, log_placement=log_placement,
-                sparse_exchange=sparse_exchange)
+                sparse_exchange=sparse_exchange, pack_on_read_updates=pack_on_read_updates)
             super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
                 self._extended)
             self._should_use_with_coordinator = True
@@ -254,7 +264,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def __init__(self, container_strategy, cluster_resolver, embedding_updates: str,
                  dense_allreduce: bool, placement: placement_lib.PlacementPolicy,
                  collective_timeout_seconds: float, log_placement: bool,
-                 sparse_exchange: str = "ps"):
+                 sparse_exchange: str = "ps", pack_on_read_updates: bool = True):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
         self.sparse_exchange = sparse_exchange
         self._gradient_queues = sparse_exchange_lib.PsGradientQueues(self._num_workers)
@@ -283,6 +293,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # collective state that the workers cached for its predecessor.
         self.collective_group = collectives_lib.CollectiveGroup(
             self._num_workers, group_key=_FRESH.randint(10_000, 2**30))
+        self.on_read_updates = on_read_updates_lib.OnReadUpdates(
+            self.collective_group, self._num_workers, enabled=pack_on_read_updates)
         # Enforced by the coordinator's watchdog, not by the collective ops.
         self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
@@ -373,8 +385,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         with tf.device(CHIEF_DEVICE):
             var = variables_lib.ReplicatedVariable(
                 self._container_strategy(), next_creator,
-                end_of_step_fn=self._end_of_step, update_reduce_fn=self._reduce_on_read_update,
-                **kwargs)
+                end_of_step_fn=self._end_of_step, update_reduce_fn=self._on_read_update,
+                graph_use_fn=self._on_read_use, **kwargs)
         if record:
             self._record(var, kind, devices=var.worker_devices())
         return var
@@ -503,12 +515,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                                     [value_destination_pairs[i][1] for i in sparse_idx])
         token = None
         if dense_idx:
+            # Metric and batch-norm updates recorded so far in the step ride
+            # along (sums: only with a summed gradient).
+            pending = self.on_read_updates.take() if not mean else []
             # The hand-ins first: then the dense all-reduce doubles as the
             # barrier the PS exchange needs (it completes on a worker only
             # once every worker has handed in), one collective fewer a step.
             with tf.control_dependencies(hand_in.ops if hand_in else []):
                 reduced = self.collective_group.all_reduce_packed(
-                    [values[i] for i in dense_idx], mean=mean)
+                    [values[i] for i in dense_idx] + self.on_read_updates.deltas(pending),
+                    mean=mean)
+            self.on_read_updates.apply(pending, reduced[len(dense_idx):])
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
             token = reduced[0]
@@ -670,16 +687,16 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             return done
         return [done]
 
-    def _reduce_on_read_update(self, var, delta):
-        """All-reduces an in-step update of an ON_READ replicated variable."""
+    def _on_read_update(self, var, delta, apply, read_value):
+        """An in-step update of an ON_READ replicated variable (see `on_read_updates`)."""
         if not self._in_sync_step():
-            return delta
-        aggregation = var.aggregation
-        if aggregation == tf.VariableAggregation.SUM:
-            return self.collective_group.all_reduce(tf.convert_to_tensor(delta))
-        if aggregation == tf.VariableAggregation.MEAN:
-            return self.collective_group.all_reduce(tf.convert_to_tensor(delta), final_op="Div")
-        return delta
+            return apply(delta)
+        return self.on_read_updates.update(var, delta, apply, read_value)
+
+    def _on_read_use(self, var):
+        """A traced use of an ON_READ replicated variable: its pending update first."""
+        if self._in_sync_step():
+            self.on_read_updates.flush_if_pending(var)
 
     def _end_of_step(self, pending_updates):
         """Ops every worker runs after all of a step's updates.

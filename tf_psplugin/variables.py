@@ -119,15 +119,20 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
             (see `open_step`); returns ops to wait for (the table barrier and
             the commit counter).
         update_reduce_fn: For ``ON_READ`` variables (metric accumulators,
-            batch-norm statistics): called with `(variable, delta)` for an
-            in-step `assign_add`/`assign_sub`; returns the delta reduced across
-            workers (per the variable's aggregation), so every replica applies
-            the global update and stays identical.
+            batch-norm statistics): called with `(variable, delta, apply,
+            read_value)` for an in-step `assign_add`/`assign_sub`, where
+            `apply(d)` does the write with delta `d`; it writes the delta
+            reduced across workers (per the variable's aggregation), now or
+            later (`on_read_updates`), so every replica applies the global
+            update and stays identical, and returns what the write returns.
+        graph_use_fn: Called with the variable whenever a traced function
+            uses its handle (applies a pending update of it first).
         **kwargs: Variable creation arguments (as for `tf.Variable`).
     """
 
     def __init__(self, strategy, next_creator, end_of_step_fn: Optional[Callable] = None,
-                 update_reduce_fn: Optional[Callable] = None, **kwargs):
+                 update_reduce_fn: Optional[Callable] = None,
+                 graph_use_fn: Optional[Callable] = None, **kwargs):
         trainable = kwargs.get("trainable", None)
         synchronization = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         if trainable is None:
@@ -147,6 +152,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         self._end_of_step_fn = end_of_step_fn
         self._update_reduce_fn = (
             update_reduce_fn if synchronization == tf.VariableSynchronization.ON_READ else None)
+        self._graph_use_fn = (
+            graph_use_fn if synchronization == tf.VariableSynchronization.ON_READ else None)
         self._sync_lock = threading.Lock()
         self._primary_ahead = True
         self._replicas_ahead = False
@@ -197,6 +204,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         if tf.executing_eagerly() or _in_save_context():
             self._on_eager_access()
             return self._coordinator_instance.handle
+        if self._graph_use_fn is not None:
+            self._graph_use_fn(self)
         graph = tf.compat.v1.get_default_graph()
         outer = outermost_function_graph(graph)
         uses = getattr(outer, _GRAPH_USES_ATTR, None)
@@ -283,24 +292,27 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
-    def _reduce_delta(self, delta):
+    def _update(self, write, delta, read_value):
+        """An `assign_add`/`assign_sub` (`write`), reduced first for ON_READ variables."""
+        self._mark_written()
+
+        def apply(d):
+            with tf.control_dependencies(self._barrier_deps()):
+                return write(d)
+
         if self._update_reduce_fn is None or tf.executing_eagerly():
-            return delta
-        return self._update_reduce_fn(self, delta)
+            return apply(delta)
+        return self._update_reduce_fn(self, delta, apply, read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        self._mark_written()
-        delta = self._reduce_delta(delta)
-        with tf.control_dependencies(self._barrier_deps()):
-            return super().assign_add(delta, use_locking=use_locking, name=name,
-                                      read_value=read_value)
+        write = functools.partial(super().assign_add, use_locking=use_locking, name=name,
+                                  read_value=read_value)
+        return self._update(write, delta, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        self._mark_written()
-        delta = self._reduce_delta(delta)
-        with tf.control_dependencies(self._barrier_deps()):
-            return super().assign_sub(delta, use_locking=use_locking, name=name,
-                                      read_value=read_value)
+        write = functools.partial(super().assign_sub, use_locking=use_locking, name=name,
+                                  read_value=read_value)
+        return self._update(write, delta, read_value)
 
     # -- chief <-> replicas synchronisation ------------------------------------
 

@@ -73,6 +73,16 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
     for name, diff in report["diffs"].items():
         assert diff <= 1e-5, f"{name}: max |diff| {diff} vs single-process training"
     assert abs(report["loss"] - report["ref_loss"]) <= 1e-5
+    # Metric accumulators (ON_READ) are updated with the global batch's deltas.
+    for name, value in report["metrics"].items():
+        assert abs(value - report["ref_metrics"][name]) <= 1e-5 * max(1.0, abs(value)), (
+            name, value, report["ref_metrics"][name])
+    if exchange == "ps":
+        # Per traced step: the dense all-reduce (carrying the loss tracker's
+        # updates, and doubling as the hand-in barrier), the end-of-step
+        # barrier, and one all-reduce for both metrics' four accumulators
+        # when the step reads them.
+        assert max(report["collectives_per_graph"]) == 3, report["collectives_per_graph"]
     # Placement, asserted on device strings.
     assert sorted(report["table_devices"]) == [
         "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
@@ -105,6 +115,13 @@ def test_fit_evaluate_predict_variants(make_cluster, tmp_path):
     assert report["steps_per_execution"]["iterations"] == 20
     assert report["evaluate"]["auc"] > 0.6
     assert report["predict"] == {"shape": [100, 1], "finite": True}
+    # Batch-norm statistics: updated with the workers' mean delta, identical replicas.
+    for name, stats in report["batch_norm_replicas"].items():
+        assert stats == {"identical": True, "moved": True}, (name, stats)
+    # A step that would lose a metric update is refused, also when rerun.
+    errors = report["unread_metric_update"]["errors"]
+    assert len(errors) == 2 and all(e and "total" in e and "pack_on_read_updates=False" in e
+                                    for e in errors), errors
     # verbose=1: the plugin's bar; the global batch is 2 workers x 32 (static).
     lines = report["verbose_1"]["output"].splitlines()
     assert re.match(r"^12/12 \[=+\] - \d+s \d+ms/step - [\d,]+ examples/s - loss: ", lines[0]), lines

@@ -120,7 +120,46 @@ def main():
                            steps=4, verbose=1)
         return {"output": text.getvalue()}
 
+    def batch_norm_replicas():
+        """BatchNormalization's moving statistics (ON_READ, MEAN) stay identical on every worker."""
+        bn = next(l for l in model.layers if isinstance(l, tf.keras.layers.BatchNormalization))
+        out = {}
+        for v in (bn.moving_mean, bn.moving_variance):
+            values = [r.numpy() for r in v.replica_values()]
+            out[v.name] = {"identical": all(np.array_equal(values[0], x) for x in values[1:]),
+                           "moved": bool(np.any(values[0] != (0.0 if "mean" in v.name else 1.0)))}
+        return out
+
+    def unread_metric_update_is_refused():
+        """A custom step that updates a metric after its gradients and never reads it."""
+
+        class Custom(tf.keras.Model):
+            def train_step(self, data):
+                x, y_true = data
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(self(x, training=True) - y_true))
+                self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+                self.seen.update_state(loss)  # never read in the step
+                return {}
+
+        with strategy.scope():
+            inner = make_model()
+            m = Custom(inner.inputs, inner.outputs)
+            m.seen = tf.keras.metrics.Sum(name="seen")
+            m.compile(tf.keras.optimizers.legacy.SGD(0.1))
+        ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(32).repeat()
+        errors = []
+        for _ in range(2):  # the second fit finds the traced step cached
+            try:
+                m.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+                errors.append(None)
+            except tf_psplugin.StrategyError as e:
+                errors.append(str(e))
+        return {"errors": errors}
+
     variant("plain_dataset", plain_dataset)
+    variant("batch_norm_replicas", batch_norm_replicas)
+    variant("unread_metric_update", unread_metric_update_is_refused)
     variant("verbose_1", verbose_1)
     variant("dataset_creator", with_dataset_creator)
     variant("callbacks", with_callbacks)

@@ -1,0 +1,188 @@
+"""on_read_updates.OnReadUpdates in one process, with a stand-in collective group.
+
+The stand-in "all-reduce" multiplies by the group size (every worker
+contributed the same delta) and counts its calls, so these tests check the
+contract: when an update is written, with how many collectives, in which
+graph, and that a step cannot silently lose one. The cluster tests check
+the real step (tests/cluster/test_strategy.py: metrics equal to
+single-process training, collectives per step).
+"""
+
+import pytest
+import tensorflow as tf
+
+from tf_psplugin import on_read_updates
+from tf_psplugin.connection import StrategyError
+
+WORKERS = 3
+
+
+class _Group:
+    """Sums as if all WORKERS workers sent the same tensor; counts collectives."""
+
+    def __init__(self):
+        self.collectives = 0
+
+    def all_reduce(self, tensor, final_op="Id"):
+        self.collectives += 1
+        total = tensor * WORKERS
+        return total / WORKERS if final_op == "Div" else total
+
+    def all_reduce_packed(self, tensors, mean=False):
+        self.collectives += 1
+        return [t * WORKERS / (WORKERS if mean else 1) for t in tensors]
+
+
+class _Var:
+    """An ON_READ variable as OnReadUpdates sees it; writes go to `.v`."""
+
+    def __init__(self, name, aggregation=tf.VariableAggregation.SUM, value=0.0):
+        self.v = tf.Variable(value, name=name)
+        self.name = name
+        self.dtype = self.v.dtype
+        self.shape = self.v.shape
+        self.aggregation = aggregation
+        self.updates = None  # the OnReadUpdates whose flush a read triggers
+
+    def assign_add(self, delta, read_value=True):
+        return self.updates.update(self, delta, lambda d: self.v.assign_add(
+            d, read_value=read_value), read_value)
+
+    def read_value(self):
+        self.updates.flush_if_pending(self)  # what ReplicatedVariable.handle does
+        return self.v.read_value()
+
+
+def _setup(*names, **kw):
+    group = _Group()
+    updates = on_read_updates.OnReadUpdates(group, WORKERS, **kw)
+    variables = [_Var(n) for n in names]
+    for v in variables:
+        v.updates = updates
+    return group, updates, variables
+
+
+def test_updates_wait_and_ride_in_one_collective_with_the_gradient():
+    group, updates, (total, count) = _setup("total", "count")
+
+    @tf.function
+    def step():
+        total.assign_add(2.0)
+        count.assign_add(1.0)
+        assert group.collectives == 0  # recorded, not written
+        grad = tf.constant([1.0, 1.0])
+        pending = updates.take()
+        summed = group.all_reduce_packed([grad] + updates.deltas(pending))
+        updates.apply(pending, summed[1:])
+        return summed[0]
+
+    step()
+    updates.check_flushed(step)
+    assert group.collectives == 1
+    assert total.v.numpy() == 2.0 * WORKERS and count.v.numpy() == 1.0 * WORKERS
+
+
+def test_a_read_writes_everything_pending_with_one_collective():
+    group, updates, (a, b, c) = _setup("a", "b", "c")
+
+    @tf.function
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(2.0)
+        c.assign_add(3.0)
+        return b.read_value()  # reads b: a, b and c are written first
+
+    assert step().numpy() == 2.0 * WORKERS
+    updates.check_flushed(step)
+    assert group.collectives == 1
+    assert [v.v.numpy() for v in (a, b, c)] == [1.0 * WORKERS, 2.0 * WORKERS, 3.0 * WORKERS]
+
+
+def test_mean_updates_are_averaged_and_unreduced_aggregations_stay_local():
+    group, updates, _ = _setup()
+    mean = _Var("m", tf.VariableAggregation.MEAN, value=10.0)
+    local = _Var("l", tf.VariableAggregation.NONE)
+    mean.updates = local.updates = updates
+
+    @tf.function
+    def step():
+        mean.assign_add(-4.0)
+        local.assign_add(5.0)
+        return mean.read_value()
+
+    assert step().numpy() == pytest.approx(6.0)
+    assert local.v.numpy() == 5.0
+    assert group.collectives == 1
+
+
+def test_the_result_of_a_deferred_update_works_as_dependency_and_value():
+    _, updates, (a,) = _setup("a")
+
+    @tf.function
+    def step():
+        result = a.assign_add(1.0)
+        with tf.control_dependencies([result]):
+            grouped = tf.group([result, a.assign_add(1.0, read_value=False)])
+        with tf.control_dependencies([grouped]):
+            return tf.convert_to_tensor(result) + 0.0  # the value after the updates
+
+    assert step().numpy() == 2.0 * WORKERS
+
+
+def test_an_update_in_a_cond_branch_is_reduced_on_the_spot():
+    group, updates, (a,) = _setup("a")
+
+    @tf.function
+    def step(flag):
+        tf.cond(flag, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
+        return tf.constant(0.0)
+
+    step(tf.constant(True))
+    updates.check_flushed(step)  # nothing left pending
+    assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
+
+
+def test_updates_in_a_loop_body_are_flushed_there():
+    group, updates, (a,) = _setup("a")
+
+    @tf.function
+    def steps():
+        out = tf.constant(0.0)
+        for _ in tf.range(4):
+            a.assign_add(1.0)
+            out = a.read_value()
+        return out
+
+    assert steps().numpy() == 4.0 * WORKERS
+    updates.check_flushed(steps)
+    assert group.collectives == 1  # traced once, in the loop body
+
+
+def test_a_step_that_never_uses_its_update_again_is_refused_every_time():
+    _, updates, (a,) = _setup("auc/true_positives")
+
+    @tf.function
+    def step():
+        a.assign_add(1.0)
+        return tf.constant(0.0)
+
+    step.get_concrete_function()
+    with pytest.raises(StrategyError, match=r"'auc/true_positives'.*pack_on_read_updates=False"):
+        updates.check_flushed(step)
+    with pytest.raises(StrategyError, match="auc/true_positives"):
+        updates.check_usable(step)  # TF keeps the traced graph: a rerun must not run it
+    updates.check_usable(tf.function(lambda: 0))  # other functions are fine
+
+
+def test_with_packing_off_every_update_is_reduced_where_it_happens():
+    group, updates, (a, b) = _setup("a", "b", enabled=False)
+
+    @tf.function
+    def step():
+        a.assign_add(1.0)
+        b.assign_add(1.0)
+        return tf.constant(0.0)
+
+    step()
+    updates.check_flushed(step)
+    assert group.collectives == 2 and a.v.numpy() == b.v.numpy() == 1.0 * WORKERS
