@@ -153,19 +153,13 @@ def writes_not_before_barrier(model):
         if not barriers:
             unordered.append(f"{graph.name}: no barrier")
             continue
-        seen, todo = set(), [barriers[-1]]
-        while todo:
-            op = todo.pop()
-            if op.name in seen:
-                continue
-            seen.add(op.name)
-            todo.extend(t.op for t in op.inputs)
-            todo.extend(op.control_inputs)
+        seen = _ancestors(barriers[-1])
         unordered += [f"{op.type} {op.name}" for op in writes if op.name not in seen]
     return unordered, graphs
 
 
 def _ancestors(op):
+    """Names of `op` and every op it depends on (data and control inputs)."""
     seen, todo = set(), [op]
     while todo:
         o = todo.pop()
