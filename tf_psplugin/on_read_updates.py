@@ -143,8 +143,7 @@ class OnReadUpdates:
         delta = tf.convert_to_tensor(delta, dtype=var.dtype)
         graph = tf.compat.v1.get_default_graph()
         if not self.enabled or type(graph).__name__ not in _DEFERRABLE_GRAPHS:
-            mean = aggregation == tf.VariableAggregation.MEAN
-            return apply(self._group.all_reduce(delta, final_op="Div" if mean else "Id"))
+            return self._reduce_and_apply([_Pending(var, delta, apply)])[0]
         self._pending.setdefault(graph, []).append(_Pending(var, delta, apply))
         with tf.control_dependencies([delta]):
             marker = tf.no_op(name="deferred_on_read_update")
@@ -156,23 +155,31 @@ class OnReadUpdates:
         For the caller to all-reduce their deltas with its own tensors (one
         collective) and pass the results to `apply`.
         """
-        if getattr(self._local, "flushing", False):
-            return []
         return self._pending.pop(tf.compat.v1.get_default_graph(), [])
 
     def deltas(self, pending: List[_Pending]) -> List[tf.Tensor]:
         return [p.delta for p in pending]
 
-    def apply(self, pending: List[_Pending], summed: List[tf.Tensor]) -> None:
-        """Writes `pending` updates given their deltas summed over the workers."""
+    def apply(self, pending: List[_Pending], summed: List[tf.Tensor]) -> list:
+        """Writes `pending` updates given their deltas summed over the workers.
+
+        Returns:
+            What each write returned.
+        """
         self._local.flushing = True
+        results = []
         try:
             for p, total in zip(pending, summed):
                 if p.var.aggregation == tf.VariableAggregation.MEAN:
                     total = total / tf.cast(self._num_workers, total.dtype)
-                p.apply(total)
+                results.append(p.apply(total))
         finally:
             self._local.flushing = False
+        return results
+
+    def _reduce_and_apply(self, pending: List[_Pending]) -> list:
+        """All-reduces `pending`'s deltas with one collective, then writes them."""
+        return self.apply(pending, self._group.all_reduce_packed(self.deltas(pending)))
 
     def flush_if_pending(self, var) -> None:
         """Applies every update pending beside one of `var`'s, with one all-reduce.
@@ -187,8 +194,7 @@ class OnReadUpdates:
                 continue
             del self._pending[graph]
             with graph.as_default():
-                summed = self._group.all_reduce_packed(self.deltas(pending))
-                self.apply(pending, summed)
+                self._reduce_and_apply(pending)
 
     def check_flushed(self, fn) -> None:
         """Raises if the trace of `fn` ended with updates still pending (then forgets them).

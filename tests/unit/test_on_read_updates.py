@@ -23,11 +23,6 @@ class _Group:
     def __init__(self):
         self.collectives = 0
 
-    def all_reduce(self, tensor, final_op="Id"):
-        self.collectives += 1
-        total = tensor * WORKERS
-        return total / WORKERS if final_op == "Div" else total
-
     def all_reduce_packed(self, tensors, mean=False):
         self.collectives += 1
         return [t * WORKERS / (WORKERS if mean else 1) for t in tensors]
