@@ -7,6 +7,7 @@ failover_train.py, checkpoint every 10 steps) under a LocalCluster with
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -238,8 +239,11 @@ def _fault_then_wait(cluster, tmp_path, restarts, fault, job=None, timeout=5):
 
 
 def _stopped_after(result, faulted):
-    line = cu.result_line(result.stdout, "STOPPED_AT") or ""
-    return float(line.split()[-1]) - faulted
+    # The number itself, wherever it is: another process's log line may still
+    # share the launcher's merged output line with it.
+    stamps = re.findall(r"STOPPED_AT (\d+\.\d+)", result.stdout)
+    assert stamps, result.stdout[-4000:]
+    return float(stamps[-1]) - faulted
 
 
 @pytest.mark.timeout(300)
