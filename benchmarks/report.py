@@ -1,13 +1,15 @@
-"""`python -m benchmarks.report FILE.jsonl ...`: Markdown tables from benchmark JSON lines.
+"""`python -m benchmarks.report FILE.jsonl ... [--chart X.png]`: tables (and a chart) from JSON lines.
 
 Why this module exists: benchmarks/README.md carries the latest results; this
 turns the JSON lines that `benchmarks.run --output FILE` appended into the
 tables pasted there, so the README never drifts from what was measured.
 """
 
+import argparse
 import json
+import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 
 def _fmt(x, spec: str) -> str:
@@ -95,13 +97,76 @@ def render(records: List[Dict]) -> str:
     return "\n\n".join(out)
 
 
+def throughput_chart(records: Sequence[Dict], path: str, title: str = "") -> Optional[str]:
+    """A PNG bar chart of examples/s and examples per CPU-second per setup.
+
+    One bar per throughput record (setups that failed get an "error" label
+    instead of a bar), labelled with its ratio to stock PSS; with repeats, a
+    whisker spans the runs' min..max. Returns the path, or None without
+    matplotlib (the `bench` extra).
+    """
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        sys.stderr.write("[report] no chart: pip install -e .[bench] for matplotlib\n")
+        return None
+    rows = [r for r in records if r.get("mode", "throughput") == "throughput" and "setup" in r]
+    setups = [r["setup"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (("examples_per_sec", "ratio_to_stock_pss", "examples/s"),
+              ("examples_per_cpu_sec", "cpu_ratio_to_stock_pss", "examples per CPU-second"))
+    for ax, (key, ratio_key, label) in zip(axes, panels):
+        values = [r.get(key) or 0.0 for r in rows]
+        colors = ["tab:orange" if s.startswith("hybrid") else
+                  "tab:blue" if s == "stock_pss" else "tab:gray" for s in setups]
+        bars = ax.bar(range(len(rows)), values, color=colors)
+        for i, (bar, r) in enumerate(zip(bars, rows)):
+            runs = r.get("runs_examples_per_sec") or []
+            if key == "examples_per_sec" and len(runs) > 1:
+                ax.plot([i, i], [min(runs), max(runs)], color="black", linewidth=1)
+            if not r.get(key):
+                text = "error"
+            elif r.get(ratio_key) is not None:
+                text = f"{r[key]:.0f}\n{r[ratio_key]:.2f}x stock"
+            else:
+                text = f"{r[key]:.0f}"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(setups, rotation=20, fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.18)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    p.add_argument("files", nargs="+", help="JSON lines written by benchmarks.run --output")
+    p.add_argument("--chart", default=None,
+                   help="also write a PNG bar chart of the throughput records to this path")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     records = []
-    for path in argv:
+    for path in args.files:
         with open(path, encoding="utf-8") as f:
             records.extend(json.loads(line) for line in f if line.strip())
     sys.stdout.write(render(records) + "\n")
+    if args.chart:
+        machine = next((r["machine"] for r in records if "machine" in r), {})
+        plugin = str(machine.get("plugin", "")).split(" (")[0]  # Without the local path.
+        throughput_chart(records, args.chart,
+                         title=f"{machine.get('nproc', '?')} CPUs, {machine.get('date', '')}, "
+                               f"plugin {plugin}")
     return 0
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import network, procs
+from benchmarks import network, procs, report
 
 THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--network_spe", type=int, default=4, help="steps_per_execution")
     net.add_argument("--network_epochs", type=int, default=None,
                      help="timed epochs after the warm-up epoch (default 2, quick 1)")
-    net.add_argument("--chart", default=None,
-                     help="--network: PNG chart path (default none)")
+    p.add_argument("--chart", default=None,
+                   help="PNG chart path (default none): bars per setup for a throughput "
+                        "run, lines over workers for --network")
     p.add_argument("--plugin_path", default=None,
                    help="measure the tf_psplugin package found in this directory instead "
                         "(e.g. a patched copy); the chief imports it first")
@@ -280,6 +281,10 @@ def mode_throughput(args, log_dir: str, emit) -> List[dict]:
     for r in records:
         emit(r)
     _table(throughput_table(records))
+    if args.chart:
+        report.throughput_chart(records, args.chart,
+                                title=f"{args.global_batch} examples per step, "
+                                      f"{args.num_workers} workers, {args.num_ps} PS")
     return records
 
 

@@ -156,6 +156,28 @@ def test_report_renders_every_mode(monkeypatch, capsys, tmp_path):
     assert text.startswith("Machine: ")
 
 
+def test_throughput_run_writes_a_bar_chart_and_report_redraws_it(monkeypatch, capsys,
+                                                                 tmp_path):
+    """--chart on a throughput run, and `report --chart` from its JSON lines."""
+    from benchmarks import report
+
+    def fake_run_job(job, args, num_workers, log_dir):
+        if job["setup"] == "mwms":  # A failed setup is labelled, not drawn.
+            return {"status": "error", "error": "boom", "examples_per_sec": None,
+                    "peak_rss_mb": {}}
+        return _fake_result({"single": 1000.0, "stock_pss": 400.0}.get(job["setup"], 600.0))
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    out, chart = tmp_path / "r.jsonl", tmp_path / "sub" / "bars.png"
+    assert run.main(["--quick", "--repeats", "2", "--log_dir", str(tmp_path),
+                     "--output", str(out), "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+    redrawn = tmp_path / "again.png"
+    assert report.main([str(out), "--chart", str(redrawn)]) == 0
+    assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| hybrid_sync | 600 |" in capsys.readouterr().out
+
+
 def test_checkpoint_saves_summary_per_100_saves():
     from benchmarks import checkpoint_saves
 
