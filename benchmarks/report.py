@@ -125,15 +125,17 @@ def throughput_chart(records: Sequence[Dict], path: str, title: str = "") -> Opt
         bars = ax.bar(range(len(rows)), values, color=colors)
         for i, (bar, r) in enumerate(zip(bars, rows)):
             runs = r.get("runs_examples_per_sec") or []
+            top = bar.get_height()
             if key == "examples_per_sec" and len(runs) > 1:
                 ax.plot([i, i], [min(runs), max(runs)], color="black", linewidth=1)
+                top = max(top, max(runs))
             if not r.get(key):
                 text = "error"
             elif r.get(ratio_key) is not None:
                 text = f"{r[key]:.0f}\n{r[ratio_key]:.2f}x stock"
             else:
                 text = f"{r[key]:.0f}"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top),
                         ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(setups, rotation=20, fontsize=8)
