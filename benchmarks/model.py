@@ -15,6 +15,8 @@ Variants used by the profile (`--variant`):
 
 * ``fused``: one table of ``26 * vocab_size`` rows with per-feature id offsets:
   one lookup (and one sparse gradient) per step instead of 26.
+* ``multitable``: the 26 tables of the baseline, looked up together with
+  `tf_psplugin.lookup_tables` (one round trip per PS for all of them).
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
 
@@ -29,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import tensorflow as tf
 
 NUM_DENSE = 13
-VARIANTS = ("baseline", "fused", "dedup", "fused_dedup")
+VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,30 @@ class DedupEmbedding(tf.keras.layers.Layer):
         return tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], axis=0))
 
 
+class MultiTableEmbedding(tf.keras.layers.Layer):
+    """One Keras `Embedding` per feature, looked up together (`lookup_tables`)."""
+
+    def __init__(self, num_tables: int, input_dim: int, output_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.tables = [
+            tf.keras.layers.Embedding(
+                input_dim, output_dim, name=f"embedding_C{f + 1}",
+                embeddings_initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05))
+            for f in range(num_tables)]
+
+    def build(self, input_shape):
+        for layer in self.tables:
+            layer.build(input_shape[:1])
+        super().build(input_shape)
+
+    def call(self, ids):
+        from tf_psplugin import lookup_tables  # pylint: disable=g-import-not-at-top
+
+        columns = lookup_tables([layer.embeddings for layer in self.tables],
+                                tf.unstack(ids, axis=1))
+        return tf.concat(columns, axis=1)
+
+
 def _embedding(spec: ModelSpec, rows: int, name: str):
     if spec.dedup:
         return DedupEmbedding(rows, spec.embedding_dim, name=name)
@@ -136,6 +162,9 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
         ids = tf.keras.layers.Lambda(lambda c: c + offsets, name="fuse_ids")(cat_in)
         emb = _embedding(spec, spec.table_rows(), "embedding_fused")(ids)
         emb = tf.keras.layers.Flatten(name="flatten")(emb)
+    elif spec.variant == "multitable":
+        emb = MultiTableEmbedding(spec.num_categorical, spec.vocab_size, spec.embedding_dim,
+                                  name="embeddings_all")(cat_in)
     else:
         columns = []
         for f in range(spec.num_categorical):

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setup", default="hybrid_sync",
                    choices=("stock_pss", "hybrid_sync", "hybrid_async"))
     p.add_argument("--variant", default="baseline",
-                   choices=("baseline", "fused", "dedup", "fused_dedup"))
+                   choices=("baseline", "fused", "dedup", "fused_dedup", "multitable"))
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--steps_per_execution", type=int, default=8)
     p.add_argument("--warmup_steps", type=int, default=32)

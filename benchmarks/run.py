@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, default=100_000)
     p.add_argument("--embedding_dim", type=int, default=16)
     p.add_argument("--variant", default="baseline",
-                   choices=("baseline", "fused", "dedup", "fused_dedup"),
+                   choices=("baseline", "fused", "dedup", "fused_dedup", "multitable"),
                    help="model variant (see benchmarks/model.py)")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)

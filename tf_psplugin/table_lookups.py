@@ -174,3 +174,82 @@ def install_safe_lookup_v1_override():
             _safe_embedding_lookup_sparse_v1
         )
         _override_installed = True
+
+
+def lookup_tables(tables, ids_list, name=None):
+    """Looks up several tables with one round trip per PS task.
+
+    `tf.nn.embedding_lookup` on each of T interleaved tables sharded over P
+    PS tasks sends T x P id tensors to the PS tasks and T x P row tensors
+    back, each a separate cross-process transfer. This routes every table's
+    ids together: one id tensor and one count vector to each PS, where the
+    T shard gathers run locally, and one row tensor back. The result, and the
+    gradient each table receives (one `IndexedSlices` per shard, as with
+    `tf.nn.embedding_lookup`), are the same as T separate lookups.
+
+    Tables that are not `InterleavedShardedVariable`s (one process, or tables
+    a strategy left on the workers), or that are sharded over different
+    numbers of tasks, are looked up one by one with `tf.nn.embedding_lookup`.
+
+    Args:
+        tables: A sequence of T tables, all of the same row width and dtype.
+        ids_list: A sequence of T integer id tensors of any shape.
+        name: Optional name scope.
+
+    Returns:
+        A list of T tensors: the rows of ``tables[t]`` for ``ids_list[t]``, of
+        shape ``ids_list[t].shape + [D]``.
+
+    Raises:
+        ValueError: `tables` and `ids_list` differ in length, or the tables
+            differ in row width or dtype.
+    """
+    tables, ids_list = list(tables), list(ids_list)
+    if len(tables) != len(ids_list):
+        raise ValueError(f"lookup_tables: {len(tables)} tables but {len(ids_list)} id tensors; "
+                         "pass one id tensor per table.")
+    if not tables:
+        return []
+    widths = {int(t.shape[-1]) for t in tables}
+    dtypes = {t.dtype.base_dtype for t in tables}
+    if len(widths) > 1 or len(dtypes) > 1:
+        raise ValueError(f"lookup_tables: tables differ in row width {sorted(widths)} or dtype "
+                         f"{sorted(d.name for d in dtypes)}; look up each group on its own.")
+    shard_counts = {len(t.variables) if isinstance(t, InterleavedShardedVariable) else None
+                    for t in tables}
+    with tf.name_scope(name or "lookup_tables"):
+        if len(shard_counts) != 1 or None in shard_counts or len(tables) == 1:
+            return [tf.nn.embedding_lookup(t, i) for t, i in zip(tables, ids_list)]
+        return _fused_interleaved_lookup(tables, ids_list, shard_counts.pop())
+
+
+def _fused_interleaved_lookup(tables, ids_list, num_shards):
+    ids_list = [tf.cast(tf.convert_to_tensor(i), tf.int64) for i in ids_list]
+    flat = [tf.reshape(i, [-1]) for i in ids_list]
+    sizes = [tf.size(f, out_type=tf.int64) for f in flat]
+    all_ids = tf.concat(flat, axis=0)
+    table_of = tf.concat(
+        [tf.fill([s], tf.constant(t, tf.int32)) for t, s in enumerate(sizes)], axis=0)
+    shard = tf.cast(all_ids % num_shards, tf.int32)  # Logical row i lives on shard i % n ...
+    local = all_ids // num_shards                     # ... at position i // n.
+    positions = tf.range(tf.size(all_ids, out_type=tf.int32))
+    local_parts = tf.dynamic_partition(local, shard, num_shards)
+    table_parts = tf.dynamic_partition(table_of, shard, num_shards)
+    position_parts = tf.dynamic_partition(positions, shard, num_shards)
+    rows = []
+    for p in range(num_shards):
+        # The concatenation is table-major and dynamic_partition keeps order,
+        # so shard p's ids are grouped by table, in table order.
+        counts = tf.math.bincount(table_parts[p], minlength=len(tables),
+                                  maxlength=len(tables), dtype=tf.int32)
+        shard_vars = [t.variables[p] for t in tables]
+        with tf.device(shard_vars[0].device):
+            pieces = tf.split(local_parts[p], counts, num=len(tables))
+            rows.append(tf.concat(
+                [tf.gather(v, piece) for v, piece in zip(shard_vars, pieces)], axis=0))
+    stitched = tf.dynamic_stitch(position_parts, rows)
+    width = int(tables[0].shape[-1])
+    out = []
+    for i, part in zip(ids_list, tf.split(stitched, tf.stack(sizes), num=len(tables))):
+        out.append(tf.reshape(part, tf.concat([tf.shape(i, out_type=tf.int64), [width]], 0)))
+    return out
