@@ -16,7 +16,8 @@ Variants used by the profile (`--variant`):
 * ``fused``: one table of ``26 * vocab_size`` rows with per-feature id offsets:
   one lookup (and one sparse gradient) per step instead of 26.
 * ``multitable``: the 26 tables of the baseline, looked up together with
-  `tf_psplugin.lookup_tables` (one round trip per PS for all of them).
+  `tf_psplugin.table_lookups.lookup_tables` (one round trip per PS for all
+  of them): what `fuse_lookups=True` does for the baseline model.
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
 
@@ -128,7 +129,7 @@ class MultiTableEmbedding(tf.keras.layers.Layer):
         super().build(input_shape)
 
     def call(self, ids):
-        from tf_psplugin import lookup_tables  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.table_lookups import lookup_tables  # pylint: disable=g-import-not-at-top
 
         columns = lookup_tables([layer.embeddings for layer in self.tables],
                                 tf.unstack(ids, axis=1))

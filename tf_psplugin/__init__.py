@@ -28,7 +28,6 @@ from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.progress import ProgressBar
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.summaries import TrainingSummaries
-from tf_psplugin.table_lookups import lookup_tables
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
 
 
@@ -78,7 +77,6 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_into",
-    "lookup_tables",
     "resolve_cluster",
     "run_evaluator",
     "start_server",

@@ -1,4 +1,4 @@
-"""`tf_psplugin.lookup_tables`: several tables, one round trip per PS.
+"""`table_lookups.lookup_tables`: several tables, one round trip per PS.
 
 In one process the shard variables stand in for the PS tasks: the fused path
 is the same graph, only the devices differ. The cluster test of the same
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_psplugin
 from tf_psplugin.sharding import InterleavedShardedVariable
+from tf_psplugin.table_lookups import lookup_tables
 
 
 def _tables(row_counts, width=4, num_shards=3, seed=0):
@@ -26,7 +26,7 @@ def _lookup_and_grads(tables, ids, fused):
     def step():
         with tf.GradientTape() as tape:
             if fused:
-                outs = tf_psplugin.lookup_tables(tables, [tf.constant(i) for i in ids])
+                outs = lookup_tables(tables, [tf.constant(i) for i in ids])
             else:
                 outs = [tf.nn.embedding_lookup(t, tf.constant(i)) for t, i in zip(tables, ids)]
             # Weights make every row's gradient distinct.
@@ -61,7 +61,7 @@ def test_rows_and_gradients_equal_separate_lookups():
 
 def test_the_fused_graph_gathers_each_shard_once_per_table():
     _, tables = _tables([10, 10], num_shards=2)
-    fn = tf.function(lambda a, b: tf_psplugin.lookup_tables(tables, [a, b]))
+    fn = tf.function(lambda a, b: lookup_tables(tables, [a, b]))
     graph = fn.get_concrete_function(tf.TensorSpec([None], tf.int64),
                                      tf.TensorSpec([None], tf.int64)).graph
     ops = [op.type for op in graph.get_operations()]
@@ -72,11 +72,11 @@ def test_the_fused_graph_gathers_each_shard_once_per_table():
 
 def test_plain_variables_and_a_single_table_take_the_separate_path():
     plain = [tf.Variable(np.eye(5, 3, dtype="float32")), tf.Variable(np.ones((4, 3), "float32"))]
-    outs = tf_psplugin.lookup_tables(plain, [[4, 0], [[3]]])
+    outs = lookup_tables(plain, [[4, 0], [[3]]])
     np.testing.assert_array_equal(outs[0].numpy(), np.eye(5, 3)[[4, 0]])
     assert outs[1].shape == (1, 1, 3)
     fulls, tables = _tables([10])
-    np.testing.assert_array_equal(tf_psplugin.lookup_tables(tables, [[2]])[0].numpy(),
+    np.testing.assert_array_equal(lookup_tables(tables, [[2]])[0].numpy(),
                                   fulls[0][[2]])
 
 
@@ -87,4 +87,4 @@ def test_plain_variables_and_a_single_table_take_the_separate_path():
 ])
 def test_mismatched_arguments_name_the_fix(tables, ids, needle):
     with pytest.raises(ValueError, match=needle):
-        tf_psplugin.lookup_tables(tables(), ids)
+        lookup_tables(tables(), ids)
