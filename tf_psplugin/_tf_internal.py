@@ -101,10 +101,10 @@ from tensorflow.python.ops import variables as tf_variables  # noqa: F401
 def keras_private_module(name: str):
     """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
 
-    Used by `progress.install_keras_hooks`,
-    `epochs.install_data_handler_hook` and
-    `sparse_exchange.install_keras_dedup_hook` (their attributes are in
-    PRIVATE_ATTRIBUTES); checked on Keras 2.15 and tf-keras 2.16-2.21.
+    Used by `progress.install_keras_hooks`, `epochs.install_data_handler_hook`,
+    `sparse_exchange.install_keras_dedup_hook` and `lookup_fusion.install`
+    (their attributes are in PRIVATE_ATTRIBUTES); checked on Keras 2.15 and
+    tf-keras 2.16-2.21.
     """
     from tf_psplugin._compat import KERAS_PACKAGE  # pylint: disable=g-import-not-at-top
 
@@ -233,6 +233,12 @@ PRIVATE_ATTRIBUTES = {
     # -- sparse_exchange.py: Keras's optimizer sums duplicate sparse rows
     # outside extended.update; for a gradient summed on a PS, that sum runs there.
     "_deduplicate_sparse_grad": "keras:optimizers.optimizer.Optimizer",
+    # -- lookup_fusion.py: a functional model's Embedding layers at one depth
+    # are looked up together; Keras has no hook that sees them before they run.
+    "_run_internal_graph": "keras:engine.functional.Functional",
+    "_nodes_by_depth": "keras:engine.functional.Functional",
+    "_single_positional_tensor_passed": "keras:engine.node.Node",
+    "_keras_inputs_ids_and_indices": "keras:engine.node.Node",
     # -- checkpoint_write.py: every Checkpoint.write/save ends in `_write`; TF's
     # eager multi-device save traces a new function per save that the PS tasks
     # never release (RSS grew per checkpoint), so saves go through one trace.

@@ -45,6 +45,7 @@ from tf_psplugin import config as config_lib
 from tf_psplugin import connection
 from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import failover as failover_lib
+from tf_psplugin import lookup_fusion
 from tf_psplugin import on_read_updates as on_read_updates_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
@@ -133,6 +134,12 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             step next reads them (default). False: one all-reduce per update,
             where it happens (for a custom step that updates a metric after
             its gradients and never reads it; see `on_read_updates.py`).
+        fuse_lookups: Look up the sharded tables of a functional Keras
+            model's `Embedding` layers together, one round trip per PS for
+            all the tables of one width, instead of one per table; the rows
+            and gradients are the same (see `lookup_fusion.py`). Off by
+            default: on loopback it was no faster (the per-table gathers and
+            updates, not the transfers, cost the time; benchmarks/README).
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -146,7 +153,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  connect_timeout_seconds: float = 300.0,
                  failover: Optional[failover_lib.FailoverPolicy] = None,
                  log_placement: bool = True, sparse_exchange: str = "ps",
-                 pack_on_read_updates: bool = True):
+                 pack_on_read_updates: bool = True, fuse_lookups: bool = False):
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
@@ -214,6 +221,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         epochs_lib.install_data_handler_hook()
         # Keras's optimizer sums duplicate sparse rows on the PS that holds them.
         sparse_exchange_lib.install_keras_dedup_hook()
+        # A functional model's table lookups: one round trip per PS.
+        self._extended.fuse_lookups = bool(fuse_lookups)
+        if fuse_lookups:
+            lookup_fusion.install()
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
             coordinator.failover = failover_lib.FailoverController(self, policy)
@@ -298,6 +309,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # Enforced by the coordinator's watchdog, not by the collective ops.
         self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
+        # Read by lookup_fusion: set by the strategy after construction.
+        self.fuse_lookups = False
         self.committed_steps = None
 
     def create_step_counters(self):

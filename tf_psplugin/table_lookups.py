@@ -41,6 +41,13 @@ def _shards_of(params):
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
 def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
+    if max_norm is None:
+        # Rows a fused lookup of the model's tables already fetched (lookup_fusion).
+        from tf_psplugin import lookup_fusion  # pylint: disable=g-import-not-at-top  (a cycle)
+
+        rows = lookup_fusion.take(params, ids)
+        if rows is not None:
+            return rows
     return tf.compat.v1.nn.embedding_lookup(params.variables, ids, "mod", name, max_norm=max_norm)
 
 

@@ -36,6 +36,8 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
         ("adagrad", "interleaved", 1, "plain", 2, "ps"),
         ("adagrad", "contiguous", 1, "plain", 2, "ps"),
         ("adagrad", "interleaved", 5, "plain", 2, "ps"),
+        # Both tables looked up together (fuse_lookups=True), in a loop of 5.
+        ("adagrad", "interleaved", 5, "fused", 2, "ps"),
         ("adam_new", "interleaved", 1, "plain", 2, "ps"),
         # Sparse row counts that change every step (ids de-duplicated before
         # the lookup), and a worker that owns no table shard (3 workers, 2
@@ -66,6 +68,12 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
     else:
         assert ops["enqueue"] == 0 and ops["dequeue_on_ps"] == 0 and ops["all_gather"] > 0, ops
     assert report["replicas_identical"], "dense replicas diverged across workers"
+    # With fuse_lookups=True the two tables are looked up together
+    # (lookup_fusion), so the comparison below covers fused lookups.
+    if variant == "fused":
+        assert report["fused_lookup_gathers"] > 0, report["fused_lookup_gathers"]
+    else:
+        assert report["fused_lookup_gathers"] == 0, report["fused_lookup_gathers"]
     # Exact whatever the timing: every table/slot write on a PS precedes the
     # end-of-step barrier (checked in the traced graphs, not by luck).
     assert report["graphs_with_ps_writes"] >= 1

@@ -20,6 +20,8 @@ SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 # "dedup": the model looks up each distinct id once per batch, so the sparse
 # gradient's row count changes from step to step.
 DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
+# "fused": the strategy looks both tables up together (fuse_lookups=True).
+FUSED = len(sys.argv) > 6 and sys.argv[6] == "fused"
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
@@ -195,11 +197,18 @@ def takes_before_all_hand_ins(model):
     return early, collectives_per_graph
 
 
+def fused_lookup_gathers(model):
+    """Shard gathers of the fused lookups (lookup_fusion) in the traced step."""
+    return sum(1 for graph in traced_graphs(model) for op in graph.get_operations()
+               if op.type == "ResourceGather" and "fused_lookups" in op.name)
+
+
 def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE)
+        sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
+        fuse_lookups=FUSED)
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
@@ -244,6 +253,7 @@ def main():
         "summed_gradient_on_workers": summed_gradient_on_workers,
         "early_takes": early_takes,
         "collectives_per_graph": collectives_per_graph,
+        "fused_lookup_gathers": fused_lookup_gathers(model),
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
         "metrics": {k: hist.history[k][0] for k in ("mae", "mse_metric")},
