@@ -191,3 +191,21 @@ def test_checkpoint_saves_summary_per_100_saves():
     assert rec["seconds_per_save"] == 0.1 and rec["restore_exact"] is True
     with pytest.raises(SystemExit):
         checkpoint_saves.main(["--saves", "0"])
+
+
+def test_dynamic_table_ops_times_every_mechanism_in_process(tmp_path):
+    """--local: every mechanism runs and the stored keys survive a checkpoint."""
+    from benchmarks import dynamic_table_ops
+
+    args = dynamic_table_ops.build_parser().parse_args(
+        ["--local", "--keys_per_call", "256", "--capacity", "1000", "--distinct", "500",
+         "--batches", "2", "--repeats", "1"])
+    records = dynamic_table_ops.measure(args, "/CPU:0", str(tmp_path))
+    by = {r.get("mechanism", r["mode"]): r for r in records}
+    assert set(dynamic_table_ops.MECHANISMS) <= set(by)
+    assert by["static_gather"]["ratio_to_static_gather"] == 1.0
+    assert all(by[m]["ms_per_call"] > 0 for m in dynamic_table_ops.MECHANISMS)
+    summary = by["dynamic_table_ops_summary"]
+    assert 0 < summary["keys_stored"] <= 500
+    assert summary["keys_restored_from_checkpoint"] == summary["keys_stored"]
+    assert summary["dht_keys_stored"] == summary["keys_stored"]
