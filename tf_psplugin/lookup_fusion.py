@@ -61,7 +61,9 @@ class _Run:
         self.model = model
         self.depth_of: Optional[Dict[int, int]] = None
         self.fetched = set()  # ids of nodes whose rows are (or will never be) fused
-        self.rows: Dict[Tuple[int, int], tf.Tensor] = {}
+        # (id(table), id(ids)) -> (table, ids, rows); the entry holds the table
+        # and the ids so that neither id can be reused during the run.
+        self.rows: Dict[Tuple[int, int], tuple] = {}
 
     def depth(self, node) -> Optional[int]:
         if self.depth_of is None:
@@ -92,7 +94,8 @@ def take(params, ids) -> Optional[tf.Tensor]:
     runs = _runs()
     if not runs:
         return None
-    return runs[-1].rows.get((id(params), id(ids)))
+    entry = runs[-1].rows.get((id(params), id(ids)))
+    return entry[2] if entry is not None else None
 
 
 def _ids_of(node, tensor_dict):
@@ -133,14 +136,14 @@ def _prefetch(run: _Run, node, tensor_dict) -> None:
             continue
         key = (int(table.shape[-1]), table.dtype.base_dtype, len(table.variables))
         groups.setdefault(key, []).append((table, ids))
-    run.fetched.add(id(node))
+    run.fetched.add(id(node))  # Also when Keras gave it no depth (then no siblings).
     for members in groups.values():
         if len(members) < 2:
             continue  # One table gains nothing: its own lookup is one round trip.
         tables, ids_list = zip(*members)
         for (table, ids), rows in zip(members, lookup_tables(tables, ids_list,
                                                              name="fused_lookups")):
-            run.rows[(id(table), id(ids))] = rows
+            run.rows[(id(table), id(ids))] = (table, ids, rows)
 
 
 def install() -> None:
