@@ -298,6 +298,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             self._retrace_functions_for_each_device = True
         self.placement_records: List[placement_lib.PlacementRecord] = []
         self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
+        # id(table shard) -> ops its owner runs after the shard's sync update
+        # (layers.DynamicEmbedding admits new keys there).
+        self._after_update = {}
         self._creating_table = False
         self._creating_internal = False
         # A fresh group key per chief process: a restarted chief must not meet
@@ -460,6 +463,24 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         if not self._sync_embeddings:
             return ()
         return tuple(p for p in range(self._num_ps) if self._owner_of_ps(p) == worker_index)
+
+    def run_after_update(self, shard, fn) -> None:
+        """Makes the worker that updates `shard` in a sync step also run `fn()`.
+
+        `fn` builds ops (it returns an op or None) that run after the shard's
+        optimizer update and before the end-of-step barrier, in the updating
+        worker's trace only: every worker's forward pass of the step is done
+        by then, and none of the next step has started. In any other mode
+        `fn` is never called (see `admits_after_update`).
+        """
+        if id(_unwrap(shard)) not in self._table_shard_owner:
+            raise StrategyError(f"run_after_update: {getattr(shard, 'name', shard)!r} is not "
+                                "a table shard of this strategy.")
+        self._after_update[id(_unwrap(shard))] = fn
+
+    def admits_after_update(self) -> bool:
+        """True while a sync step is traced whose table updates run `run_after_update` hooks."""
+        return self._in_sync_step() and self._sync_embeddings
 
     def _record(self, var, kind: str, devices=None):
         try:
@@ -665,6 +686,12 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             first = len(graph.get_operations())
             with variables_lib.inside_variable_update():
                 result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
+            after = self._after_update.get(id(_unwrap(var)))
+            if after is not None:
+                updated = [op for op in graph.get_operations()[first:] if not op.outputs]
+                with tf.control_dependencies(
+                        updated + [r for r in tf.nest.flatten(result) if r is not None]):
+                    after()
             # `done` must depend on the writes themselves: the end-of-step
             # barrier waits for it, and a write it does not wait for can land
             # after another worker's next-step lookup. Keras's new optimizers

@@ -1,0 +1,128 @@
+"""Chief script: a DynamicEmbedding trained under the strategy vs in one process.
+
+Run by tests/cluster/test_dynamic_embedding.py under a LocalCluster.
+argv: OUT (JSON report), PHASE ("train" or "restore"), CKPT (checkpoint
+prefix), MODE ("sync" or "async").
+
+* train: trains a model with a DynamicEmbedding (raw int64 keys of any
+  value, admission after 2 sightings) on 2 workers, trains the same model
+  in one process on the global batch, and reports the max |diff| of every
+  key's vector and of the dense weights, the table sizes and stats; then
+  writes a checkpoint to CKPT and reports every key's vector.
+* restore: builds the model under this cluster (any PS count), restores
+  CKPT, and reports every key's vector and the table size; then restores the
+  same checkpoint into a model without a strategy and reports those too.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tf_psplugin
+from tf_psplugin import layers
+
+OUT, PHASE, CKPT = sys.argv[1], sys.argv[2], sys.argv[3]
+MODE = sys.argv[4] if len(sys.argv) > 4 else "sync"
+STEPS, BATCH, FEATURES, DIM, CAPACITY = 12, 8, 3, 4, 64
+# 40 distinct raw keys: negative, small, above 2^62.
+KEYS = np.array([-(2**63) + 5, -7, 0, 3, 2**62 + 11, 2**63 - 2] +
+                [int(x) for x in np.random.RandomState(7).randint(-2**40, 2**40, size=34)],
+                dtype=np.int64)
+
+
+def make_model():
+    inp = tf.keras.Input((FEATURES,), dtype=tf.int64)
+    x = layers.DynamicEmbedding(DIM, capacity=CAPACITY, admit_after=2, name="dyn")(inp)
+    x = tf.keras.layers.Flatten()(x)
+    x = tf.keras.layers.Dense(8, activation="relu",
+                              kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
+    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
+    model = tf.keras.Model(inp, out)
+    model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), "mse")
+    return model
+
+
+def dense_weights(model):
+    return [w.numpy() for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)
+            for w in layer.weights]
+
+
+def key_vectors(model):
+    return model.get_layer("dyn")(tf.constant(KEYS), training=False).numpy()
+
+
+def data(num_workers):
+    rng = np.random.RandomState(0)
+    # Zipf-like over KEYS: a few keys are hot, some appear once (not admitted).
+    p = 1.0 / np.arange(1, len(KEYS) + 1) ** 1.1
+    ids = KEYS[rng.choice(len(KEYS), size=(STEPS * num_workers * BATCH, FEATURES), p=p / p.sum())]
+    y = rng.normal(size=(len(ids), 1)).astype("float32")
+    return ids, y
+
+
+def train(strategy, num_workers):
+    ids, y = data(num_workers)
+    with strategy.scope():
+        model = make_model()
+    init = dense_weights(model)
+    hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
+                     steps_per_epoch=STEPS, verbose=0)
+    ref = make_model()
+    ref(tf.constant(ids[:1]))
+    dense = [l for l in ref.layers if isinstance(l, tf.keras.layers.Dense)]
+    dense[0].set_weights(init[:2])
+    dense[1].set_weights(init[2:])
+    ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH * num_workers),
+                       epochs=1, steps_per_epoch=STEPS, verbose=0)
+    got, want = key_vectors(model), key_vectors(ref)
+    dyn, ref_dyn = model.get_layer("dyn"), ref.get_layer("dyn")
+    tf.train.Checkpoint(model=model).write(CKPT)
+    return {
+        "key_vector_diff": float(np.abs(got - want).max()),
+        "dense_diff": max(float(np.abs(a - b).max())
+                          for a, b in zip(dense_weights(model), dense_weights(ref))),
+        "loss": hist.history["loss"][0], "ref_loss": ref_hist.history["loss"][0],
+        "size": dyn.table_size(), "ref_size": ref_dyn.table_size(),
+        "stats": dyn.table_stats(), "ref_stats": ref_dyn.table_stats(),
+        "num_shards": dyn.num_shards,
+        "shard_devices": [v.device for v in dyn.embeddings.variables],
+        "admitted_keys": int((np.abs(got).sum(axis=1) > 0).sum()),
+        "vectors": got.tolist(),
+    }
+
+
+def restore(strategy):
+    with strategy.scope():
+        model = make_model()
+        model(tf.constant(KEYS[:FEATURES][None]))
+    tf.train.Checkpoint(model=model).read(CKPT).expect_partial()
+    single = make_model()
+    single(tf.constant(KEYS[:FEATURES][None]))
+    tf.train.Checkpoint(model=single).read(CKPT).expect_partial()
+    # One more training step under the new layout: admission and eviction
+    # work on restored maps whose rows may live on another PS now.
+    ids, y = data(1)
+    dyn = model.get_layer("dyn")
+    report = {"vectors": key_vectors(model).tolist(), "size": dyn.table_size(),
+              "num_shards": dyn.num_shards, "single_vectors": key_vectors(single).tolist(),
+              "single_size": single.get_layer("dyn").table_size()}
+    model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
+              steps_per_epoch=2, verbose=0)
+    report["size_after_training"] = dyn.table_size()
+    return report
+
+
+def main():
+    config = tf_psplugin.start_server()
+    num_workers = config.num_workers
+    strategy = tf_psplugin.HybridParameterServerStrategy(embedding_updates=MODE)
+    report = train(strategy, num_workers) if PHASE == "train" else restore(strategy)
+    with open(OUT, "w") as f:
+        json.dump(report, f)
+    print("RESULT ok")
+
+
+if __name__ == "__main__":
+    main()
