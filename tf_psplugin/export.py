@@ -80,6 +80,14 @@ def _copy_weights(source, target) -> None:
                 f"trained value has {tuple(value.shape)}. Fix: build the local copy with the "
                 "same sizes (vocab_size, embedding_dim, ...).")
     target.set_weights(values)
+    for layer in _dynamic_layers(target):
+        layer.rebuild_key_index()
+
+
+def _dynamic_layers(model):
+    from tf_psplugin import layers  # pylint: disable=g-import-not-at-top
+
+    return [m for m in model.submodules if isinstance(m, layers.DynamicEmbedding)]
 
 
 def _save_atomically(model, export_dir: str, overwrite: bool) -> str:
@@ -92,6 +100,8 @@ def _save_atomically(model, export_dir: str, overwrite: bool) -> str:
     if parent:
         model_dir_lib.ensure_writable(parent)
     tmp = f"{export_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
+    for layer in _dynamic_layers(model):
+        layer.freeze_for_serving()  # Its maps saved with it; lookups only.
     try:
         # SavedModel writing logs "Assets written to", "Writing fingerprint" at INFO.
         with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):

@@ -79,14 +79,20 @@ class _KeyIndex(tf.__internal__.tracking.Trackable):
     def __init__(self, maps, key_dtype):
         self._maps = maps
         self._key_dtype = key_dtype
+        # On a serving copy the map is saved as a table of its own.
+        self.serving = False
 
     def _serialize_to_tensors(self):
         # Trackable's saveable protocol (see _tf_internal.PRIVATE_ATTRIBUTES).
+        if self.serving:
+            return {}
         exported = [m.export() for m in self._maps]
         return {"keys": tf.concat([k for k, _ in exported], 0),
                 "rows": tf.concat([r for _, r in exported], 0)}
 
     def _restore_from_tensors(self, restored_tensors):
+        if self.serving:
+            return tf.no_op()
         keys = restored_tensors["keys"]
         rows = restored_tensors["rows"]
         cleared = []
@@ -116,6 +122,9 @@ class _ShardState:
                 key_dtype, tf.int64, default_value=0, experimental_is_anonymous=True)
             self.stats = tf.lookup.experimental.MutableHashTable(
                 tf.int64, tf.int64, default_value=0, experimental_is_anonymous=True)
+            # Serialises admissions to this shard when several workers admit
+            # (asynchronous updates); a synchronous step has one admitter.
+            self.lock = tf.CriticalSection(name="dynamic_embedding_admission")
         self.device = device
 
 
@@ -206,6 +215,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         # are checkpointed through `key_index`, the rest is per process.
         self._shard_states: Tuple[_ShardState, ...] = ()
         self._now_by_graph = weakref.WeakKeyDictionary()  # traced graph -> clock read
+        self._frozen = False  # Set on a serving copy: lookups only (see freeze_for_serving).
 
     # -- state -----------------------------------------------------------------
 
@@ -279,6 +289,42 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     # -- forward -----------------------------------------------------------------
 
+    def rebuild_key_index(self) -> None:
+        """Rebuilds the key -> row maps from the row tables (row keys, used rows).
+
+        `set_weights` copies the tables but not the maps, which are not
+        weights; `export_saved_model` calls this on its local copy.
+        """
+        self._require_built("rebuild_key_index")
+        row_keys = tf.convert_to_tensor(self.row_keys)
+        used = tf.reshape(tf.where(tf.convert_to_tensor(self.row_last_used) > 0), [-1])
+        self.key_index._restore_from_tensors(  # pylint: disable=protected-access
+            {"keys": tf.gather(row_keys, used), "rows": used})
+
+    def freeze_for_serving(self) -> None:
+        """Makes this (local, strategy-free) layer a read-only lookup for export.
+
+        Every call then only reads (no counting, no admission, whatever
+        ``training`` says), and the key -> row maps become tracked resources,
+        so a SavedModel holds their contents and serves raw keys: an unknown
+        key reads the default vector.
+        """
+        self._require_built("freeze_for_serving")
+        if _hybrid_extended() is not None or self.num_shards != 1:
+            raise ValueError("freeze_for_serving: call it on a local copy built without a "
+                             "strategy (tf_psplugin.export_saved_model makes one).")
+        self._frozen = True
+        state = self._shard_states[0]
+        keys, rows = state.map.export()
+        # A table of its own, saved with its contents (the training maps are
+        # checkpointed through `key_index`, which a SavedModel cannot use).
+        serving = tf.lookup.experimental.MutableHashTable(self.key_dtype, tf.int64,
+                                                          default_value=-1)
+        serving.insert(keys, rows)
+        state.map = serving
+        self.key_index.serving = True
+        self.serving_key_map = serving
+
     def call(self, inputs, training=None):
         ragged = isinstance(inputs, tf.RaggedTensor)
         flat = inputs.flat_values if ragged else tf.reshape(inputs, [-1])
@@ -293,7 +339,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                                 "key_dtype=tf.string for string keys.")
             flat = tf.cast(flat, tf.int64)
         unique, index, counts = tf.unique_with_counts(flat, out_idx=tf.int64)
-        vectors = self._lookup_unique(unique, counts, training=bool(training))
+        vectors = self._lookup_unique(unique, counts,
+                                      training=bool(training) and not self._frozen)
         out = tf.gather(vectors, index)
         if ragged:
             return inputs.with_flat_values(out)
@@ -336,7 +383,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         vectors = tf.tensor_scatter_nd_update(default, tf.where(found), gathered)
         if training and not self._admits_after_update():
             with tf.control_dependencies(records + [vectors]):
-                admitted = [self._admit(s, now) for s in range(n)]
+                admitted = [self._admit_exclusively(s, now) for s in range(n)]
             with tf.control_dependencies(admitted):
                 ticked = _assign_add(self.clock, tf.ones([1], tf.int64))
             with tf.control_dependencies([ticked]):
@@ -393,6 +440,44 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             with tf.control_dependencies([done]):
                 return _assign_add(self.clock, tf.ones([1], tf.int64))
         return hook
+
+    def _admit_exclusively(self, s: int, now) -> tf.Operation:
+        """`_admit` under shard s's lock (on its PS): one admission at a time."""
+        st = self._shard_states[s]
+        if tf.executing_eagerly():
+            return self._admit(s, now)
+        with tf.device(st.device):
+            return st.lock.execute(lambda: self._admit(s, now), exclusive_resource_access=False)
+
+    def check_consistency(self) -> List[str]:
+        """Problems in the key -> row maps, as readable lines (none: consistent).
+
+        Every stored key must map to a distinct row whose stored key is that
+        key, on the map its hash names, within capacity. For tests and for
+        debugging a job; it reads every map and row key, so it is not cheap.
+        """
+        self._require_built("check_consistency")
+        problems = []
+        row_keys = tf.convert_to_tensor(self.row_keys).numpy()
+        last = tf.convert_to_tensor(self.row_last_used).numpy()
+        seen_rows = {}
+        for s, st in enumerate(self._shard_states):
+            keys, rows = (t.numpy() for t in st.map.export())
+            for k, r in zip(keys, rows):
+                if not 0 <= r < self.capacity:
+                    problems.append(f"shard {s}: key {k!r} maps to row {r} outside the table")
+                    continue
+                if r in seen_rows:
+                    problems.append(f"row {r} holds keys {seen_rows[r]!r} and {k!r}")
+                seen_rows[r] = k
+                if row_keys[r] != k:
+                    problems.append(f"row {r}: map says key {k!r}, row says {row_keys[r]!r}")
+                if last[r] == 0:
+                    problems.append(f"row {r} of key {k!r} is marked free")
+        used = int((last > 0).sum())
+        if used != len(seen_rows):
+            problems.append(f"{used} rows are marked used but the maps hold {len(seen_rows)}")
+        return problems
 
     def _admit(self, s: int, now) -> tf.Operation:
         """Admits shard `s`'s pending keys; evicts or rejects when it is full.

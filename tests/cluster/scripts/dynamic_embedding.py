@@ -87,6 +87,7 @@ def train(strategy, num_workers):
         "size": dyn.table_size(), "ref_size": ref_dyn.table_size(),
         "stats": dyn.table_stats(), "ref_stats": ref_dyn.table_stats(),
         "num_shards": dyn.num_shards,
+        "problems": dyn.check_consistency(),
         "shard_devices": [v.device for v in dyn.embeddings.variables],
         "admitted_keys": int((np.abs(got).sum(axis=1) > 0).sum()),
         "vectors": got.tolist(),
@@ -106,7 +107,8 @@ def restore(strategy):
     ids, y = data(1)
     dyn = model.get_layer("dyn")
     report = {"vectors": key_vectors(model).tolist(), "size": dyn.table_size(),
-              "num_shards": dyn.num_shards, "single_vectors": key_vectors(single).tolist(),
+              "num_shards": dyn.num_shards,
+        "problems": dyn.check_consistency(), "single_vectors": key_vectors(single).tolist(),
               "single_size": single.get_layer("dyn").table_size()}
     model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
               steps_per_epoch=2, verbose=0)
