@@ -2,7 +2,8 @@
 
 The public API is listed here and only here (see `__all__`). The command-line
 modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch`,
-the opt-in in-process recovery `tf_psplugin.elastic`, the data helpers in
+the opt-in in-process recovery `tf_psplugin.elastic`, the Keras layers in
+`tf_psplugin.layers` (`DynamicEmbedding`), the data helpers in
 `tf_psplugin.data` and the test helpers in `tf_psplugin.testing` are public
 too; everything else is private and may change.
 
@@ -21,6 +22,7 @@ from tf_psplugin.coordinator import HybridClusterCoordinator
 from tf_psplugin.evaluator import EvaluatorError, run_evaluator
 from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
 from tf_psplugin import elastic
+from tf_psplugin import layers
 from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPolicy,
                                   TaskFailedError)
 from tf_psplugin.model_dir import ModelDirError
@@ -72,6 +74,7 @@ __all__ = [
     "current_worker_index",
     "elastic",
     "embedding_table_scope",
+    "layers",
     "export_from_checkpoint",
     "export_saved_model",
     "latest_checkpoint",

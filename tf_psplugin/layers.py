@@ -68,7 +68,7 @@ def _shards(var) -> list:
     return [var]
 
 
-class _KeyIndex(tf.__internal__.tracking.Trackable):
+class _KeyIndex(_tf_internal.trackable_base.Trackable):
     """Checkpoints the per-shard key -> row maps as one list of (key, row) pairs.
 
     Saved whole, so a checkpoint restores into any number of shards: each key
