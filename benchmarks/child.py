@@ -159,7 +159,25 @@ def run_ps_chief(job):
     result = _fit_and_time(model, ds, job, examples_per_step)
     result["startup_seconds"] = built
     result["per_worker_batch"] = per_step_batch
+    if job.get("heldout_batches"):
+        result.update(_heldout(model, job, per_step_batch))
     return result
+
+
+def _heldout(model, job, batch_size):
+    """Held-out AUC after training, and the dynamic table's size and counts."""
+    spec = _spec(job)
+    # Past every worker's pool: data no step trained on.
+    after = job["pool_batches"] * job["num_workers"] + 1
+    heldout = model_lib.heldout_dataset(spec, batch_size, job["heldout_batches"], after)
+    metrics = model.evaluate(heldout, steps=job["heldout_batches"], verbose=0, return_dict=True)
+    out = {"heldout_auc": float(metrics["auc"]), "heldout_loss": float(metrics["loss"])}
+    if spec.variant == "dynamic":
+        layer = model.get_layer("embedding_dynamic")
+        stats = layer.table_stats()
+        out["table_size"] = layer.table_size()
+        out["table_stats"] = [{k: v for k, v in s.items() if k != "device"} for s in stats]
+    return out
 
 
 def run_mwms_worker(job):

@@ -21,6 +21,15 @@ Variants used by the profile (`--variant`):
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
 
+Raw-id variants (``benchmarks.run --dynamic``): every feature's id becomes a
+raw key in a 2^40 id space (`raw_keys`), as Criteo-style hashed strings are;
+one table of `capacity` rows serves all 26 features:
+
+* ``hashed``: a static `Embedding` of `capacity` rows; a key's row is its
+  hash modulo `capacity` (distinct keys collide).
+* ``dynamic``: a `tf_psplugin.layers.DynamicEmbedding` of the same capacity
+  (a row per admitted key, LRU eviction when full).
+
 Input: `tf_psplugin.data.SyntheticCTR` (Zipf ids), a pool of batches generated
 once, cached in memory and repeated, so data generation is outside the timed
 steps and costs the same in every setup.
@@ -32,7 +41,9 @@ from typing import Dict, Optional, Tuple
 import tensorflow as tf
 
 NUM_DENSE = 13
-VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable")
+VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed", "dynamic")
+RAW_KEY_VARIANTS = ("hashed", "dynamic")
+RAW_KEY_BITS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +51,16 @@ class ModelSpec:
     """What is trained: model shape, optimizer and data.
 
     Attributes:
-        vocab_size: Rows per categorical feature.
+        vocab_size: Rows per categorical feature (raw-key variants: distinct
+            ids per feature in the generated data).
         num_categorical: Categorical features (26 as in Criteo).
         embedding_dim: Embedding width.
         hidden: MLP widths before the logit.
         variant: One of `VARIANTS` (see module doc).
         learning_rate: Adagrad learning rate.
         seed: Data and initialisation seed.
+        capacity: Rows of the one table of the raw-key variants.
+        admit_after: The dynamic variant's `admit_after`.
     """
 
     vocab_size: int = 100_000
@@ -56,6 +70,8 @@ class ModelSpec:
     variant: str = "baseline"
     learning_rate: float = 0.05
     seed: int = 0
+    capacity: int = 0
+    admit_after: int = 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -144,6 +160,40 @@ def _embedding(spec: ModelSpec, rows: int, name: str):
         embeddings_initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05))
 
 
+def raw_keys(ids: tf.Tensor) -> tf.Tensor:
+    """Feature ids [B, F] in [0, vocab) -> raw int64 keys in [0, 2^40), distinct per feature.
+
+    An odd multiplier is a bijection modulo 2^40, so distinct (feature, id)
+    pairs give distinct keys; the keys look like hashed strings (no order,
+    no locality), the way production CTR ids arrive.
+    """
+    num_features = ids.shape[-1]
+    salted = (tf.cast(ids, tf.uint64) * tf.constant(num_features, tf.uint64)
+              + tf.range(num_features, dtype=tf.uint64))
+    mask = tf.constant(2**RAW_KEY_BITS - 1, tf.uint64)
+    mixed = tf.bitwise.bitwise_and(salted * tf.constant(0x9E3779B97F4A7C15, tf.uint64), mask)
+    return tf.bitcast(mixed, tf.int64)
+
+
+def _raw_key_embedding(spec: ModelSpec, cat_in):
+    if spec.variant == "hashed":
+        from tf_psplugin import key_hashing  # pylint: disable=g-import-not-at-top
+
+        rows = tf.keras.layers.Lambda(
+            lambda k: key_hashing.bucket(key_hashing.key_hash(k), spec.capacity),
+            name="hash_keys")(cat_in)
+        emb = tf.keras.layers.Embedding(
+            spec.capacity, spec.embedding_dim, name="embedding_hashed",
+            embeddings_initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05))(rows)
+    else:
+        from tf_psplugin import layers  # pylint: disable=g-import-not-at-top
+
+        emb = layers.DynamicEmbedding(spec.embedding_dim, capacity=spec.capacity,
+                                      admit_after=spec.admit_after, eviction="lru",
+                                      name="embedding_dynamic")(cat_in)
+    return tf.keras.layers.Flatten(name="flatten")(emb)
+
+
 def build_model(spec: ModelSpec) -> tf.keras.Model:
     """Builds the (uncompiled) CTR model; call inside `strategy.scope()`.
 
@@ -157,7 +207,9 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
     tf.keras.utils.set_random_seed(spec.seed)
     dense_in = tf.keras.Input(shape=(NUM_DENSE,), dtype=tf.float32, name="dense")
     cat_in = tf.keras.Input(shape=(spec.num_categorical,), dtype=tf.int64, name="categorical")
-    if spec.fused:
+    if spec.variant in RAW_KEY_VARIANTS:
+        emb = _raw_key_embedding(spec, cat_in)
+    elif spec.fused:
         offsets = tf.constant([f * spec.vocab_size for f in range(spec.num_categorical)],
                               dtype=tf.int64)
         ids = tf.keras.layers.Lambda(lambda c: c + offsets, name="fuse_ids")(cat_in)
@@ -180,11 +232,14 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
 
 
 def compile_model(model: tf.keras.Model, spec: ModelSpec, steps_per_execution: int) -> None:
-    """Compiles with the benchmark's loss, optimizer and knobs (no extra metrics)."""
+    """Compiles with the benchmark's loss, optimizer and knobs (AUC for raw-key variants)."""
+    # The raw-key variants report held-out AUC (`benchmarks.run --dynamic`).
+    metrics = ([tf.keras.metrics.AUC(from_logits=True, name="auc")]
+               if spec.variant in RAW_KEY_VARIANTS else None)
     model.compile(
         optimizer=tf.keras.optimizers.legacy.Adagrad(spec.learning_rate),
         loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
-        steps_per_execution=steps_per_execution)
+        metrics=metrics, steps_per_execution=steps_per_execution)
 
 
 def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
@@ -209,4 +264,30 @@ def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
                        num_categorical=spec.num_categorical, seed=spec.seed)
     ds = gen.dataset(batch_size, num_batches=pool_batches * num_shards,
                      shard_index=shard_index, num_shards=num_shards)
+    if spec.variant in RAW_KEY_VARIANTS:
+        ds = ds.map(lambda x, y: ({"dense": x["dense"], "categorical": raw_keys(x["categorical"])},
+                                  y))
     return ds.cache().repeat()
+
+
+def heldout_dataset(spec: ModelSpec, batch_size: int, num_batches: int,
+                    after_batches: int) -> tf.data.Dataset:
+    """`num_batches` batches of the same stream that no training pool holds.
+
+    Args:
+        spec: Model description.
+        batch_size: Examples per batch.
+        num_batches: Batches to return.
+        after_batches: Global batches of `batch_size` to skip first (past
+            every reader's pool).
+    """
+    from tf_psplugin.data import SyntheticCTR  # pylint: disable=g-import-not-at-top
+
+    gen = SyntheticCTR(vocab_size=spec.vocab_size, num_categorical=spec.num_categorical,
+                       seed=spec.seed)
+    ds = gen.dataset(batch_size, num_batches=after_batches + num_batches,
+                     offset_batches=after_batches)
+    if spec.variant in RAW_KEY_VARIANTS:
+        ds = ds.map(lambda x, y: ({"dense": x["dense"], "categorical": raw_keys(x["categorical"])},
+                                  y))
+    return ds

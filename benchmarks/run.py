@@ -15,6 +15,8 @@ Modes (default: throughput):
 * ``--memory``: hybrid sync with one table of 1M/10M/50M rows, peak RSS per role;
 * ``--balance``: lookups per PS shard, contiguous vs interleaved (no cluster);
 * ``--scaling``: hybrid sync vs stock PSS with 1, 2 and 4 workers.
+* ``--dynamic``: a `layers.DynamicEmbedding` against a static hashed table of
+  the same capacity, both under hybrid sync (`benchmarks/dynamic.py`).
 * ``--network``: stock PSS, hybrid sync (sparse gradients summed on the PS,
   and all-gathered for comparison) and hybrid async with 2, 4 and 8 workers,
   every task on its own emulated host with a rate-limited link (needs root;
@@ -32,7 +34,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-from benchmarks import network, procs, report
+from benchmarks import dynamic, network, procs, report
 
 THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--scaling", action="store_true", help="1/2/4 workers, hybrid vs stock PSS")
     mode.add_argument("--network", action="store_true",
                       help="emulated hosts with slow links: W in --network_workers (needs root)")
+    mode.add_argument("--dynamic", action="store_true",
+                      help="DynamicEmbedding vs a static hashed table of the same capacity")
     p.add_argument("--quick", action="store_true", help="fewer steps: whole run < 10 min")
     p.add_argument("--setups", default=None,
                    help=f"comma-separated subset of {','.join(THROUGHPUT_SETUPS)} "
@@ -95,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--network_spe", type=int, default=4, help="steps_per_execution")
     net.add_argument("--network_epochs", type=int, default=None,
                      help="timed epochs after the warm-up epoch (default 2, quick 1)")
+    dyn = p.add_argument_group("--dynamic")
+    dyn.add_argument("--capacity", type=int, default=262_144,
+                     help="rows of the one table, hashed or dynamic")
+    dyn.add_argument("--admit_after", type=int, default=1, help="the dynamic table's admit_after")
+    dyn.add_argument("--heldout_batches", type=int, default=8,
+                     help="held-out batches (per-worker batch size) for the AUC")
     p.add_argument("--chart", default=None,
                    help="PNG chart path (default none): bars per setup for a throughput "
                         "run, lines over workers for --network")
@@ -473,6 +483,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             mode_scaling(args, log_dir, emit)
         elif args.network:
             network.mode_network(args, log_dir, emit)
+        elif args.dynamic:
+            dynamic.mode_dynamic(args, log_dir, emit, job_for, model_dict, run_job,
+                                 _progress, _table)
         else:
             mode_throughput(args, log_dir, emit)
     finally:
