@@ -169,7 +169,7 @@ def raw_keys(ids: tf.Tensor) -> tf.Tensor:
     """
     num_features = ids.shape[-1]
     salted = (tf.cast(ids, tf.uint64) * tf.constant(num_features, tf.uint64)
-              + tf.range(num_features, dtype=tf.uint64))
+              + tf.constant(list(range(num_features)), tf.uint64))
     mask = tf.constant(2**RAW_KEY_BITS - 1, tf.uint64)
     mixed = tf.bitwise.bitwise_and(salted * tf.constant(0x9E3779B97F4A7C15, tf.uint64), mask)
     return tf.bitcast(mixed, tf.int64)

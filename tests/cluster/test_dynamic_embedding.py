@@ -1,7 +1,5 @@
 """Multi-process tests of layers.DynamicEmbedding under HybridParameterServerStrategy."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -22,6 +20,13 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
     # Some keys were seen once only: admit_after=2 keeps them out.
     assert 0 < report["admitted_keys"] < 40
     assert report["size"] == report["ref_size"] == report["admitted_keys"]
+    assert report["problems"] == []
+    # Each worker admits its PS's keys after the all-reduce (every worker's
+    # lookups are done) and before the end-of-step barrier (no next-step
+    # lookup yet): checked in the traced graphs, not by timing.
+    assert report["admitting_graphs"] == 2
+    assert report["admission_after_barrier"] == []
+    assert report["admission_before_all_reduce"] == []
     # Exact: the same rows and dense weights as one process on the global batch.
     assert report["key_vector_diff"] <= 1e-5, report["key_vector_diff"]
     assert report["dense_diff"] <= 1e-5, report["dense_diff"]
@@ -38,4 +43,22 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
         np.testing.assert_array_equal(np.array(restored["vectors"]), trained)
         assert restored["single_size"] == report["size"]
         np.testing.assert_array_equal(np.array(restored["single_vectors"]), trained)
+        # Training goes on in the new layout (maps and rows may sit on
+        # different PS tasks now), and the maps stay consistent.
         assert restored["size_after_training"] >= restored["size"]
+        assert restored["problems_after_training"] == []
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,keys", [("sync", "string"), ("async", "int")])
+def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, keys):
+    capacity = 16
+    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_embedding.py",
+                                 ["train", str(tmp_path / "ckpt"), mode, str(capacity), keys],
+                                 num_workers=2, num_ps=2)
+    assert report["size"] <= capacity
+    assert sum(s["evicted"] for s in report["stats"]) > 0, report["stats"]
+    # Every stored key maps to its own row and back, on the map its hash
+    # names; workers admitting at once (async) never share a row.
+    assert report["problems"] == []

@@ -2,7 +2,8 @@
 
 Run by tests/cluster/test_dynamic_embedding.py under a LocalCluster.
 argv: OUT (JSON report), PHASE ("train" or "restore"), CKPT (checkpoint
-prefix), MODE ("sync" or "async").
+prefix), MODE ("sync" or "async"), CAPACITY (rows, default 64: no eviction),
+KEYS ("int" or "string").
 
 * train: trains a model with a DynamicEmbedding (raw int64 keys of any
   value, admission after 2 sightings) on 2 workers, trains the same model
@@ -25,16 +26,22 @@ from tf_psplugin import layers
 
 OUT, PHASE, CKPT = sys.argv[1], sys.argv[2], sys.argv[3]
 MODE = sys.argv[4] if len(sys.argv) > 4 else "sync"
-STEPS, BATCH, FEATURES, DIM, CAPACITY = 12, 8, 3, 4, 64
+CAPACITY = int(sys.argv[5]) if len(sys.argv) > 5 else 64
+STRING_KEYS = len(sys.argv) > 6 and sys.argv[6] == "string"
+STEPS, BATCH, FEATURES, DIM = 12, 8, 3, 4
 # 40 distinct raw keys: negative, small, above 2^62.
 KEYS = np.array([-(2**63) + 5, -7, 0, 3, 2**62 + 11, 2**63 - 2] +
                 [int(x) for x in np.random.RandomState(7).randint(-2**40, 2**40, size=34)],
                 dtype=np.int64)
+if STRING_KEYS:
+    KEYS = np.array([f"user_{k}".encode() for k in KEYS], dtype=object)
+KEY_DTYPE = tf.string if STRING_KEYS else tf.int64
 
 
 def make_model():
-    inp = tf.keras.Input((FEATURES,), dtype=tf.int64)
-    x = layers.DynamicEmbedding(DIM, capacity=CAPACITY, admit_after=2, name="dyn")(inp)
+    inp = tf.keras.Input((FEATURES,), dtype=KEY_DTYPE)
+    x = layers.DynamicEmbedding(DIM, capacity=CAPACITY, admit_after=2, key_dtype=KEY_DTYPE,
+                                name="dyn")(inp)
     x = tf.keras.layers.Flatten()(x)
     x = tf.keras.layers.Dense(8, activation="relu",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
@@ -47,6 +54,60 @@ def make_model():
 def dense_weights(model):
     return [w.numpy() for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)
             for w in layer.weights]
+
+
+def traced_graphs(model):
+    """Every traced graph of the train function (see sync_equivalence.py)."""
+    fn = next(c.cell_contents for c in model.train_function.__closure__
+              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
+    for c in fn._list_all_concrete_functions():  # pylint: disable=protected-access
+        yield c.graph
+
+
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        o = todo.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        todo.extend(t.op for t in o.inputs)
+        todo.extend(o.control_inputs)
+    return seen
+
+
+_MAP_WRITES = {"LookupTableInsertV2", "LookupTableRemoveV2"}
+
+
+def admission_order(model):
+    """Where the traced sync steps change key maps, relative to the step's collectives.
+
+    Returns (map writes the end-of-step barrier does not wait for, admission
+    exports that do not wait for the gradient all-reduce, graphs that admit):
+    admission must run after every worker's lookups (after the all-reduce,
+    which waits for every worker's hand-in) and before the next step can
+    read (before the barrier).
+    """
+    late, early, admitting = [], [], 0
+    for graph in traced_graphs(model):
+        ops = graph.get_operations()
+        exports = [op for op in ops if op.type == "LookupTableExportV2"]
+        if not exports:
+            continue  # A role that admits to no shard.
+        admitting += 1
+        collectives = [op for op in ops if op.type.startswith("CollectiveReduce")]
+        barriers = [op for op in collectives if op.inputs[0].op.type == "Const"
+                    and op.inputs[0].op.control_inputs]
+        reduces = [op for op in collectives if op not in barriers]
+        if barriers:
+            before_barrier = _ancestors(barriers[-1])
+            late += [op.name for op in ops
+                     if op.type in _MAP_WRITES and op.name not in before_barrier]
+        else:
+            late.append(f"{graph.name}: no barrier")
+        early += [e.name for e in exports
+                  if not any(r.name in _ancestors(e) for r in reduces)]
+    return late, early, admitting
 
 
 def key_vectors(model):
@@ -77,6 +138,7 @@ def train(strategy, num_workers):
     ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH * num_workers),
                        epochs=1, steps_per_epoch=STEPS, verbose=0)
     got, want = key_vectors(model), key_vectors(ref)
+    late, early, admitting = admission_order(model) if MODE == "sync" else ([], [], 0)
     dyn, ref_dyn = model.get_layer("dyn"), ref.get_layer("dyn")
     tf.train.Checkpoint(model=model).write(CKPT)
     return {
@@ -88,6 +150,8 @@ def train(strategy, num_workers):
         "stats": dyn.table_stats(), "ref_stats": ref_dyn.table_stats(),
         "num_shards": dyn.num_shards,
         "problems": dyn.check_consistency(),
+        "admission_after_barrier": late, "admission_before_all_reduce": early,
+        "admitting_graphs": admitting, "capacity": CAPACITY,
         "shard_devices": [v.device for v in dyn.embeddings.variables],
         "admitted_keys": int((np.abs(got).sum(axis=1) > 0).sum()),
         "vectors": got.tolist(),
@@ -108,11 +172,14 @@ def restore(strategy):
     dyn = model.get_layer("dyn")
     report = {"vectors": key_vectors(model).tolist(), "size": dyn.table_size(),
               "num_shards": dyn.num_shards,
-        "problems": dyn.check_consistency(), "single_vectors": key_vectors(single).tolist(),
+        "problems": dyn.check_consistency(),
+        "admission_after_barrier": late, "admission_before_all_reduce": early,
+        "admitting_graphs": admitting, "capacity": CAPACITY, "single_vectors": key_vectors(single).tolist(),
               "single_size": single.get_layer("dyn").table_size()}
     model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
               steps_per_epoch=2, verbose=0)
     report["size_after_training"] = dyn.table_size()
+    report["problems_after_training"] = dyn.check_consistency()
     return report
 
 
