@@ -170,7 +170,7 @@ def _heldout(model, job, batch_size):
     # Past every worker's pool: data no step trained on.
     after = job["pool_batches"] * job["num_workers"] + 1
     heldout = model_lib.heldout_dataset(spec, batch_size, job["heldout_batches"], after)
-    metrics = model.evaluate(heldout, steps=job["heldout_batches"], verbose=0, return_dict=True)
+    metrics = model.evaluate(heldout, verbose=0, return_dict=True)  # Finite: every batch once.
     out = {"heldout_auc": float(metrics["auc"]), "heldout_loss": float(metrics["loss"])}
     if spec.variant == "dynamic":
         layer = model.get_layer("embedding_dynamic")
