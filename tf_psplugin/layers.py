@@ -521,10 +521,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             if self.eviction is None:
                 victims = tf.zeros([0], tf.int64)
             else:
-                evictable = tf.reshape(tf.where((last > 0) & (last < now)), [-1])
-                score = tf.gather(last if self.eviction == "lru" else
-                                  tf.convert_to_tensor(hits_var), evictable)
-                victims = tf.gather(evictable, tf.argsort(score, stable=True))[:tf.maximum(short, 0)]
+                # Only in a step that needs rows it has not got (a cond on
+                # this PS: no worker takes part); the k oldest (or least hit)
+                # rows the step does not use, ties to the lower row.
+                victims = tf.cond(short > 0, lambda: self._victims(last, hits_var, now, short),
+                                  lambda: tf.zeros([0], tf.int64))
             slots = tf.concat([free, victims], 0)
             taken = tf.size(slots, out_type=tf.int64)
             admitted = cand[:taken]
@@ -542,6 +543,15 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             delta = tf.stack([taken, tf.size(victims, out_type=tf.int64), wanted - taken])
             counted = st.stats.insert(stat_keys, st.stats.lookup(stat_keys) + delta)
             return tf.group(inserted, counted)
+
+    def _victims(self, last, hits_var, now, wanted) -> tf.Tensor:
+        """Local rows to evict: up to `wanted` rows not used at `now`, by policy."""
+        evictable = tf.reshape(tf.where((last > 0) & (last < now)), [-1])
+        score = tf.gather(last if self.eviction == "lru" else tf.convert_to_tensor(hits_var),
+                          evictable)
+        k = tf.cast(tf.minimum(wanted, tf.size(evictable, out_type=tf.int64)), tf.int32)
+        _, order = tf.math.top_k(-score, k=k, sorted=True)
+        return tf.gather(evictable, order)
 
     def _forget(self, keys, rows) -> tf.Operation:
         """Removes evicted keys from the map that holds them (if it still maps them there)."""
