@@ -24,7 +24,7 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
     # Each worker admits its PS's keys after the all-reduce (every worker's
     # lookups are done) and before the end-of-step barrier (no next-step
     # lookup yet): checked in the traced graphs, not by timing.
-    assert report["admitting_graphs"] == 2
+    assert report["admitting_graphs"] >= 2, report["admitting_graphs"]
     assert report["admission_after_barrier"] == []
     assert report["admission_before_all_reduce"] == []
     # Exact: the same rows and dense weights as one process on the global batch.
@@ -62,3 +62,21 @@ def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, 
     # Every stored key maps to its own row and back, on the map its hash
     # names; workers admitting at once (async) never share a row.
     assert report["problems"] == []
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(420)
+def test_zipf_stream_over_2_40_ids_stays_within_capacity_and_learns_like_no_collisions(
+        make_cluster, tmp_path):
+    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_zipf.py", [],
+                                 num_workers=2, num_ps=2)
+    # Many more distinct ids than rows, spread over the 2^40 id space.
+    assert report["distinct_ids"] > 5 * report["capacity"], report
+    assert report["max_id"] > 2**39
+    assert report["size"] <= report["capacity"]
+    assert sum(s["evicted"] for s in report["stats"]) > 0
+    assert report["problems"] == []
+    # Held-out AUC within 0.03 of a fixed-vocabulary table with a row for
+    # every distinct id (no collisions), trained on the same batches.
+    assert report["dynamic_auc"] >= report["reference_auc"] - 0.03, report
+    assert report["reference_auc"] > 0.6, report  # The data is learnable at all.

@@ -171,10 +171,8 @@ def restore(strategy):
     ids, y = data(1)
     dyn = model.get_layer("dyn")
     report = {"vectors": key_vectors(model).tolist(), "size": dyn.table_size(),
-              "num_shards": dyn.num_shards,
-        "problems": dyn.check_consistency(),
-        "admission_after_barrier": late, "admission_before_all_reduce": early,
-        "admitting_graphs": admitting, "capacity": CAPACITY, "single_vectors": key_vectors(single).tolist(),
+              "num_shards": dyn.num_shards, "problems": dyn.check_consistency(),
+              "single_vectors": key_vectors(single).tolist(),
               "single_size": single.get_layer("dyn").table_size()}
     model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
               steps_per_epoch=2, verbose=0)
