@@ -27,9 +27,7 @@ STEP_TIME_TARGET = 1.3
 
 
 def jobs(args, variant: str, job_for, model_dict) -> dict:
-    model = dict(model_dict(args, variant=variant), capacity=args.capacity,
-                 admit_after=args.admit_after)
-    job = job_for("hybrid_sync", args, args.num_workers, model=model)
+    job = job_for("hybrid_sync", args, args.num_workers, model=model_dict(args, variant=variant))
     job["heldout_batches"] = args.heldout_batches
     return job
 

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, default=100_000)
     p.add_argument("--embedding_dim", type=int, default=16)
     p.add_argument("--variant", default="baseline",
-                   choices=("baseline", "fused", "dedup", "fused_dedup", "multitable"),
+                   choices=("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed",
+                            "dynamic"),
                    help="model variant (see benchmarks/model.py)")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)
@@ -171,7 +172,8 @@ def knobs(args) -> Dict[str, object]:
 
 def model_dict(args, vocab_size: Optional[int] = None, variant: Optional[str] = None) -> dict:
     return {"vocab_size": vocab_size or args.vocab_size, "embedding_dim": args.embedding_dim,
-            "variant": variant or args.variant}
+            "variant": variant or args.variant, "capacity": args.capacity,
+            "admit_after": args.admit_after}
 
 
 def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distinct cached batches per reader (as benchmarks.run)")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)
+    p.add_argument("--variant", default="baseline",
+                   help="model variant (benchmarks/model.py); 'dynamic': a DynamicEmbedding "
+                        "of --capacity rows on raw keys")
+    p.add_argument("--capacity", type=int, default=65_536,
+                   help="rows of the raw-key variants' table (below the pool's distinct keys: "
+                        "admission and eviction every step)")
     p.add_argument("--stall_seconds", type=float, default=300.0,
                    help="stop the setup (not completed) if no epoch ends for this long")
     p.add_argument("--log_dir", default=None, help="cluster logs (default: a temp dir)")
@@ -123,7 +129,8 @@ def chief_job(setup: str, args: argparse.Namespace) -> dict:
         "--steps_per_execution", str(args.steps_per_execution),
         "--warmup_steps", str(args.steps_per_epoch), "--steps", str(args.steps_per_epoch),
         "--pool_batches", str(args.pool_batches), "--num_workers", str(args.num_workers),
-        "--num_ps", str(args.num_ps)])
+        "--num_ps", str(args.num_ps), "--variant", args.variant,
+        "--capacity", str(args.capacity)])
     job = run.job_for(setup, opts, args.num_workers)
     job.update(role="soak_chief", duration_seconds=args.minutes * 60.0,
                checkpoint_every_secs=args.checkpoint_every_secs)
@@ -359,7 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              "steps_per_epoch": args.steps_per_epoch, "pool_batches": args.pool_batches,
              "num_workers": args.num_workers, "num_ps": args.num_ps,
              "interval_s": args.interval, "optimizer": "legacy.Adagrad(0.05)",
-             "model": "benchmarks/model.py baseline (26 tables of 100k x 16)"}
+             "model": ("benchmarks/model.py baseline (26 tables of 100k x 16)"
+                       if args.variant == "baseline" else
+                       f"benchmarks/model.py {args.variant} (one table of {args.capacity} rows)")}
 
     def emit(record: dict) -> None:
         line = json.dumps(record)

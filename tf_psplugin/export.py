@@ -80,8 +80,8 @@ def _copy_weights(source, target) -> None:
                 f"trained value has {tuple(value.shape)}. Fix: build the local copy with the "
                 "same sizes (vocab_size, embedding_dim, ...).")
     target.set_weights(values)
-    for layer in _dynamic_layers(target):
-        layer.rebuild_key_index()
+    for mine, theirs in zip(_dynamic_layers(target), _dynamic_layers(source)):
+        mine.copy_key_index_from(theirs)  # The key -> row maps are not weights.
 
 
 def _dynamic_layers(model):

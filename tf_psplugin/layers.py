@@ -69,44 +69,66 @@ def _shards(var) -> list:
 
 
 class _KeyIndex(_tf_internal.trackable_base.Trackable):
-    """Checkpoints the per-shard key -> row maps as one list of (key, row) pairs.
+    """The per-shard key -> row maps (and row -> key maps), checkpointed as (key, row) pairs.
 
     Saved whole, so a checkpoint restores into any number of shards: each key
-    goes back to the map of the shard its hash names now. Rows are logical
+    goes back to the map of the shard its hash names now, and each row's key
+    to the reverse map of the shard that holds the row now. Rows are logical
     row numbers of the table, which restores by logical row.
     """
 
-    def __init__(self, maps, key_dtype):
-        self._maps = maps
-        self._key_dtype = key_dtype
+    def __init__(self, states):
+        self._states = states
         # On a serving copy the map is saved as a table of its own.
         self.serving = False
+
+    def export(self):
+        """All (keys, rows) pairs, as two tensors."""
+        exported = [st.map.export() for st in self._states]
+        return tf.concat([k for k, _ in exported], 0), tf.concat([r for _, r in exported], 0)
+
+    def load(self, keys, rows):
+        """Replaces every map's content with these (key, row) pairs."""
+        cleared = []
+        for st in self._states:
+            old_keys, old_rows = st.map.export()
+            cleared += [st.map.remove(old_keys), st.rows.remove(old_rows)]
+        n = len(self._states)
+        with tf.control_dependencies([c for c in cleared if c is not None]):
+            if n == 1:
+                key_parts, row_parts = [keys], [rows]
+                rkey_parts, rrow_parts = [keys], [rows]
+            else:
+                owner = key_hashing.shard_of(key_hashing.key_hash(keys), n)
+                key_parts = tf.dynamic_partition(keys, owner, n)
+                row_parts = tf.dynamic_partition(rows, owner, n)
+                holder = tf.cast(tf.math.floormod(rows, n), tf.int32)
+                rkey_parts = tf.dynamic_partition(keys, holder, n)
+                rrow_parts = tf.dynamic_partition(rows, holder, n)
+            ops = []
+            for st, k, r, rk, rr in zip(self._states, key_parts, row_parts, rkey_parts,
+                                        rrow_parts):
+                ops += [st.map.insert(k, r), st.rows.insert(rr, rk)]
+        return tf.group([o for o in ops if o is not None]) if ops else None
 
     def _serialize_to_tensors(self):
         # Trackable's saveable protocol (see _tf_internal.PRIVATE_ATTRIBUTES).
         if self.serving:
             return {}
-        exported = [m.export() for m in self._maps]
-        return {"keys": tf.concat([k for k, _ in exported], 0),
-                "rows": tf.concat([r for _, r in exported], 0)}
+        keys, rows = self.export()
+        return {"keys": keys, "rows": rows}
 
     def _restore_from_tensors(self, restored_tensors):
         if self.serving:
             return tf.no_op()
-        keys = restored_tensors["keys"]
-        rows = restored_tensors["rows"]
-        cleared = []
-        for m in self._maps:
-            old, _ = m.export()
-            cleared.append(m.remove(old))
-        n = len(self._maps)
-        with tf.control_dependencies(cleared):
-            if n == 1:
-                return self._maps[0].insert(keys, rows)
-            owner = key_hashing.shard_of(key_hashing.key_hash(keys), n)
-            key_parts = tf.dynamic_partition(keys, owner, n)
-            row_parts = tf.dynamic_partition(rows, owner, n)
-            return tf.group([m.insert(k, r) for m, k, r in zip(self._maps, key_parts, row_parts)])
+        return self.load(restored_tensors["keys"], restored_tensors["rows"])
+
+
+class _TraceState:
+    """Per-trace values of a layer, opaque to Keras and tf.Module attribute walks."""
+
+    def __init__(self):
+        self.now_by_graph = weakref.WeakKeyDictionary()  # traced graph -> clock read
 
 
 class _ShardState:
@@ -118,6 +140,12 @@ class _ShardState:
             # tables on the PS (a shared name would hand them back).
             self.map = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, experimental_is_anonymous=True)
+            # Row (logical) -> key, for the rows this task holds: which key
+            # an evicted row frees. A table, not a variable: a string
+            # variable could not be restored in slices into another PS count.
+            self.rows = tf.lookup.experimental.MutableHashTable(
+                tf.int64, key_dtype, default_value="" if key_dtype == tf.string else 0,
+                experimental_is_anonymous=True)
             self.pending = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=0, experimental_is_anonymous=True)
             self.stats = tf.lookup.experimental.MutableHashTable(
@@ -214,19 +242,16 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         # Not tracked by Keras (a dict or list attribute would be): the maps
         # are checkpointed through `key_index`, the rest is per process.
         self._shard_states: Tuple[_ShardState, ...] = ()
-        self._now_by_graph = weakref.WeakKeyDictionary()  # traced graph -> clock read
+        self._trace = _TraceState()
         self._frozen = False  # Set on a serving copy: lookups only (see freeze_for_serving).
 
     # -- state -----------------------------------------------------------------
 
     def build(self, input_shape):
-        key_fill = "" if self.key_dtype == tf.string else 0
         with placement_lib.embedding_table_scope():
             self.embeddings = self.add_weight(
                 "embeddings", [self.capacity, self.output_dim], initializer="zeros",
                 trainable=True)
-            self.row_keys = self.add_weight("row_keys", [self.capacity], dtype=self.key_dtype,
-                                            initializer=_Fill(key_fill), trainable=False)
             # 0: the row is free; else the clock value of its last training use.
             self.row_last_used = self.add_weight("row_last_used", [self.capacity],
                                                  dtype=tf.int64, initializer=_Fill(0),
@@ -242,7 +267,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             self.clock = self.add_weight("clock", [1], dtype=tf.int64, initializer=_Fill(1),
                                          trainable=False)
         row_shards = _shards(self.embeddings)
-        for table in (self.row_keys, self.row_last_used, self.row_hits):
+        for table in (self.row_last_used, self.row_hits):
             if len(_shards(table)) != len(row_shards):
                 raise ValueError(
                     f"DynamicEmbedding {self.name!r}: its row tables were split over "
@@ -250,7 +275,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                     "task the same placement policy (capacity must be >= the PS count).")
         self._shard_states = tuple(_ShardState(s.device, self.key_dtype) for s in row_shards)
         # Tracked (checkpointed) under this name; see _KeyIndex.
-        self.key_index = _KeyIndex([st.map for st in self._shard_states], self.key_dtype)
+        self.key_index = _KeyIndex(self._shard_states)
         extended = _hybrid_extended()
         if extended is not None:
             for s, shard in enumerate(row_shards):
@@ -289,17 +314,15 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     # -- forward -----------------------------------------------------------------
 
-    def rebuild_key_index(self) -> None:
-        """Rebuilds the key -> row maps from the row tables (row keys, used rows).
+    def copy_key_index_from(self, other: "DynamicEmbedding") -> None:
+        """Makes this layer's key -> row maps those of `other` (any shard counts).
 
         `set_weights` copies the tables but not the maps, which are not
         weights; `export_saved_model` calls this on its local copy.
         """
-        self._require_built("rebuild_key_index")
-        row_keys = tf.convert_to_tensor(self.row_keys)
-        used = tf.reshape(tf.where(tf.convert_to_tensor(self.row_last_used) > 0), [-1])
-        self.key_index._restore_from_tensors(  # pylint: disable=protected-access
-            {"keys": tf.gather(row_keys, used), "rows": used})
+        self._require_built("copy_key_index_from")
+        keys, rows = other.key_index.export()
+        self.key_index.load(keys, rows)
 
     def freeze_for_serving(self) -> None:
         """Makes this (local, strategy-free) layer a read-only lookup for export.
@@ -393,11 +416,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     def _now(self) -> tf.Tensor:
         """This step's clock value (read once per traced step and shared with the hook)."""
         graph = tf.compat.v1.get_default_graph()
-        now = self._now_by_graph.get(graph) if not tf.executing_eagerly() else None
+        now = self._trace.now_by_graph.get(graph) if not tf.executing_eagerly() else None
         if now is None:
             now = tf.reshape(tf.convert_to_tensor(self.clock), [])
             if not tf.executing_eagerly():
-                self._now_by_graph[graph] = now
+                self._trace.now_by_graph[graph] = now
         return now
 
     def _record(self, rows, found, counts, now, key_parts, row_parts, hashes, n):
@@ -458,7 +481,14 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         """
         self._require_built("check_consistency")
         problems = []
-        row_keys = tf.convert_to_tensor(self.row_keys).numpy()
+        n = self.num_shards
+        row_keys = {}
+        for s, st in enumerate(self._shard_states):
+            rows, keys = (t.numpy() for t in st.rows.export())
+            for r, k in zip(rows, keys):
+                if r % n != s:
+                    problems.append(f"row {r}'s key is kept on shard {s}, not {r % n}")
+                row_keys[int(r)] = k
         last = tf.convert_to_tensor(self.row_last_used).numpy()
         seen_rows = {}
         for s, st in enumerate(self._shard_states):
@@ -470,13 +500,15 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                 if r in seen_rows:
                     problems.append(f"row {r} holds keys {seen_rows[r]!r} and {k!r}")
                 seen_rows[r] = k
-                if row_keys[r] != k:
-                    problems.append(f"row {r}: map says key {k!r}, row says {row_keys[r]!r}")
+                if row_keys.get(int(r)) != k:
+                    problems.append(f"row {r}: map says key {k!r}, row says "
+                                    f"{row_keys.get(int(r))!r}")
                 if last[r] == 0:
                     problems.append(f"row {r} of key {k!r} is marked free")
         used = int((last > 0).sum())
-        if used != len(seen_rows):
-            problems.append(f"{used} rows are marked used but the maps hold {len(seen_rows)}")
+        if used != len(seen_rows) or len(row_keys) != len(seen_rows):
+            problems.append(f"{used} rows are marked used, {len(row_keys)} rows have a key, "
+                            f"the maps hold {len(seen_rows)} keys")
         return problems
 
     def _admit(self, s: int, now) -> tf.Operation:
@@ -489,7 +521,6 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         st = self._shard_states[s]
         n = self.num_shards
         emb = _shards(self.embeddings)[s]
-        keys_var = _shards(self.row_keys)[s]
         last_var = _shards(self.row_last_used)[s]
         hits_var = _shards(self.row_hits)[s]
         with tf.device(st.device):
@@ -529,16 +560,17 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             slots = tf.concat([free, victims], 0)
             taken = tf.size(slots, out_type=tf.int64)
             admitted = cand[:taken]
-            ops = [self._forget(keys_var.sparse_read(victims), victims * n + s)]
+            victim_rows = victims * n + s
+            ops = [self._forget(_find(st.rows, victim_rows), victim_rows)]
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
             ops += _scatter(emb, slots, values, "update")
-            ops += _scatter(keys_var, slots, admitted, "update")
             ops += _scatter(last_var, slots, tf.fill(tf.shape(slots), now), "update")
             ops += _scatter(hits_var, slots, seen[:taken], "update")
             with tf.control_dependencies(ops):
-                inserted = st.map.insert(admitted, new_rows)
+                inserted = tf.group(st.map.insert(admitted, new_rows),
+                                    st.rows.insert(new_rows, admitted))
             stat_keys = tf.range(len(_STAT_NAMES), dtype=tf.int64)
             delta = tf.stack([taken, tf.size(victims, out_type=tf.int64), wanted - taken])
             counted = st.stats.insert(stat_keys, st.stats.lookup(stat_keys) + delta)

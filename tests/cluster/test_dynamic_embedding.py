@@ -62,6 +62,18 @@ def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, 
     # Every stored key maps to its own row and back, on the map its hash
     # names; workers admitting at once (async) never share a row.
     assert report["problems"] == []
+    if keys == "string":
+        # String keys restore into another PS count too (they are saved as
+        # (key, row) pairs, not as a string table restored in slices).
+        sub = tmp_path / "restore3"
+        sub.mkdir()
+        restored, _ = run_chief_script(
+            make_cluster, sub, "dynamic_embedding.py",
+            ["restore", str(tmp_path / "ckpt"), mode, str(capacity), keys],
+            num_workers=1, num_ps=3)
+        assert restored["size"] == report["size"]
+        np.testing.assert_array_equal(np.array(restored["vectors"]), np.array(report["vectors"]))
+        assert restored["problems"] == [] and restored["problems_after_training"] == []
 
 
 @pytest.mark.cluster

@@ -7,6 +7,9 @@ every task of the cluster started from the same command line), and must exit
 tasks by hand with `--job_name/--task_index/--*_hosts` flags, the other way
 the README documents.
 
+`dynamic_ctr.py` runs on generated raw ids and on Criteo-format raw string
+ids, restarted with another PS count from its checkpoint.
+
 Not here: keras_examples/ctr.py (tests/cluster/test_ctr_example.py) and
 estimator_examples/ (tests/cluster/test_estimator.py) have their own modules. These tests run in both CI environments (TF 2.15 and
 the newest TF with tf-keras, `make test`), so they hold the examples to both.
@@ -96,3 +99,40 @@ def test_custom_loop_by_hand_with_flags(procs):
     texts = [reader.text() for _, reader in servers]
     assert "ps:0 serving at" in texts[0] and "worker:0 serving at" in texts[1], texts
     assert "worker:1 serving at" in texts[2], texts
+
+
+@pytest.mark.timeout(120)
+def test_dynamic_ctr_trains_on_raw_ids_and_exports(procs, tmp_path):
+    code, out = launch(procs, "dynamic_ctr.py", "--train_steps", "20", "--capacity", "5000",
+                       "--batch_size", "128", "--steps_per_execution", "5",
+                       "--export_dir", str(tmp_path / "export"), timeout=115)
+    assert_clean_exit(code, out)
+    auc = re.search(r"^\[chief\] dynamic_ctr: held-out loss (\d\.\d+)  AUC (\d\.\d+)", out, re.M)
+    assert auc and 0.0 < float(auc.group(2)) <= 1.0, out
+    rows = re.search(r"^\[chief\] dynamic_ctr: table rows (\d+) of 5000; admitted (\d+), "
+                     r"evicted (\d+)", out, re.M)
+    assert rows and 0 < int(rows.group(1)) <= 5000, out
+    # 20 steps x 2 workers x 128 examples x 26 features, admit_after=2: the
+    # generated stream has more ids seen twice (~17k) than rows; LRU makes room.
+    assert int(rows.group(2)) > 5000 and int(rows.group(3)) > 0, out
+    assert os.path.exists(tmp_path / "export" / "saved_model.pb"), out
+
+
+@pytest.mark.timeout(200)
+def test_dynamic_ctr_string_ids_resume_on_another_ps_count(procs, tmp_path):
+    from tf_psplugin.testing import write_criteo_fixture
+
+    write_criteo_fixture(str(tmp_path / "day_0.tsv"), 3000)
+    common = ["--train_steps", "10", "--capacity", "4000", "--batch_size", "64",
+              "--steps_per_execution", "5", "--data", str(tmp_path / "day_*"),
+              "--model_dir", str(tmp_path / "model")]
+    code, out = launch(procs, "dynamic_ctr.py", *common, timeout=95)
+    assert_clean_exit(code, out)
+    # Restarted with 2 PS tasks instead of 1: the checkpoint (string keys
+    # included) restores into the new layout and training goes on.
+    cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "2",
+           "--timeout", "90", "--", cu.PYTHON, os.path.join(EXAMPLES, "dynamic_ctr.py"), *common]
+    result = procs.run(cmd, timeout=95, cwd=cu.REPO_ROOT)
+    assert result.returncode == 0, result.stdout
+    assert "per PS: /job:ps/replica:0/task:0" in result.stdout
+    assert "/job:ps/replica:0/task:1" in result.stdout, result.stdout
