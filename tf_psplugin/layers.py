@@ -267,6 +267,12 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             self.clock = self.add_weight("clock", [1], dtype=tf.int64, initializer=_Fill(1),
                                          trainable=False)
         row_shards = _shards(self.embeddings)
+        if len(row_shards) > 1 and not isinstance(self.embeddings, _interleaved_type()):
+            raise ValueError(
+                f"DynamicEmbedding {self.name!r} needs its table sharded interleaved (row r on "
+                "PS r mod n), but the strategy shards tables by contiguous row ranges. Fix: "
+                "create HybridParameterServerStrategy with sharding=\"interleaved\" (the "
+                "default).")
         for table in (self.row_last_used, self.row_hits):
             if len(_shards(table)) != len(row_shards):
                 raise ValueError(
@@ -660,6 +666,12 @@ def _assign_add(var, delta) -> tf.Operation:
     var = _plain(var)
     with tf.device(var.device):
         return tf.raw_ops.AssignAddVariableOp(resource=var.handle, value=delta)
+
+
+def _interleaved_type():
+    from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
+
+    return sharding.InterleavedShardedVariable
 
 
 def _hybrid_extended():

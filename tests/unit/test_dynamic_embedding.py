@@ -225,3 +225,22 @@ def test_shards_are_balanced_under_zipf_keys():
         assert distinct.max() / distinct.mean() < 1.02, distinct
         # The hottest id alone is ~8% of all traffic; the rest spreads evenly.
         assert load.max() / load.mean() < 1.0 + 0.1 * n, (n, load / load.mean())
+
+
+
+def test_contiguous_sharding_is_refused_with_the_fix(monkeypatch):
+    from tf_psplugin import _tf_internal
+
+    original = layers.DynamicEmbedding.add_weight
+
+    def add_weight(self, name, shape, **kwargs):
+        var = original(self, name, shape, **kwargs)
+        if name != "embeddings":
+            return var
+        # What the strategy builds with sharding="contiguous": row ranges.
+        return _tf_internal.sharded_variable.ShardedVariable(
+            [tf.Variable(var[:4]), tf.Variable(var[4:])])
+
+    monkeypatch.setattr(layers.DynamicEmbedding, "add_weight", add_weight)
+    with pytest.raises(ValueError, match='sharding="interleaved"'):
+        make(capacity=8)(tf.constant([1]))
