@@ -386,12 +386,10 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         if n == 1:
             key_parts = [keys]
             pos_parts = [tf.range(size)]
-            hash_parts = [hashes]
         else:
             owner = key_hashing.shard_of(hashes, n)
             key_parts = tf.dynamic_partition(keys, owner, n)
             pos_parts = tf.dynamic_partition(tf.range(size), owner, n)
-            hash_parts = tf.dynamic_partition(hashes, owner, n)
         row_parts = [_find(st.map, k) for st, k in zip(self._shard_states, key_parts)]
         rows = row_parts[0] if n == 1 else tf.dynamic_stitch(
             [tf.cast(p, tf.int32) for p in pos_parts], row_parts)
