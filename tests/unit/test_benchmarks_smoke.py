@@ -209,3 +209,57 @@ def test_dynamic_table_ops_times_every_mechanism_in_process(tmp_path):
     assert 0 < summary["keys_stored"] <= 500
     assert summary["keys_restored_from_checkpoint"] == summary["keys_stored"]
     assert summary["dht_keys_stored"] == summary["keys_stored"]
+
+
+def test_dynamic_mode_compares_both_tables_and_draws_them(monkeypatch, capsys, tmp_path):
+    """--dynamic: the same hybrid_sync job with a hashed and a dynamic table."""
+    jobs = []
+
+    def fake_run_job(job, args, num_workers, log_dir):
+        jobs.append(job)
+        variant = job["model"]["variant"]
+        result = _fake_result(1000.0 if variant == "hashed" else 800.0)
+        result["peak_rss_mb"] = {"chief": 500.0, "ps:0": 300.0, "ps:1": 310.0}
+        result["heldout_auc"] = 0.70 if variant == "hashed" else 0.71
+        if variant == "dynamic":
+            result["table_size"] = 1000
+            result["table_stats"] = [{"shard": 0, "size": 1000, "admitted": 1500,
+                                      "evicted": 500, "rejected": 0}]
+        return result
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    chart = tmp_path / "dyn.png"
+    assert run.main(["--dynamic", "--quick", "--capacity", "4096", "--admit_after", "2",
+                     "--log_dir", str(tmp_path), "--chart", str(chart)]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(ln) for ln in out.splitlines()]
+    assert [r.get("setup") for r in lines] == ["hashed", "dynamic", None]
+    assert {j["setup"] for j in jobs} == {"hybrid_sync"}
+    assert [j["model"]["variant"] for j in jobs] == ["hashed", "dynamic"]
+    assert all(j["model"]["capacity"] == 4096 and j["model"]["admit_after"] == 2 for j in jobs)
+    assert all(j["heldout_batches"] == 8 for j in jobs)
+    summary = lines[-1]
+    assert summary["step_time_ratio_dynamic_over_hashed"] == 1.25
+    assert summary["target_met"] is True
+    assert summary["heldout_auc_dynamic_minus_hashed"] == 0.01
+    assert summary["ps_peak_rss_mb_total"] == {"hashed": 610.0, "dynamic": 610.0}
+    assert lines[1]["table_stats"][0]["evicted"] == 500
+    assert "step time dynamic / hashed: 1.25" in err
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_raw_key_variants_build_and_feed_raw_ids():
+    import tensorflow as tf
+
+    from benchmarks import model as model_lib
+
+    ids = tf.constant([[0, 1], [1, 0]], tf.int64)
+    keys = model_lib.raw_keys(ids).numpy()
+    assert keys.min() >= 0 and keys.max() < 2**40
+    assert len(set(keys.ravel().tolist())) == 4  # distinct per (feature, id)
+    for variant in model_lib.RAW_KEY_VARIANTS:
+        spec = model_lib.ModelSpec(vocab_size=50, num_categorical=2, embedding_dim=4,
+                                   hidden=(8,), variant=variant, capacity=64)
+        model = model_lib.build_model(spec)
+        out = model({"dense": tf.zeros([2, model_lib.NUM_DENSE]), "categorical": keys})
+        assert out.shape == (2, 1)
