@@ -48,6 +48,8 @@ from tf_psplugin import key_hashing
 from tf_psplugin import placement as placement_lib
 
 EVICTION_POLICIES = ("lru", "lfu", None)
+# A full shard evicts at least 1/EVICTION_BATCH of its rows at once.
+EVICTION_BATCH = 16
 _STAT_NAMES = ("admitted", "evicted", "rejected")
 
 
@@ -399,12 +401,14 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             now = self._now()
             records = self._record(rows, found, counts, now, key_parts, row_parts,
                                    hashes, n)
-        with tf.control_dependencies(records):
-            # The gather's rows depend on the records: under synchronous
-            # training the gradient hand-in, and so the step's all-reduce,
-            # then waits for every worker's records (see module doc).
-            found_rows = tf.identity(tf.boolean_mask(rows, found))
+        found_rows = tf.boolean_mask(rows, found)
         gathered = tf.nn.embedding_lookup(self.embeddings, found_rows)
+        if records:
+            # The gradient waits for the records, the forward pass does not:
+            # the gather runs beside them, and under synchronous training the
+            # gradient hand-in, and so the step's all-reduce, still waits for
+            # every worker's records (see module doc).
+            gathered = _backward_after(gathered, records)
         default = tf.fill(tf.stack([size, self.output_dim]),
                           tf.constant(self.default_value, gathered.dtype))
         vectors = tf.tensor_scatter_nd_update(default, tf.where(found), gathered)
@@ -557,15 +561,28 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                 victims = tf.zeros([0], tf.int64)
             else:
                 # Only in a step that needs rows it has not got (a cond on
-                # this PS: no worker takes part); the k oldest (or least hit)
-                # rows the step does not use, ties to the lower row.
-                victims = tf.cond(short > 0, lambda: self._victims(last, hits_var, now, short),
-                                  lambda: tf.zeros([0], tf.int64))
-            slots = tf.concat([free, victims], 0)
+                # this PS: no worker takes part): the oldest (or least hit)
+                # rows the step does not use, ties to the lower row. At least
+                # 1/EVICTION_BATCH of the shard at once, so the scan over the
+                # shard's rows runs in one step of many, not in every step of
+                # a full table; the rows not needed now become free.
+                batch = max(1, int(last_var.shape[0]) // EVICTION_BATCH)
+                victims = tf.cond(
+                    short > 0,
+                    lambda: self._victims(last, hits_var, now, tf.maximum(short, batch)),
+                    lambda: tf.zeros([0], tf.int64))
+            reused = victims[:tf.maximum(short, 0)]
+            spare = victims[tf.size(reused):]
+            slots = tf.concat([free, reused], 0)
             taken = tf.size(slots, out_type=tf.int64)
             admitted = cand[:taken]
             victim_rows = victims * n + s
-            ops = [self._forget(_find(st.rows, victim_rows), victim_rows)]
+            forgotten = self._forget(_find(st.rows, victim_rows), victim_rows)
+            with tf.control_dependencies([forgotten] if forgotten is not None else []):
+                ops = [forgotten, st.rows.remove(spare * n + s)]
+            ops = [o for o in ops if o is not None]
+            ops += _scatter(last_var, spare, tf.zeros_like(spare), "update")
+            ops += _scatter(hits_var, spare, tf.zeros_like(spare), "update")
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
@@ -611,6 +628,20 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                       default_value=self.default_value, sketch_width=self.sketch_width,
                       sketch_depth=self.sketch_depth)
         return config
+
+
+def _backward_after(x: tf.Tensor, ops) -> tf.Tensor:
+    """Identity whose gradient waits for `ops` (the forward value does not)."""
+
+    @tf.custom_gradient
+    def identity(t):
+        def grad(dy):
+            with tf.control_dependencies(ops):
+                return tf.identity(dy)
+
+        return tf.identity(t), grad
+
+    return identity(x)
 
 
 def _find(table, keys) -> tf.Tensor:

@@ -73,6 +73,22 @@ def test_lru_evicts_the_least_recently_used_row():
     assert layer.check_consistency() == []
 
 
+def test_a_full_shard_evicts_a_batch_of_old_rows_at_once():
+    # 64 rows: a full shard frees 64 / EVICTION_BATCH = 4 rows when it needs one.
+    assert layers.EVICTION_BATCH == 16
+    layer = make(capacity=64, eviction="lru")
+    for k in range(64):
+        step(layer, [k])
+    step(layer, [1000])
+    stats = layer.table_stats()[0]
+    assert (stats["evicted"], stats["size"]) == (4, 61)
+    assert stored_keys(layer) == list(range(4, 64)) + [1000]  # 0..3 were the oldest
+    step(layer, [1001, 1002, 1003])  # free rows: no eviction
+    assert layer.table_stats()[0]["evicted"] == 4
+    assert layer.table_size() == 64
+    assert layer.check_consistency() == []
+
+
 def test_lfu_evicts_the_least_frequently_used_row():
     layer = make(capacity=2, eviction="lfu")
     step(layer, [1])
