@@ -15,10 +15,11 @@ admitted key a row of its own, up to ``capacity`` rows in all:
 
 Where it lives: the rows are an embedding table like any other (sharded over
 the PS tasks by `HybridParameterServerStrategy`, with its optimizer slots
-beside it); each row's key, last use and hit count are tables of the same
+beside it); each row's last use and hit count are tables of the same
 layout beside it; each PS task holds the key -> row map of the keys that
-hash to it (`tf.lookup.experimental.MutableHashTable`, in that task's
-memory), and the keys waiting for admission. Workers hold none of it.
+hash to it and the row -> key map of the rows it holds
+(`tf.lookup.experimental.MutableHashTable`s, in that task's memory), and
+the keys waiting for admission. Workers hold none of it.
 
 When the map changes: a step's lookups only read it. The keys a training
 step saw but could not find are collected on their PS; after the step's
@@ -30,9 +31,9 @@ while it changes, and training equals one process on the global batch. In
 one process, or with asynchronous updates, the layer admits right after its
 own lookups.
 
-Checkpoints hold the rows, their slots, keys, recency and hit counts as
-logical tables, the admission counters, and the key -> row map as one list
-of (key, row) pairs; they restore into any number of PS tasks and into a
+Checkpoints hold the rows, their slots, recency and hit counts as logical
+tables, the admission counters, and the key -> row maps as one list of
+(key, row) pairs; they restore into any number of PS tasks and into a
 model without a strategy.
 
 Docs: docs/dynamic_embedding.md.
