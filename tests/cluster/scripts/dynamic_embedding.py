@@ -23,6 +23,7 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin import layers
+from traced_graphs import ancestors, traced_graphs
 
 OUT, PHASE, CKPT = sys.argv[1], sys.argv[2], sys.argv[3]
 MODE = sys.argv[4] if len(sys.argv) > 4 else "sync"
@@ -56,26 +57,6 @@ def dense_weights(model):
             for w in layer.weights]
 
 
-def traced_graphs(model):
-    """Every traced graph of the train function (see sync_equivalence.py)."""
-    fn = next(c.cell_contents for c in model.train_function.__closure__
-              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
-    for c in fn._list_all_concrete_functions():  # pylint: disable=protected-access
-        yield c.graph
-
-
-def _ancestors(op):
-    seen, todo = set(), [op]
-    while todo:
-        o = todo.pop()
-        if o.name in seen:
-            continue
-        seen.add(o.name)
-        todo.extend(t.op for t in o.inputs)
-        todo.extend(o.control_inputs)
-    return seen
-
-
 _MAP_WRITES = {"LookupTableInsertV2", "LookupTableRemoveV2"}
 
 
@@ -100,13 +81,13 @@ def admission_order(model):
                     and op.inputs[0].op.control_inputs]
         reduces = [op for op in collectives if op not in barriers]
         if barriers:
-            before_barrier = _ancestors(barriers[-1])
+            before_barrier = ancestors(barriers[-1])
             late += [op.name for op in ops
                      if op.type in _MAP_WRITES and op.name not in before_barrier]
         else:
             late.append(f"{graph.name}: no barrier")
         early += [e.name for e in exports
-                  if not any(r.name in _ancestors(e) for r in reduces)]
+                  if not any(r.name in ancestors(e) for r in reduces)]
     return late, early, admitting
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 import tf_psplugin
+from traced_graphs import ancestors, traced_graphs
 
 OUT, OPT, SHARDING, UPDATES = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
@@ -89,22 +90,6 @@ _PS_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
               "ResourceApplyAdagradV2", "ResourceApplyAdam", "ResourceSparseApplyAdam"}
 
 
-def traced_graphs(model):
-    """Every traced graph of the train function, with its while-loop bodies."""
-    fn = next(c.cell_contents for c in model.train_function.__closure__
-              if isinstance(c.cell_contents, tf.types.experimental.GenericFunction))
-
-    def graphs_of(graph):  # The graph and its while-loop bodies (steps_per_execution > 1).
-        yield graph
-        for op in graph.get_operations():
-            body = getattr(op, "_body_graph", None)  # Set by while_v2.
-            if body is not None:
-                yield from graphs_of(body)
-
-    for c in fn._list_all_concrete_functions():  # pylint: disable=protected-access
-        yield from graphs_of(c.graph)
-
-
 def sparse_exchange_ops(model):
     """Counts of the sparse exchange's ops, and worker ops fed by a PS-summed gradient.
 
@@ -155,22 +140,9 @@ def writes_not_before_barrier(model):
         if not barriers:
             unordered.append(f"{graph.name}: no barrier")
             continue
-        seen = _ancestors(barriers[-1])
+        seen = ancestors(barriers[-1])
         unordered += [f"{op.type} {op.name}" for op in writes if op.name not in seen]
     return unordered, graphs
-
-
-def _ancestors(op):
-    """Names of `op` and every op it depends on (data and control inputs)."""
-    seen, todo = set(), [op]
-    while todo:
-        o = todo.pop()
-        if o.name in seen:
-            continue
-        seen.add(o.name)
-        todo.extend(t.op for t in o.inputs)
-        todo.extend(o.control_inputs)
-    return seen
 
 
 def takes_before_all_hand_ins(model):
@@ -190,9 +162,9 @@ def takes_before_all_hand_ins(model):
             collectives_per_graph.append(len(collectives))
         if not enqueues:
             continue
-        gates = {op.name for op in collectives if enqueues <= _ancestors(op)}
+        gates = {op.name for op in collectives if enqueues <= ancestors(op)}
         for op in ops:
-            if op.type.startswith("QueueDequeue") and not gates & _ancestors(op):
+            if op.type.startswith("QueueDequeue") and not gates & ancestors(op):
                 early.append(f"{graph.name}: {op.type} {op.name}")
     return early, collectives_per_graph
 
