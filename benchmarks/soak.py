@@ -77,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="baseline",
                    help="model variant (benchmarks/model.py); 'dynamic': a DynamicEmbedding "
                         "of --capacity rows on raw keys")
-    p.add_argument("--capacity", type=int, default=65_536,
-                   help="rows of the raw-key variants' table (below the pool's distinct keys: "
-                        "admission and eviction every step)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="rows of the raw-key variants' table (default: benchmarks.run's); "
+                        "65536 is below the pool's distinct keys: admission and eviction "
+                        "in every step")
     p.add_argument("--stall_seconds", type=float, default=300.0,
                    help="stop the setup (not completed) if no epoch ends for this long")
     p.add_argument("--log_dir", default=None, help="cluster logs (default: a temp dir)")
@@ -129,8 +130,8 @@ def chief_job(setup: str, args: argparse.Namespace) -> dict:
         "--steps_per_execution", str(args.steps_per_execution),
         "--warmup_steps", str(args.steps_per_epoch), "--steps", str(args.steps_per_epoch),
         "--pool_batches", str(args.pool_batches), "--num_workers", str(args.num_workers),
-        "--num_ps", str(args.num_ps), "--variant", args.variant,
-        "--capacity", str(args.capacity)])
+        "--num_ps", str(args.num_ps), "--variant", args.variant]
+        + ([] if args.capacity is None else ["--capacity", str(args.capacity)]))
     job = run.job_for(setup, opts, args.num_workers)
     job.update(role="soak_chief", duration_seconds=args.minutes * 60.0,
                checkpoint_every_secs=args.checkpoint_every_secs)
@@ -368,7 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              "interval_s": args.interval, "optimizer": "legacy.Adagrad(0.05)",
              "model": ("benchmarks/model.py baseline (26 tables of 100k x 16)"
                        if args.variant == "baseline" else
-                       f"benchmarks/model.py {args.variant} (one table of {args.capacity} rows)")}
+                       f"benchmarks/model.py {args.variant} (one table of "
+                       f"{args.capacity or 'the default'} rows)")}
 
     def emit(record: dict) -> None:
         line = json.dumps(record)

@@ -292,3 +292,9 @@ def test_model_dir_summary_reports_max_and_last_and_none_without_checkpoints():
     assert stats.model_dir_summary(post) == {"max_files": 16, "last_files": 11,
                                              "max_mb": 961.0, "last_mb": 640.0}
     assert stats.model_dir_summary([{"model_dir": None}, {}]) is None
+
+
+def test_chief_job_passes_the_variant_and_capacity_through():
+    args = soak.parse_args(["--minutes", "1", "--variant", "dynamic", "--capacity", "65536"])
+    job = soak.chief_job("hybrid_sync", args)
+    assert (job["model"]["variant"], job["model"]["capacity"]) == ("dynamic", 65536)
