@@ -435,10 +435,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     def _record(self, rows, found, counts, now, key_parts, row_parts, hashes, n):
         """Marks the found rows used now; queues unknown keys; counts them."""
         found_rows = tf.boolean_mask(rows, found)
-        ops = _scatter(self.row_last_used, found_rows, tf.fill(tf.shape(found_rows), now),
-                       "update")
-        ops += _scatter(self.row_hits, found_rows,
-                        tf.boolean_mask(tf.cast(counts, tf.int64), found), "add")
+        ops = _scatter(found_rows, [
+            (self.row_last_used, tf.fill(tf.shape(found_rows), now), "update"),
+            (self.row_hits, tf.boolean_mask(tf.cast(counts, tf.int64), found), "add")])
         for st, k, r in zip(self._shard_states, key_parts, row_parts):
             missing = tf.boolean_mask(k, r < 0)
             ops.append(st.pending.insert(missing, tf.zeros(tf.shape(missing), tf.int64)))
@@ -447,7 +446,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             buckets = self._sketch_buckets(tf.boolean_mask(hashes, missing))
             add = tf.tile(tf.boolean_mask(tf.cast(counts, tf.int64), missing),
                           [self.sketch_depth])
-            ops += _scatter(self.admission_counts, buckets, add, "add")
+            ops += _scatter(buckets, [(self.admission_counts, add, "add")])
         return [o for o in (_as_op(o) for o in ops) if o is not None]
 
     def _sketch_buckets(self, hashes) -> tf.Tensor:
@@ -582,14 +581,14 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             with tf.control_dependencies([forgotten] if forgotten is not None else []):
                 ops = [forgotten, st.rows.remove(spare * n + s)]
             ops = [o for o in ops if o is not None]
-            ops += _scatter(last_var, spare, tf.zeros_like(spare), "update")
-            ops += _scatter(hits_var, spare, tf.zeros_like(spare), "update")
+            ops += _scatter(spare, [(last_var, tf.zeros_like(spare), "update"),
+                                    (hits_var, tf.zeros_like(spare), "update")])
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
-            ops += _scatter(emb, slots, values, "update")
-            ops += _scatter(last_var, slots, tf.fill(tf.shape(slots), now), "update")
-            ops += _scatter(hits_var, slots, seen[:taken], "update")
+            ops += _scatter(slots, [(emb, values, "update"),
+                                    (last_var, tf.fill(tf.shape(slots), now), "update"),
+                                    (hits_var, seen[:taken], "update")])
             with tf.control_dependencies(ops):
                 inserted = tf.group(st.map.insert(admitted, new_rows),
                                     st.rows.insert(new_rows, admitted))
@@ -669,26 +668,31 @@ def _plain(var):
 _SCATTER_OPS = {"update": tf.raw_ops.ResourceScatterUpdate, "add": tf.raw_ops.ResourceScatterAdd}
 
 
-def _scatter(var, rows, values, kind: str) -> List[tf.Operation]:
-    """Scatters `values` into logical `rows` of a (sharded) table; the write ops.
+def _scatter(rows, writes) -> List[tf.Operation]:
+    """Scatters into logical `rows` of (sharded) tables; the write ops.
+
+    Args:
+        rows: int64 logical rows, 1-D.
+        writes: ``(table, values, kind)`` triples, kind "update" or "add";
+            the tables have the same layout, so `rows` is split once.
 
     The raw ops, because a variable's own scatter methods return the variable
     (a sharded one returns itself, with no op to wait for).
     """
-    shards = _shards(var)
-    n = len(shards)
-    op = _SCATTER_OPS[kind]
+    n = len(_shards(writes[0][0]))
     if n == 1:
-        parts = [(rows, values)]
+        local_rows, owner = [rows], None
     else:
         owner = tf.cast(tf.math.floormod(rows, n), tf.int32)
-        parts = zip(tf.dynamic_partition(rows // n, owner, n),
-                    tf.dynamic_partition(values, owner, n))
+        local_rows = tf.dynamic_partition(rows // n, owner, n)
     ops = []
-    for shard, (local, vals) in zip(shards, parts):
-        shard = _plain(shard)
-        with tf.device(shard.device):
-            ops.append(op(resource=shard.handle, indices=local, updates=vals))
+    for table, values, kind in writes:
+        parts = [values] if n == 1 else tf.dynamic_partition(values, owner, n)
+        for shard, local, vals in zip(_shards(table), local_rows, parts):
+            shard = _plain(shard)
+            with tf.device(shard.device):
+                ops.append(_SCATTER_OPS[kind](resource=shard.handle, indices=local,
+                                              updates=vals))
     return [o for o in ops if o is not None]
 
 
