@@ -55,6 +55,7 @@ __all__ = [
     "InterleavedShardedVariable",
     "install_interleaved_slot_lookup",
     "create_interleaved",
+    "shard_value_fn",
     "logical_rows_of_shard",
     "shard_lookup_counts",
     "shard_rows",
@@ -188,6 +189,13 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         """Returns the table as a numpy array in logical row order."""
         return self._logical_value().numpy()
 
+    def _physical_ids(self, ids):
+        """Logical ids as the "mod" lookup on `variables` takes them (the same here).
+
+        A `table_stacking.StackedTable` shifts them to its rows in the stack.
+        """
+        return ids
+
     def sparse_read(self, indices, name=None):
         """Gathers logical rows ``indices`` (any shape); gradients are IndexedSlices."""
         return tf.compat.v1.nn.embedding_lookup(self.variables, indices, "mod", name=name)
@@ -307,9 +315,15 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
     their own device, so each slice is still written by its shard's task.
     """
 
-    def __init__(self, shards, full_name, name):
+    def __init__(self, shards, full_name, name, row_offsets=None, num_rows=None, op=None):
+        # A stacked table's rows start at `row_offsets[s]` in shard s (see
+        # table_stacking); a whole table's at 0. TF refuses two saveables
+        # with the same `op` (shards[0] by default): a stacked table passes
+        # itself, since its stack's tables share their shards.
         self._shards = shards
-        num_rows = sum(int(v.shape[0]) for v in shards)
+        self._offsets = list(row_offsets) if row_offsets is not None else [0] * len(shards)
+        if num_rows is None:
+            num_rows = sum(int(v.shape[0]) for v in shards)
         full_shape = [num_rows] + shards[0].shape[1:].as_list()
         self._plans = []
         specs = []
@@ -333,7 +347,7 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
                 )
             )
             begin += size
-        super().__init__(shards[0], specs, name)
+        super().__init__(op if op is not None else shards[0], specs, name)
 
     def _slice_tensor(self, c, size):
         """Builds slice ``c`` on shard ``c``'s device (None: not initialized)."""
@@ -343,7 +357,8 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
         pieces = []
         for s, first, count in self._plans[c]:
             with tf.device(shards[s].device):
-                ids = tf.range(first, first + count, dtype=tf.int64)
+                start = first + self._offsets[s]
+                ids = tf.range(start, start + count, dtype=tf.int64)
                 pieces.append(shards[s].sparse_read(ids))
         with tf.device(shards[c].device):
             counts = [count for _, _, count in self._plans[c]]
@@ -361,9 +376,10 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
                     continue
                 with tf.device(self._shards[c].device):
                     piece = value[j::n]  # Cut where the slice was read; ship only s's rows.
+                start = first + self._offsets[s]
                 with tf.device(self._shards[s].device):
                     updated = self._shards[s].scatter_update(
-                        tf.IndexedSlices(piece, tf.range(first, first + count, dtype=tf.int64))
+                        tf.IndexedSlices(piece, tf.range(start, start + count, dtype=tf.int64))
                     )
                 if not tf.executing_eagerly():
                     assign_ops.append(updated.op)
@@ -405,6 +421,16 @@ def install_interleaved_slot_lookup(optimizer):
     cache = {}
 
     def get_slot(var, slot_name):
+        if hasattr(var, "with_variables"):
+            # A stacked table (table_stacking): the same rows of its stack
+            # shards' slots. Keras knows only the shards' slots.
+            shard_slots = [original(shard, slot_name) for shard in var.variables]
+            key = (id(var), slot_name)
+            cached = cache.get(key)
+            if cached is None or any(a is not b for a, b in zip(cached.variables, shard_slots)):
+                cached = var.with_variables(shard_slots, name=f"{var.name}/{slot_name}")
+                cache[key] = cached
+            return cached
         slot = original(var, slot_name)
         if not isinstance(var, InterleavedShardedVariable) or not isinstance(
             slot, sharded_variable.ShardedVariable
@@ -417,7 +443,24 @@ def install_interleaved_slot_lookup(optimizer):
             cache[key] = cached
         return cached
 
+    create_sharded_slots = optimizer._create_slots_for_sharded_variables
+
+    def _create_slots_for_sharded_variables(var_list):
+        # Keras registers the sharded container of each shard (TF keeps one
+        # per shard: the last table made over it), so that a restore finds
+        # the slots of a sharded table through `get_slot`. A stack's shards
+        # serve every table of the stack: register each (table_stacking).
+        create_sharded_slots(var_list)
+        for var in var_list:
+            container = getattr(var, "_sharded_container", None)
+            container = container() if callable(container) else None
+            stack = getattr(container, "stack", None)
+            for table in list(stack.tables) if stack is not None else []:
+                optimizer._slots[table._unique_id] = {  # pylint: disable=protected-access
+                    name: table for name in optimizer.get_slot_names()}
+
     optimizer.get_slot = get_slot
+    optimizer._create_slots_for_sharded_variables = _create_slots_for_sharded_variables  # pylint: disable=protected-access
     optimizer._tf_psplugin_slot_fix = True  # pylint: disable=protected-access
     return optimizer
 
@@ -510,6 +553,38 @@ def _shard_value_fn(initial_value, full_shape, dtype, shard, num_shards, shard_s
     return _value
 
 
+def _slice_of(initial_value, shard: int, num_shards: int, dtype):
+    """Shard `shard`'s rows of a full initial value (numpy or tensor)."""
+    if isinstance(initial_value, np.ndarray):
+        return initial_value[shard::num_shards].astype(dtype.as_numpy_dtype, copy=False)
+    return tf.cast(initial_value[shard::num_shards], dtype)
+
+
+def shard_value_fn(initial_value, shape, dtype, shard: int, *, num_shards: int,
+                   name: str) -> Callable[[], tf.Tensor]:
+    """A zero-argument callable for shard `shard`'s initial rows of an interleaved table.
+
+    `initial_value` is what a variable creator receives: a callable
+    initializer (called per shard, as in `create_interleaved`), a
+    `CheckpointInitialValueCallable` (zeros: the restore fills the table
+    through its saveable) or a full value (sliced ``[shard::num_shards]``).
+    """
+    shape = tf.TensorShape(shape)
+    dtype = tf.as_dtype(dtype)
+    full_shape = shape.as_list()
+    shard_shape = [shard_rows(full_shape[0], num_shards, SHARDING_INTERLEAVED)[shard]] + \
+        full_shape[1:]
+    if isinstance(_unwrap_partial(initial_value), CheckpointInitialValueCallable):
+        return functools.partial(tf.zeros, shard_shape, dtype=dtype)
+    if callable(initial_value):
+        return _shard_value_fn(initial_value, full_shape, dtype, shard, num_shards, shard_shape,
+                               name)
+    value = initial_value
+    if not isinstance(value, (np.ndarray, tf.Tensor)):
+        value = tf.convert_to_tensor(value, dtype=dtype)
+    return lambda: tf.convert_to_tensor(_slice_of(value, shard, num_shards, dtype), dtype=dtype)
+
+
 def create_interleaved(
     name: str,
     shape,
@@ -596,10 +671,8 @@ def create_interleaved(
             value = functools.partial(tf.zeros, shard_shape, dtype=dtype)
         elif callable(initial_value):
             value = _shard_value_fn(initial_value, full_shape, dtype, s, n, shard_shape, name)
-        elif isinstance(initial_value, np.ndarray):
-            value = initial_value[s::n].astype(dtype.as_numpy_dtype, copy=False)
         else:
-            value = tf.cast(initial_value[s::n], dtype)
+            value = _slice_of(initial_value, s, n, dtype)
         with tf.device(device_fn(s)):
             shards.append(creator(name=f"{name}/part_{s}", shape=shard_shape, initial_value=value))
     return InterleavedShardedVariable(shards, name=name)

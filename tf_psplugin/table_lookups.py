@@ -28,7 +28,7 @@ _DenseIds = Union[tf.Tensor, tf.Variable, np.ndarray, np.generic, int, list, tup
 _Params = Union[InterleavedShardedVariable, List[InterleavedShardedVariable]]
 
 
-def _shards_of(params):
+def _table_of(params) -> InterleavedShardedVariable:
     if isinstance(params, (list, tuple)):
         if len(params) != 1:
             raise ValueError(
@@ -36,7 +36,24 @@ def _shards_of(params):
                 f"{len(params)}: each one is already a whole table."
             )
         params = params[0]
-    return params.variables
+    return params
+
+
+def _physical_sparse_ids(table, sp_ids):
+    """`sp_ids` with its values shifted to the table's rows in a stack (`_physical_ids`)."""
+    shifted = table._physical_ids(sp_ids.values)  # pylint: disable=protected-access
+    if shifted is sp_ids.values:
+        return sp_ids
+    return tf.SparseTensor(sp_ids.indices, shifted, sp_ids.dense_shape)
+
+
+def _physical_default_id(table, default_id: int) -> int:
+    """A Python int `default_id`, shifted like `_physical_ids` (TF uses it as a Python value)."""
+    offsets = getattr(table, "row_offsets", None)
+    if not offsets:
+        return default_id
+    n = len(offsets)
+    return int(default_id) + n * offsets[int(default_id) % n]
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
@@ -48,7 +65,8 @@ def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
         rows = lookup_fusion.take(params, ids)
         if rows is not None:
             return rows
-    return tf.compat.v1.nn.embedding_lookup(params.variables, ids, "mod", name, max_norm=max_norm)
+    return tf.compat.v1.nn.embedding_lookup(params.variables, params._physical_ids(ids), "mod",
+                                            name, max_norm=max_norm)
 
 
 @tf.experimental.dispatch_for_api(
@@ -60,8 +78,9 @@ def _embedding_lookup_v1(
     # The table's layout is "mod" whatever the caller asks for: a caller
     # passing "div" means "the table's own layout" (embedding_lookup_v2 does).
     del partition_strategy
+    table = _table_of(params)
     return tf.compat.v1.nn.embedding_lookup(
-        _shards_of(params), ids, "mod", name, validate_indices, max_norm
+        table.variables, table._physical_ids(ids), "mod", name, validate_indices, max_norm
     )
 
 
@@ -72,7 +91,8 @@ def _embedding_lookup_sparse_v2(
     params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
 ):
     return tf.compat.v1.nn.embedding_lookup_sparse(
-        params.variables, sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
+        params.variables, _physical_sparse_ids(params, sp_ids), sp_weights, "mod", name, combiner,
+        max_norm, allow_fast_lookup
     )
 
 
@@ -90,8 +110,10 @@ def _embedding_lookup_sparse_v1(
     allow_fast_lookup=False,
 ):
     del partition_strategy  # Always the table's own "mod" layout.
+    table = _table_of(params)
     return tf.compat.v1.nn.embedding_lookup_sparse(
-        _shards_of(params), sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
+        table.variables, _physical_sparse_ids(table, sp_ids), sp_weights, "mod", name, combiner,
+        max_norm, allow_fast_lookup
     )
 
 
@@ -136,6 +158,9 @@ def _safe_embedding_lookup_sparse_v1(
     """TF's ShardedVariable dispatcher for v1 safe lookups, plus "mod" for ours."""
     if isinstance(embedding_weights, InterleavedShardedVariable):
         partition_strategy = "mod"
+        sparse_ids = _physical_sparse_ids(embedding_weights, sparse_ids)
+        if default_id is not None:
+            default_id = _physical_default_id(embedding_weights, default_id)
     return tf.compat.v1.nn.safe_embedding_lookup_sparse(
         embedding_weights.variables,
         sparse_ids,
@@ -232,7 +257,9 @@ def lookup_tables(tables, ids_list, name=None):
 
 def _fused_interleaved_lookup(tables, ids_list, num_shards):
     ids_list = [tf.cast(tf.convert_to_tensor(i), tf.int64) for i in ids_list]
-    flat = [tf.reshape(i, [-1]) for i in ids_list]
+    # Stacked tables' ids shifted to their rows in the stack (table_stacking).
+    flat = [tf.reshape(t._physical_ids(i), [-1])  # pylint: disable=protected-access
+            for t, i in zip(tables, ids_list)]
     sizes = [tf.size(f, out_type=tf.int64) for f in flat]
     all_ids = tf.concat(flat, axis=0)
     table_of = tf.concat(
@@ -245,11 +272,16 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     position_parts = tf.dynamic_partition(positions, shard, num_shards)
     rows = []
     for p in range(num_shards):
+        shard_vars = [t.variables[p] for t in tables]
+        if all(v is shard_vars[0] for v in shard_vars):
+            # One stack holds them all (table_stacking): one gather per PS.
+            with tf.device(shard_vars[0].device):
+                rows.append(tf.gather(shard_vars[0], local_parts[p]))
+            continue
         # The concatenation is table-major and dynamic_partition keeps order,
         # so shard p's ids are grouped by table, in table order.
         counts = tf.math.bincount(table_parts[p], minlength=len(tables),
                                   maxlength=len(tables), dtype=tf.int32)
-        shard_vars = [t.variables[p] for t in tables]
         with tf.device(shard_vars[0].device):
             pieces = tf.split(local_parts[p], counts, num=len(tables))
             rows.append(tf.concat(
