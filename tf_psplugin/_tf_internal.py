@@ -188,6 +188,17 @@ PRIVATE_ATTRIBUTES = {
     "_copy_trackable_to_cpu": "sharded_variable.ShardedVariableMixin",
     "_sharded_container": "sharded_variable.ShardedVariableMixin",  # export.py
     "_create_slots_for_sharded_variables": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- table_stacking.py: a stacked table is a ShardedVariable over its
+    # stack's shards with its own saving placeholder and TypeSpec (offsets);
+    # a stack shard is an AggregatingVariable re-pointed as the stack grows;
+    # sharding.py registers every stacked table's slots the way Keras
+    # registers a sharded variable's (one per shard, so it knows one table).
+    "_saving_variable": "sharded_variable.ShardedVariableMixin",
+    "_serialize": "sharded_variable.ShardedVariableSpec",
+    "_variable_specs": "sharded_variable.ShardedVariableSpec",
+    "_assign_func": "ps_values.AggregatingVariable",
+    "_aggregating_container": "ps_values.AggregatingVariable",
+    "_slots": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
     # -- coordinator.py: one closure dispatched to every worker. The stock
     # Closure traces and wraps the function; we reuse its parts per role and
     # set results/errors on TF's RemoteValueImpl the way Closure.execute_on does.

@@ -47,6 +47,7 @@ import tensorflow as tf
 from tf_psplugin import _tf_internal
 from tf_psplugin import key_hashing
 from tf_psplugin import placement as placement_lib
+from tf_psplugin import table_stacking
 
 EVICTION_POLICIES = ("lru", "lfu", None)
 # A full shard evicts at least 1/EVICTION_BATCH of its rows at once.
@@ -251,7 +252,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     # -- state -----------------------------------------------------------------
 
     def build(self, input_shape):
-        with placement_lib.embedding_table_scope():
+        # Tables of their own (never stacked): admission addresses their rows.
+        with placement_lib.embedding_table_scope(), table_stacking.unstacked():
             self.embeddings = self.add_weight(
                 "embeddings", [self.capacity, self.output_dim], initializer="zeros",
                 trainable=True)

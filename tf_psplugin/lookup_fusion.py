@@ -26,8 +26,9 @@ to the transfers; stacking the tables into one variable removes those, and
 this module is the lookup half of that (issue 14).
 
 Scope: functional (and Sequential-in-functional) Keras models under a
-`HybridParameterServerStrategy` with ``fuse_lookups=True`` (off by default), in
-a traced function, dense int32/int64 ids, `Embedding` layers whose table is
+`HybridParameterServerStrategy` with ``fuse_lookups=True`` (every table; off
+by default) or ``stack_tables=True`` (the tables of one stack only:
+`table_stacking`), in a traced function, dense int32/int64 ids, `Embedding` layers whose table is
 sharded over the PS tasks. Anything else (subclassed models, ragged or sparse
 ids, feature columns, Estimator) takes the per-layer lookup as before.
 
@@ -79,10 +80,29 @@ def _runs() -> List[_Run]:
 
 
 def enabled() -> bool:
-    """Whether the current strategy asks for fused lookups."""
+    """Whether the current strategy fuses lookups: of every table, or of stacked ones."""
+    return fuse_all() or _stacking()
+
+
+def fuse_all() -> bool:
+    """Whether the current strategy asks for fused lookups of every table (fuse_lookups)."""
     if not tf.distribute.has_strategy():
         return False
     return bool(getattr(tf.distribute.get_strategy().extended, "fuse_lookups", False))
+
+
+def _stacking() -> bool:
+    """Whether the current strategy stacks tables (table_stacking): their lookups fuse."""
+    if not tf.distribute.has_strategy():
+        return False
+    return getattr(tf.distribute.get_strategy().extended, "table_stacks", None) is not None
+
+
+def _one_stack(tables) -> bool:
+    """Whether the tables all live in one stack: then one gather per PS serves them."""
+    first = tables[0].variables
+    return all(len(t.variables) == len(first) and all(a is b for a, b in zip(t.variables, first))
+               for t in tables[1:])
 
 
 def take(params, ids) -> Optional[tf.Tensor]:
@@ -137,10 +157,13 @@ def _prefetch(run: _Run, node, tensor_dict) -> None:
         key = (int(table.shape[-1]), table.dtype.base_dtype, len(table.variables))
         groups.setdefault(key, []).append((table, ids))
     run.fetched.add(id(node))  # Also when Keras gave it no depth (then no siblings).
+    everything = fuse_all()
     for members in groups.values():
         if len(members) < 2:
             continue  # One table gains nothing: its own lookup is one round trip.
         tables, ids_list = zip(*members)
+        if not everything and not _one_stack(tables):
+            continue  # Only stacked tables gain (benchmarks/README, "Findings").
         for (table, ids), rows in zip(members, lookup_tables(tables, ids_list,
                                                              name="fused_lookups")):
             run.rows[(id(table), id(ids))] = (table, ids, rows)

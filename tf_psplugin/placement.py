@@ -159,6 +159,8 @@ class PlacementRecord:
         dtype: dtype name.
         num_bytes: Size of the full variable.
         devices: Devices holding it (shards or replicas).
+        stack: For a table stored in a stack (``stack_tables=True``), the
+            stack's name; else empty.
     """
 
     name: str
@@ -167,6 +169,7 @@ class PlacementRecord:
     dtype: str
     num_bytes: int
     devices: Tuple[str, ...]
+    stack: str = ""
 
     def to_dict(self) -> dict:
         """Returns a JSON-friendly dict."""
@@ -187,12 +190,16 @@ def format_report(records: Sequence[PlacementRecord]) -> str:
         devices = sorted({_short_device(d) for d in r.devices})
         lines.append(
             f"  {r.kind:6s} {r.name:40s} {str(list(r.shape)):18s} {r.dtype:8s} "
-            f"{r.num_bytes / 2**20:9.2f} MiB  on {', '.join(devices)}"
+            f"{r.num_bytes / 2**20:9.2f} MiB  on {', '.join(devices)}{_stacked_in(r)}"
         )
     tables = sum(r.num_bytes for r in records if r.kind.startswith(KIND_TABLE))
     dense = sum(r.num_bytes for r in records if r.kind.startswith(KIND_DENSE))
     lines.append(f"  total: tables {tables / 2**20:.2f} MiB on PS, dense {dense / 2**20:.2f} MiB per worker")
     return "\n".join(lines)
+
+
+def _stacked_in(record: PlacementRecord) -> str:
+    return f" (stacked in {record.stack})" if record.stack else ""
 
 
 def _short_device(device: str) -> str:
@@ -221,7 +228,7 @@ def format_summary(records: Sequence[PlacementRecord]) -> str:
     for r in tables:
         lines.append(
             f"  table  {r.name:40s} {str(list(r.shape)):18s} {r.dtype:8s} "
-            f"{r.num_bytes / 2**20:9.2f} MiB  sharded on {_devices([r])}")
+            f"{r.num_bytes / 2**20:9.2f} MiB  sharded on {_devices([r])}{_stacked_in(r)}")
     groups = {}
     for r in records:
         if r.kind != KIND_TABLE:

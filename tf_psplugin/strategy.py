@@ -50,7 +50,9 @@ from tf_psplugin import on_read_updates as on_read_updates_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
 from tf_psplugin import shard_init
+from tf_psplugin import sharding
 from tf_psplugin import sparse_exchange as sparse_exchange_lib
+from tf_psplugin import table_stacking
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import distribute_lib, input_util, ops
@@ -140,6 +142,14 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             and gradients are the same (see `lookup_fusion.py`). Off by
             default: on loopback it was no faster (the per-table gathers and
             updates, not the transfers, cost the time; benchmarks/README).
+        stack_tables: Store the embedding tables of one row width and dtype
+            as one variable per PS (a stack; see `table_stacking.py`): one
+            gather, one optimizer apply and one set of slots per PS and step
+            instead of one per table; a functional model's lookups of one
+            stack become one gather per PS (as `fuse_lookups` does). Each
+            table stays its own object for lookups, checkpoints (its own
+            key, restorable into unstacked tables, any PS count and one
+            process), export and the placement report. Off by default.
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -153,7 +163,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  connect_timeout_seconds: float = 300.0,
                  failover: Optional[failover_lib.FailoverPolicy] = None,
                  log_placement: bool = True, sparse_exchange: str = "ps",
-                 pack_on_read_updates: bool = True, fuse_lookups: bool = False):
+                 pack_on_read_updates: bool = True, fuse_lookups: bool = False,
+                 stack_tables: bool = False):
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
@@ -224,6 +235,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         # A functional model's table lookups: one round trip per PS.
         self._extended.fuse_lookups = bool(fuse_lookups)
         if fuse_lookups:
+            lookup_fusion.install()
+        if stack_tables:
+            # A stack's tables are looked up together: one gather per PS.
+            self._extended.enable_table_stacking()
             lookup_fusion.install()
         policy = failover if failover is not None else failover_lib.FailoverPolicy()
         if policy.enabled and self._dense_allreduce:
@@ -315,6 +330,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # Read by lookup_fusion: set by the strategy after construction.
         self.fuse_lookups = False
         self.committed_steps = None
+        # Set by `enable_table_stacking` (the strategy's stack_tables=True).
+        self.table_stacks: Optional[table_stacking.TableStacks] = None
+
+    def enable_table_stacking(self) -> None:
+        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        if self.table_stacks is None:
+            self.table_stacks = table_stacking.TableStacks(
+                shard_devices=lambda s: f"/job:ps/task:{s}/device:CPU:0")
 
     def create_step_counters(self):
         """Creates the per-worker step counters failover reads (allreduce mode).
@@ -365,6 +388,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             kwargs.pop("colocate_with")
             return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
         if colocate_with is not None:
+            if self.table_stacks is not None:
+                # An optimizer slot of a stack: no table joins that stack now.
+                self.table_stacks.seal(_unwrap(colocate_with))
             var = super()._create_variable(next_creator, **kwargs)
             kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
             if kind == "table-slot":
@@ -409,7 +435,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _create_table(self, next_creator, **kwargs):
         """Creates an embedding table sharded over every PS task."""
-        shape, _ = shard_init.shape_and_dtype(kwargs)
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
         num_shards = min(self._num_ps, int(shape[0]))
         scheme = self.placement.sharding
         if num_shards < 2:
@@ -419,11 +445,19 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             return var
         self._creating_table = True
         try:
-            if scheme == placement_lib.SHARDING_INTERLEAVED:
-                from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
-
+            if (scheme == placement_lib.SHARDING_INTERLEAVED and self.table_stacks is not None
+                    and kwargs.get("initial_value") is not None
+                    and self.table_stacks.eligible(shape, dtype, num_shards, kwargs)):
+                var = self.table_stacks.add(
+                    kwargs.get("name"), shape, dtype, num_shards,
+                    shard_values=functools.partial(
+                        sharding.shard_value_fn, kwargs.get("initial_value"), shape, dtype,
+                        num_shards=num_shards, name=kwargs.get("name")),
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs),
+                    on_replace=self._replace_table_shard)
+            elif scheme == placement_lib.SHARDING_INTERLEAVED:
                 var = sharding.create_interleaved(
-                    name=kwargs.get("name"), shape=shape, dtype=shard_init.shape_and_dtype(kwargs)[1],
+                    name=kwargs.get("name"), shape=shape, dtype=dtype,
                     initial_value=kwargs.get("initial_value"), num_shards=num_shards,
                     device_fn=lambda s: f"/job:ps/task:{s}/device:CPU:0",
                     creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
@@ -438,8 +472,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             self._creating_table = False
         for shard in var.variables:
             self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
-        self._record(var, "table", devices=[v.device for v in var.variables])
+        self._record(var, "table", devices=[v.device for v in var.variables],
+                     stack=getattr(getattr(var, "stack", None), "name", ""))
         return var
+
+    def _replace_table_shard(self, old, new) -> None:
+        """A stack shard's variable was replaced by a bigger one (table_stacking)."""
+        self._table_shard_owner.pop(id(old), None)
+        self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
 
     def _table_shard_owner_of(self, var) -> int:
         """The worker that applies sync updates to a table shard: its PS index mod workers.
@@ -482,7 +522,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """True while a sync step is traced whose table updates run `run_after_update` hooks."""
         return self._in_sync_step() and self._sync_embeddings
 
-    def _record(self, var, kind: str, devices=None):
+    def _record(self, var, kind: str, devices=None, stack: str = ""):
         try:
             shape = tuple(int(d) if d is not None else -1 for d in var.shape.as_list())
         except (ValueError, AttributeError):
@@ -493,7 +533,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             n *= max(d, 0)
         self.placement_records.append(placement_lib.PlacementRecord(
             name=getattr(var, "name", "?"), kind=kind, shape=shape, dtype=dtype.name,
-            num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")])))
+            num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")]),
+            stack=stack))
 
     # -- datasets ----------------------------------------------------------------
 

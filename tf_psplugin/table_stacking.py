@@ -1,0 +1,432 @@
+"""Table stacking: same-width embedding tables stored as one variable per PS.
+
+Why this module exists: a CTR model has one `tf.keras.layers.Embedding` per
+feature, and every table costs its own ops in every step on every PS (a
+gather per worker, a sparse optimizer apply, a duplicate-row sum) and on
+every worker (id routing, gradient plumbing). benchmarks/README.md
+("Findings") measured that cost, not the transfers, as what makes 26 small
+tables 1.5x slower than one table of the same rows. Stacking stores the
+tables of one row width, dtype and PS count as ONE variable per PS (a
+"stack"); each table keeps its own logical object, a `StackedTable`, which is
+its rows inside the stack.
+
+How it stays transparent:
+
+* **Keras sees the stack's shard variables** (Keras lists a sharded table's
+  shards as the layer's weights): every stacked layer lists the same two
+  shards, and Keras de-duplicates weights by identity, so `model.
+  trainable_variables` holds each stack shard once. One gradient per stack
+  shard and step (the tape sums the tables' gathers of it), one optimizer
+  apply, one set of slots: the per-table costs disappear without touching the
+  model or the optimizer.
+* **Everything that names a table sees the `StackedTable`**: lookups
+  (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
+  reads, `assign`, checkpoints (each table saved under its own key, in
+  logical row order: it restores into unstacked tables, any PS count and a
+  single process), the placement report and export.
+* **Growth, not planning**: a layer builds its table alone, before the next
+  layer exists. The first table of a group creates the stack; each later
+  one is appended: on each PS a new variable of the new size holds the old
+  rows and the new ones, and the stack's shard (a forwarding variable that
+  Keras and every table hold) points to it from then on. A stack is sealed
+  once an optimizer slot is made for it: a table created after that starts
+  a new stack.
+
+Which tables stack (`eligible`): 2-D float tables of a strategy with
+``stack_tables=True``, made eagerly (Keras builds layers eagerly),
+interleaved over 2 or more PS tasks, trainable, with no constraint, of at
+most `MAX_TABLE_BYTES`; a stack stops growing at `MAX_STACK_BYTES`. Not
+stacked: `DynamicEmbedding`'s tables (it addresses its own rows), tables
+made in graph mode (the Estimator path), contiguous sharding.
+
+Private TF API: `ps_values.AggregatingVariable` (TF's forwarding variable,
+which stock PSS wraps PS variables in) is a stack shard, and its `_v` (and
+the inner variable's `_aggregating_container`, which its constructor sets)
+are re-pointed when the stack grows; there is no public variable whose
+storage can be replaced.
+"""
+
+import contextlib
+import functools
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_psplugin._tf_internal import ps_values, resource_variable_ops, sharded_variable
+from tf_psplugin.placement import SHARDING_INTERLEAVED
+from tf_psplugin.sharding import InterleavedShardedVariable, _LogicalTableSaveable
+from tf_psplugin.table_layout import _interleave, _range_plan, shard_rows
+
+__all__ = ["StackedTable", "TableStacks", "MAX_TABLE_BYTES", "MAX_STACK_BYTES", "unstacked"]
+
+# A table larger than this is not stacked: its own ops are a small share of a
+# step next to its rows, and appending it would copy the whole stack.
+MAX_TABLE_BYTES = 256 << 20
+# A stack stops growing here (each append copies the stack on every PS).
+MAX_STACK_BYTES = 1 << 30
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def unstacked():
+    """Tables created inside this scope are never stacked (their owner addresses rows)."""
+    depth = getattr(_state, "unstacked", 0)
+    _state.unstacked = depth + 1
+    try:
+        yield
+    finally:
+        _state.unstacked = depth
+
+
+def _in_unstacked_scope() -> bool:
+    return getattr(_state, "unstacked", 0) > 0
+
+
+class StackedTable(InterleavedShardedVariable):
+    """One logical table stored inside a stack: interleaved rows at an offset.
+
+    Logical row ``i`` lives on stack shard ``i % n`` at row
+    ``row_offsets[i % n] + i // n``. It reads, looks up, assigns and
+    checkpoints like the `InterleavedShardedVariable` it would otherwise be
+    (its checkpoint is the same tensor under the same key); its `variables`
+    are the stack's shard variables, shared with the other tables of the
+    stack.
+
+    Args:
+        variables: The stack's shard variables, one per PS.
+        row_offsets: Where this table's rows start in each shard.
+        num_rows: The table's logical row count.
+        name: The table's name.
+        stack: The `_Stack` it belongs to (None for a copy, e.g. of slots).
+    """
+
+    def __init__(self, variables, row_offsets: Sequence[int], num_rows: int,
+                 name: str = "StackedTable", stack=None):
+        # Not InterleavedShardedVariable.__init__: its check is for shards
+        # that hold one whole table. ShardedVariable's sets the shards, dtype
+        # and, from the stack's shape, `_shape`, fixed below.
+        sharded_variable.ShardedVariable.__init__(self, list(variables), name=name)
+        n = len(self._variables)
+        self._row_offsets = tuple(int(o) for o in row_offsets)
+        self._shard_counts = tuple(shard_rows(int(num_rows), n, SHARDING_INTERLEAVED))
+        if len(self._row_offsets) != n:
+            raise ValueError(f"StackedTable {name!r}: {len(self._row_offsets)} row offsets for "
+                             f"{n} shards; pass one per shard.")
+        self._shape = tf.TensorShape([int(num_rows)] + self._variables[0].shape[1:].as_list())
+        self._stack = stack
+        # ShardedVariable made a saving placeholder of the stack's shape; the
+        # table saves (tf.saved_model.save) as its own [V, D].
+        self._saving_variable = resource_variable_ops.UninitializedVariable(
+            shape=self._shape, dtype=self._dtype, name=name,
+            trainable=self._variables[0].trainable,
+            synchronization=tf.VariableSynchronization.NONE,
+            aggregation=tf.VariableAggregation.NONE)
+
+    @property
+    def stack(self):
+        """The stack this table is in (None for a copy, e.g. a slot's view)."""
+        return self._stack
+
+    @property
+    def row_offsets(self) -> tuple:
+        """Row of each stack shard where this table's rows start."""
+        return self._row_offsets
+
+    @property
+    def _unique_id(self):
+        # Every table of a stack shares shard 0: the id must name the table.
+        return f"{self._variables[0]._unique_id}_stacked_{self._row_offsets[0]}"  # pylint: disable=protected-access
+
+    @property
+    def _type_spec(self):
+        return StackedTableSpec(
+            self._row_offsets, int(self._shape[0]), self.name,
+            *(resource_variable_ops.VariableSpec(v.shape, v.dtype) for v in self._variables))
+
+    def _copy_trackable_to_cpu(self, object_map):
+        """For async checkpointing: a `StackedTable` over copies of the stack shards."""
+        copies = []
+        for v in self._variables:
+            if v not in object_map:
+                v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+            copies.append(object_map[v])
+        if self not in object_map:
+            object_map[self] = StackedTable(copies, self._row_offsets, int(self._shape[0]),
+                                            name=self.name)
+
+    def with_variables(self, variables, name: Optional[str] = None) -> "StackedTable":
+        """The same rows of other shard variables (e.g. an optimizer's slots of the stack)."""
+        return StackedTable(variables, self._row_offsets, int(self._shape[0]),
+                            name=name or self.name)
+
+    # -- layout ----------------------------------------------------------------
+
+    def _physical_ids(self, ids):
+        """Logical ids -> ids whose "mod" lookup on the stack shards finds this table's rows.
+
+        Id ``i`` becomes ``i + n * row_offsets[i % n]``: same shard
+        (``i % n``), row ``i // n + row_offsets[i % n]``.
+        """
+        if not any(self._row_offsets):
+            return ids
+        ids = tf.convert_to_tensor(ids)
+        n = len(self._variables)
+        offsets = tf.constant(self._row_offsets, dtype=ids.dtype)
+        return ids + n * tf.gather(offsets, ids % n)
+
+    def _logical_value(self) -> tf.Tensor:
+        if len(self.variables) == 1:  # tf.saved_model.save's one saving variable.
+            return tf.convert_to_tensor(self.variables[0])
+        return self._read_rows(0, int(self._shape[0]))
+
+    def _read_rows(self, begin: int, end: int) -> tf.Tensor:
+        shards = self._variables
+        plan = _range_plan(len(shards), begin, end)
+        pieces = []
+        for s, first, count in plan:
+            start = first + self._row_offsets[s]
+            pieces.append(shards[s].sparse_read(tf.range(start, start + count, dtype=tf.int64)))
+        return _interleave(pieces, [count for _, _, count in plan], end - begin)
+
+    def sparse_read(self, indices, name=None):
+        return tf.compat.v1.nn.embedding_lookup(
+            self._variables, self._physical_ids(indices), "mod", name=name)
+
+    def _decompose_indices(self, indices):
+        local, owner = super()._decompose_indices(indices)
+        return [ids + off for ids, off in zip(local, self._row_offsets)], owner
+
+    def _write(self, value, op_name: str, method: str):
+        for s, (v, part) in enumerate(zip(self._variables, self._per_shard(value, op_name))):
+            start = self._row_offsets[s]
+            rows = tf.range(start, start + self._shard_counts[s], dtype=tf.int64)
+            getattr(v, method)(tf.IndexedSlices(part, rows))
+        return self
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        """Assigns a full LOGICAL ``[V, ...]`` value (this table's rows only); returns self."""
+        return self._write(value, "assign", "scatter_update")
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+        """Adds a full LOGICAL ``[V, ...]`` delta; returns self."""
+        return self._write(delta, "assign_add", "scatter_add")
+
+    def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+        """Subtracts a full LOGICAL ``[V, ...]`` delta; returns self."""
+        return self._write(delta, "assign_sub", "scatter_sub")
+
+    def _gather_saveables_for_checkpoint(self):
+        """The table's logical rows under its own key, as an unstacked table saves them."""
+
+        def _saveable_factory(name=self.name):
+            return _LogicalTableSaveable(list(self._variables), self.name, name,
+                                         row_offsets=self._row_offsets,
+                                         num_rows=int(self._shape[0]), op=self)
+
+        from tf_psplugin._tf_internal import trackable_base  # pylint: disable=g-import-not-at-top
+
+        return {trackable_base.VARIABLE_VALUE_KEY: _saveable_factory}
+
+
+class StackedTableSpec(sharded_variable.ShardedVariableSpec):
+    """TypeSpec that rebuilds a `StackedTable` with its offsets."""
+
+    __slots__ = ["_row_offsets", "_num_rows", "_table_name"]
+
+    def __init__(self, row_offsets, num_rows, name, *variable_specs):
+        super().__init__(*variable_specs)
+        self._row_offsets = tuple(row_offsets)
+        self._num_rows = int(num_rows)
+        self._table_name = name
+
+    value_type = property(lambda self: StackedTable)
+
+    def _serialize(self):
+        return (self._row_offsets, self._num_rows, self._table_name) + self._variable_specs
+
+    def _from_components(self, variables):
+        return StackedTable(list(variables), self._row_offsets, self._num_rows,
+                            name=self._table_name)
+
+
+class _Stack:
+    """The shard variables of one stack and the tables in it.
+
+    Each shard is a `ps_values.AggregatingVariable` (TF's forwarding
+    variable: Keras, the tape and the optimizers see its current inner
+    variable's handle) around a plain variable on its PS. Appending a table
+    makes a new inner variable of the new, fully known shape holding the old
+    rows and the new, and points the wrapper at it; the old one is freed.
+    (A variable of unknown first dimension could grow in place, but the
+    workers of a TF cluster abort on a remote handle of unknown shape:
+    "Check failed: size >= 0 (0 vs. -1)", measured on TF 2.15.1.)
+    """
+
+    def __init__(self, name: str, shards: list, width: int, dtype: tf.DType):
+        self.name = name
+        self.shards = shards
+        self.rows = [int(v.shape[0]) for v in shards]
+        self.width = width
+        self.dtype = dtype
+        self.sealed = False
+        self.tables: "weakref.WeakSet[StackedTable]" = weakref.WeakSet()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.rows) * self.width * self.dtype.size
+
+    def append(self, name: str, values: List[tf.Tensor], creator,
+               on_replace: Callable[[tf.Variable, tf.Variable], None]) -> List[int]:
+        """Appends each shard's new rows; returns where they start."""
+        offsets = list(self.rows)
+        for s, (shard, value) in enumerate(zip(self.shards, values)):
+            old = shard.get()
+            rows = self.rows[s] + int(value.shape[0])
+            with tf.device(old.device):
+                new = creator(name=f"{self.name}/part_{s}", shape=[rows, self.width],
+                              initial_value=functools.partial(_concat_rows, old, value))
+            _point_to(shard, new)
+            on_replace(old, new)
+            self.rows[s] = rows
+        return offsets
+
+
+def _concat_rows(old: tf.Variable, value: tf.Tensor) -> tf.Tensor:
+    return tf.concat([old.read_value(), tf.cast(value, old.dtype)], axis=0)
+
+
+class _StackShard(ps_values.AggregatingVariable):
+    """A stack's shard on one PS: forwards to the variable holding its rows now.
+
+    `AggregatingVariable` is TF's own forwarding variable (stock PSS wraps PS
+    variables in it). Its strategy is the one whose scope made it, as Keras
+    checks before it makes slots; None outside any (a plain variable's, e.g.
+    in one process), where assignments go straight to the variable.
+    """
+
+    def __init__(self, var: tf.Variable):
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        # NONE: cross-replica writes go through the strategy's `update`.
+        super().__init__(strategy, var, tf.VariableAggregation.NONE)
+
+    def _assign_func(self, *args, **kwargs):
+        if self._distribute_strategy is None:
+            f = kwargs.pop("f")
+            return f(self._v, *args, **kwargs)
+        return super()._assign_func(*args, **kwargs)
+
+
+def _wrap(var: tf.Variable) -> _StackShard:
+    return _StackShard(var)
+
+
+def _point_to(wrapper, var: tf.Variable) -> None:
+    """Makes `wrapper` forward to `var` (what its constructor sets, for a new inner)."""
+    wrapper._v = var  # pylint: disable=protected-access
+    var._aggregating_container = weakref.ref(wrapper)  # pylint: disable=protected-access
+
+
+class TableStacks:
+    """The stacks of one strategy, by (row width, dtype, shard count).
+
+    Args:
+        shard_devices: Maps a shard index to its PS device.
+    """
+
+    def __init__(self, shard_devices: Callable[[int], str]):
+        self._device_of = shard_devices
+        self._open: Dict[tuple, "weakref.ref[_Stack]"] = {}
+        self._all: List["weakref.ref[_Stack]"] = []
+        self._count = 0
+
+    def eligible(self, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
+                 kwargs: dict) -> bool:
+        """Whether a table with these creation arguments is stacked (see the module doc)."""
+        if _in_unstacked_scope() or not tf.executing_eagerly() or num_shards < 2:
+            return False
+        if shape.rank != 2 or not shape.is_fully_defined() or not dtype.is_floating:
+            return False
+        if not kwargs.get("trainable", True) or kwargs.get("constraint") is not None:
+            return False
+        sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
+        aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
+        if sync not in (tf.VariableSynchronization.AUTO, tf.VariableSynchronization.ON_WRITE):
+            return False
+        if aggregation not in (tf.VariableAggregation.NONE, None):
+            return False
+        return shape.num_elements() * dtype.size <= MAX_TABLE_BYTES
+
+    def add(self, name: str, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
+            shard_values: Callable[[int], Callable[[], tf.Tensor]],
+            creator: Callable[..., tf.Variable],
+            on_replace: Callable[[tf.Variable, tf.Variable], None] = lambda old, new: None,
+            ) -> StackedTable:
+        """Puts a new table in its group's open stack; returns its `StackedTable`.
+
+        Args:
+            name: The table's name.
+            shape: Its logical shape ``[V, D]``.
+            dtype: Its dtype.
+            num_shards: PS shards (>= 2).
+            shard_values: ``shard_values(s)()`` is shard ``s``'s initial rows
+                (interleaved: logical rows ``s, s + n, ...``).
+            creator: Creates a stack's inner shard variable from `tf.Variable`
+                keyword arguments (``name``, ``shape``, ``initial_value``).
+            on_replace: Called with (old, new) inner variable of a shard the
+                table's rows were appended to (the old one is then freed).
+        """
+        width = int(shape[1])
+        key = (width, dtype.name, num_shards)
+        stack = self._open[key]() if key in self._open else None
+        table_bytes = shape.num_elements() * dtype.size
+        if stack is not None and (stack.sealed or stack.num_bytes + table_bytes > MAX_STACK_BYTES):
+            stack = None
+        if stack is None:
+            stack = self._new_stack(key, shape, dtype, num_shards, shard_values, creator)
+            offsets = [0] * num_shards
+        else:
+            values = []
+            for s in range(num_shards):
+                with tf.device(self._device_of(s)):
+                    values.append(tf.convert_to_tensor(shard_values(s)(), dtype=dtype))
+            offsets = stack.append(name, values, creator, on_replace)
+        table = StackedTable(stack.shards, offsets, int(shape[0]), name=name, stack=stack)
+        stack.tables.add(table)
+        return table
+
+    def _new_stack(self, key, shape, dtype, num_shards, shard_values, creator) -> _Stack:
+        width = int(shape[1])
+        name = f"stacked_tables_{width}_{dtype.name}_{self._count}"
+        self._count += 1
+        shards = []
+        for s, rows in enumerate(shard_rows(int(shape[0]), num_shards, SHARDING_INTERLEAVED)):
+            with tf.device(self._device_of(s)):
+                inner = creator(name=f"{name}/part_{s}", shape=[rows, width],
+                                initial_value=shard_values(s))
+            shards.append(_wrap(inner))
+        stack = _Stack(name, shards, width, dtype)
+        # Weak: a stack lives as long as a table in it (tables hold it).
+        self._open[key] = weakref.ref(stack)
+        self._all.append(weakref.ref(stack))
+        return stack
+
+    def stack_of(self, var) -> Optional[_Stack]:
+        """The stack whose shard `var` is (the wrapper or its current variable), or None."""
+        for stack in self.stacks():
+            for shard in stack.shards:
+                if var is shard or var is shard.get():
+                    return stack
+        return None
+
+    def seal(self, var) -> None:
+        """No table joins the stack of shard `var` any more (its slots exist)."""
+        stack = self.stack_of(var)
+        if stack is not None:
+            stack.sealed = True
+
+    def stacks(self) -> List[_Stack]:
+        """Every stack that still has a table, in creation order."""
+        return [s for s in (ref() for ref in self._all) if s is not None]
