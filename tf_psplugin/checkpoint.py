@@ -251,7 +251,11 @@ class CheckpointManager:
             if obj is not None:
                 setattr(self._root, name, obj)
         self._objects = [obj for obj in objects.values() if obj is not None]
-        sharding.install_interleaved_slot_lookup(optimizer)
+        # The model's own optimizer too when none is passed: Keras saves it
+        # with the model, and its table slots must save in logical order
+        # (for stacked tables: each table's rows of its stack's slots).
+        sharding.install_interleaved_slot_lookup(
+            optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._options = tf.train.CheckpointOptions(
             experimental_io_device=_CHIEF_CPU if write_on_chief else None)
         self._manager = tf.train.CheckpointManager(
