@@ -38,6 +38,9 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
         ("adagrad", "interleaved", 5, "plain", 2, "ps"),
         # Both tables looked up together (fuse_lookups=True), in a loop of 5.
         ("adagrad", "interleaved", 5, "fused", 2, "ps"),
+        # Both tables stored as one stack (stack_tables=True) and looked up
+        # together: one gather and one Adagrad apply per PS and step.
+        ("adagrad", "interleaved", 5, "stacked", 2, "ps"),
         ("adam_new", "interleaved", 1, "plain", 2, "ps"),
         # Sparse row counts that change every step (ids de-duplicated before
         # the lookup), and a worker that owns no table shard (3 workers, 2
@@ -70,10 +73,26 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
     assert report["replicas_identical"], "dense replicas diverged across workers"
     # With fuse_lookups=True the two tables are looked up together
     # (lookup_fusion), so the comparison below covers fused lookups.
-    if variant == "fused":
+    if variant in ("fused", "stacked"):
         assert report["fused_lookup_gathers"] > 0, report["fused_lookup_gathers"]
     else:
         assert report["fused_lookup_gathers"] == 0, report["fused_lookup_gathers"]
+    # Each updating role applies to the shards on its one PS: one apply per
+    # table there, or one for the stack.
+    assert report["tables_share_shards"] == (variant == "stacked")
+    if variant == "stacked":
+        # Checkpointed table by table: a plain model loads the same tables
+        # and accumulators (which training moved off their initial 0.1).
+        ckpt = report["checkpoint"]
+        assert ckpt["tables"] == 0.0 and ckpt["accumulator"] == 0.0, ckpt
+        assert ckpt["accumulator_trained"] > 0.0, ckpt
+    table_records = [r for r in report["records"] if r["kind"] == "table"]
+    assert len(table_records) == 2
+    assert all(bool(r["stack"]) == (variant == "stacked") for r in table_records), table_records
+    if optimizer == "adagrad" and variant in ("plain", "stacked") and num_workers == 2:
+        expected = 1 if variant == "stacked" else 2
+        assert max(report["sparse_applies_per_graph"]) == expected, (
+            report["sparse_applies_per_graph"])
     # Exact whatever the timing: every table/slot write on a PS precedes the
     # end-of-step barrier (checked in the traced graphs, not by luck).
     assert report["graphs_with_ps_writes"] >= 1

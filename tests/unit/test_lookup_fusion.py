@@ -1,6 +1,6 @@
 """Automatic lookup fusion (`lookup_fusion`) in one process.
 
-The strategy is stood in for by patching `lookup_fusion.enabled`, and each
+The strategy is stood in for by patching `lookup_fusion.fuse_all`, and each
 Embedding's table is swapped for an `InterleavedShardedVariable` of the same
 value, as the strategy would create it. The cluster check is the sync
 equivalence test (tests/cluster/test_strategy.py), whose model's two tables
@@ -50,7 +50,7 @@ def _variables(model):
 
 
 def _run(model, fuse, monkeypatch):
-    monkeypatch.setattr(lookup_fusion, "enabled", lambda: fuse)
+    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: fuse)
     rng = np.random.default_rng(1)
     ids = tf.constant(rng.integers(0, VOCAB, size=(6, FEATURES)), tf.int64)
     float_ids = tf.constant(rng.integers(0, VOCAB, size=(6, 1)).astype("float32"))
@@ -89,7 +89,7 @@ def test_no_fusion_outside_the_strategy_or_eagerly(monkeypatch):
     model = _model()
     _, _, fused = _run(model, False, monkeypatch)
     assert not fused
-    monkeypatch.setattr(lookup_fusion, "enabled", lambda: True)
+    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
     out = model([tf.zeros((2, FEATURES), tf.int64), tf.zeros((2, 1))])  # Eager: per layer.
     assert out.shape == (2, 1)
     assert not lookup_fusion._runs()
@@ -97,7 +97,7 @@ def test_no_fusion_outside_the_strategy_or_eagerly(monkeypatch):
 
 def test_the_same_model_twice_in_one_function_fuses_each_call(monkeypatch):
     lookup_fusion.install()
-    monkeypatch.setattr(lookup_fusion, "enabled", lambda: True)
+    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
     model = _model()
     a = tf.constant([[1, 2, 3, 4]], tf.int64)
     b = tf.constant([[5, 6, 7, 8]], tf.int64)
@@ -112,6 +112,6 @@ def test_the_same_model_twice_in_one_function_fuses_each_call(monkeypatch):
     fused = [op for op in graph.get_operations()
              if "fused_lookups" in op.name and op.type == "ResourceGather"]
     assert len(fused) == 12
-    monkeypatch.setattr(lookup_fusion, "enabled", lambda: False)
+    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: False)
     np.testing.assert_allclose(ya.numpy(), model([a, f]).numpy(), rtol=1e-6)
     np.testing.assert_allclose(yb.numpy(), model([b, f]).numpy(), rtol=1e-6)

@@ -44,3 +44,15 @@ def test_full_report_still_lists_every_variable():
     report = placement.format_report(_records())
     assert report.count("Variable:0") == 30
     assert len(report.splitlines()) == 1 + len(_records()) + 1
+
+
+def test_stacked_tables_name_their_stack():
+    records = [placement.PlacementRecord(f"f{i}/embeddings:0", "table", (1000, 16), "float32",
+                                         1000 * 16 * 4, PS, stack="stacked_tables_16_float32_0")
+               for i in range(2)]
+    records.append(placement.PlacementRecord("big/embeddings:0", "table", (10**6, 16), "float32",
+                                             10**6 * 16 * 4, PS))
+    for text in (placement.format_summary(records), placement.format_report(records)):
+        lines = [line for line in text.splitlines() if "embeddings" in line]
+        assert [line.endswith("(stacked in stacked_tables_16_float32_0)") for line in lines] == [
+            True, True, False]

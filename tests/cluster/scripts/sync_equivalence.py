@@ -22,7 +22,9 @@ SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 # gradient's row count changes from step to step.
 DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
 # "fused": the strategy looks both tables up together (fuse_lookups=True).
-FUSED = len(sys.argv) > 6 and sys.argv[6] == "fused"
+FUSED = len(sys.argv) > 6 and sys.argv[6] in ("fused", "stacked")
+# "stacked": both tables in one stack (stack_tables=True), looked up together.
+STACKED = len(sys.argv) > 6 and sys.argv[6] == "stacked"
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
@@ -175,12 +177,18 @@ def fused_lookup_gathers(model):
                if op.type == "ResourceGather" and "fused_lookups" in op.name)
 
 
+def sparse_applies_per_graph(model):
+    """Sparse optimizer applies (one per table shard, or per stack shard) in each trace."""
+    return [sum(1 for op in graph.get_operations() if op.type.startswith("ResourceSparseApply"))
+            for graph in traced_graphs(model)]
+
+
 def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
-        fuse_lookups=FUSED)
+        fuse_lookups=FUSED, stack_tables=STACKED)
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
@@ -213,7 +221,28 @@ def main():
     diffs = {w: float(np.abs(a - b).max())
              for a, b, w in zip(got, logical_weights(ref), weight_names(ref))}
     table = model.get_layer("table_a").embeddings
+    checkpoint = {}
+    if STACKED:
+        # The stack is checkpointed table by table: a plain model (one
+        # variable per table, no cluster) loads the tables and their
+        # Adagrad accumulators.
+        import os  # pylint: disable=g-import-not-at-top
+
+        model_dir = os.path.join(os.path.dirname(OUT), "stacked_ckpt")
+        tf_psplugin.CheckpointManager(model_dir, model=model).save(STEPS, final=True)
+        plain = make_model()
+        plain.compile(make_optimizer(), "mse")
+        tf_psplugin.load_into(plain, model_dir, include_optimizer=True)
+        checkpoint["tables"] = max(float(np.abs(a - b).max())
+                                   for a, b in zip(logical_weights(plain), got))
+        slot = model.optimizer.get_slot(model.get_layer("table_b").embeddings, "accumulator")
+        plain_slot = plain.optimizer.get_slot(plain.get_layer("table_b").embeddings,
+                                              "accumulator")
+        checkpoint["accumulator"] = float(np.abs(tf.convert_to_tensor(slot).numpy()
+                                                 - plain_slot.numpy()).max())
+        checkpoint["accumulator_trained"] = float(np.abs(plain_slot.numpy() - 0.1).max())
     report = {
+        "checkpoint": checkpoint,
         "diffs": diffs,
         "replicas_identical": bool(replicas_identical),
         "num_replicas_in_sync": num_workers,
@@ -226,6 +255,9 @@ def main():
         "early_takes": early_takes,
         "collectives_per_graph": collectives_per_graph,
         "fused_lookup_gathers": fused_lookup_gathers(model),
+        "sparse_applies_per_graph": sparse_applies_per_graph(model),
+        "tables_share_shards": all(
+            a is b for a, b in zip(table.variables, model.get_layer("table_b").embeddings.variables)),
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
         "metrics": {k: hist.history[k][0] for k in ("mae", "mse_metric")},

@@ -1,0 +1,282 @@
+"""Table stacking (`table_stacking`) in one process.
+
+The strategy is stood in for by a variable creator that does what
+`HybridExtended._create_table` does: Keras `Embedding` tables become
+`StackedTable`s (stack_tables=True) or `InterleavedShardedVariable`s (off),
+on local "shards". Training must be the same either way, checkpoints must
+carry each table under its own key, and lookups must see each table alone.
+The multi-process check is tests/cluster/test_strategy.py's "stacked" case.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_psplugin import export, lookup_fusion, shard_init, sharding, table_lookups
+from tf_psplugin.placement import base_name
+from tf_psplugin.sharding import InterleavedShardedVariable
+from tf_psplugin.table_stacking import StackedTable, TableStacks
+
+FEATURES, VOCAB, SHARDS = 4, 23, 2
+
+
+def _table_creator(stacks, num_shards=SHARDS):
+    """A creator that makes every `embeddings` variable a table, as the strategy does."""
+
+    def creator(next_creator, **kwargs):
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        if base_name(kwargs.get("name")) != "embeddings":
+            return next_creator(**kwargs)
+        name = kwargs.get("name")
+        make = functools.partial(shard_init.create_shard, next_creator, kwargs)
+        if stacks is not None and stacks.eligible(shape, dtype, num_shards, kwargs):
+            return stacks.add(name, shape, dtype, num_shards,
+                              shard_values=functools.partial(
+                                  sharding.shard_value_fn, kwargs["initial_value"], shape, dtype,
+                                  num_shards=num_shards, name=name),
+                              creator=make)
+        return sharding.create_interleaved(name, shape, dtype, kwargs["initial_value"],
+                                           num_shards, lambda s: None, make)
+
+    return creator
+
+
+def _model(stacks, num_shards=SHARDS, seed=0):
+    """Four int64 id features: three 4-wide tables (23, 23, 31 rows) and one 8-wide."""
+    tf.keras.utils.set_random_seed(seed)
+    with tf.variable_creator_scope(_table_creator(stacks, num_shards)):
+        ids = tf.keras.Input((FEATURES,), dtype="int64")
+        columns = []
+        for f in range(FEATURES):
+            col = tf.keras.layers.Lambda(lambda t, f=f: t[:, f], name=f"ids_{f}")(ids)
+            rows = VOCAB + 8 if f == 2 else VOCAB
+            columns.append(tf.keras.layers.Embedding(rows, 8 if f == 3 else 4,
+                                                     name=f"emb_{f}")(col))
+        x = tf.keras.layers.Concatenate()(columns)
+        x = tf.keras.layers.Dense(5, activation="relu", name="hidden")(x)
+        return tf.keras.Model(ids, tf.keras.layers.Dense(1, name="out")(x))
+
+
+def _batches(n=6, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(tf.constant(rng.integers(0, VOCAB, size=(8, FEATURES)), tf.int64),
+             tf.constant(rng.normal(size=(8, 1)), tf.float32)) for _ in range(n)]
+
+
+def _train(model, optimizer, batches):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+
+    for x, y in batches:
+        step(x, y)
+    return step
+
+
+def _tables(model):
+    return {layer.name: layer.embeddings for layer in model.layers
+            if isinstance(layer, tf.keras.layers.Embedding)}
+
+
+def test_tables_of_one_width_share_one_variable_per_shard():
+    model = _model(TableStacks(lambda s: None))
+    tables = _tables(model)
+    assert all(isinstance(t, StackedTable) for t in tables.values())
+    narrow = [tables[f"emb_{f}"] for f in range(3)]
+    for s in range(SHARDS):
+        assert all(t.variables[s] is narrow[0].variables[s] for t in narrow)
+    assert tables["emb_3"].variables[0] is not narrow[0].variables[0]
+    # Keras lists each stack shard once: 2 stacks x 2 shards + 2 dense layers x 2.
+    assert len(model.trainable_variables) == 2 * SHARDS + 4
+    assert [t.shape.as_list() for t in narrow] == [[VOCAB, 4], [VOCAB, 4], [VOCAB + 8, 4]]
+    assert narrow[0].variables[0].shape.as_list() == [12 + 12 + 16, 4]
+    assert [t.row_offsets for t in narrow] == [(0, 0), (12, 11), (24, 22)]
+    assert len({t._unique_id for t in tables.values()}) == FEATURES
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_training_matches_unstacked_tables(optimizer):
+    make = {"adagrad": lambda: tf.keras.optimizers.legacy.Adagrad(0.3),
+            "adam": lambda: tf.keras.optimizers.Adam(0.05)}[optimizer]
+    stacked, plain = _model(TableStacks(lambda s: None)), _model(None)
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)  # Same initial values, per table.
+    _train(stacked, make(), _batches())
+    _train(plain, make(), _batches())
+    got, want = export.logical_weights(stacked), export.logical_weights(plain)
+    assert [w.shape for w in got] == [w.shape for w in want]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_gather_and_one_apply_per_stack_shard():
+    model = _model(TableStacks(lambda s: None))
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+    step = _train(model, optimizer, _batches(1))
+    graph = step.get_concrete_function(*_batches(1)[0]).graph
+    applies = [op for op in graph.get_operations()
+               if op.type == "ResourceSparseApplyAdagradV2"]
+    # 2 stacks x 2 shards: one apply each (4 tables x 2 shards unstacked).
+    assert len(applies) == 2 * SHARDS
+
+
+def test_lookups_see_one_table():
+    model = _model(TableStacks(lambda s: None))
+    table = _tables(model)["emb_2"]
+    full = table.numpy()
+    assert full.shape == (VOCAB + 8, 4)
+    ids = tf.constant([[30, 0], [7, 29]], tf.int64)
+    np.testing.assert_array_equal(tf.nn.embedding_lookup(table, ids), full[ids.numpy()])
+    np.testing.assert_array_equal(
+        tf.compat.v1.nn.embedding_lookup(table, ids), full[ids.numpy()])
+    np.testing.assert_array_equal(table.sparse_read([3, 30]), full[[3, 30]])
+    np.testing.assert_array_equal(table[5], full[5])
+    np.testing.assert_array_equal(table[3:9], full[3:9])
+    sp = tf.SparseTensor([[0, 0], [0, 1], [2, 0]], tf.constant([1, 30, 4], tf.int64), [3, 2])
+    np.testing.assert_allclose(
+        tf.nn.embedding_lookup_sparse(table, sp, None, combiner="sum"),
+        np.stack([full[1] + full[30], np.zeros(4), full[4]]), rtol=1e-6)
+    safe = tf.nn.safe_embedding_lookup_sparse(table, sp, combiner="sum", default_id=30)
+    np.testing.assert_allclose(safe, np.stack([full[1] + full[30], full[30], full[4]]),
+                               rtol=1e-6)
+    # Looked up together with the other tables of the stack: one gather per shard.
+    tables = [_tables(model)[f"emb_{f}"] for f in range(3)]
+    ids_list = [ids % VOCAB, ids % VOCAB, ids]
+    got = table_lookups.lookup_tables(tables, ids_list)
+    for t, i, g in zip(tables, ids_list, got):
+        np.testing.assert_array_equal(g, t.numpy()[i.numpy()])
+    graph = tf.function(lambda: table_lookups.lookup_tables(tables, ids_list)) \
+        .get_concrete_function().graph
+    assert sum(op.type == "ResourceGather" for op in graph.get_operations()) == SHARDS
+
+
+def test_writes_touch_only_the_table():
+    model = _model(TableStacks(lambda s: None))
+    tables = _tables(model)
+    before = {n: t.numpy() for n, t in tables.items()}
+    new = np.arange(VOCAB * 4, dtype=np.float32).reshape(VOCAB, 4)
+    tables["emb_1"].assign(new)
+    np.testing.assert_array_equal(tables["emb_1"].numpy(), new)
+    tables["emb_1"].scatter_update(tf.IndexedSlices(tf.ones([2, 4]), tf.constant([0, 21])))
+    new[[0, 21]] = 1.0
+    np.testing.assert_array_equal(tables["emb_1"].numpy(), new)
+    for n in ("emb_0", "emb_2", "emb_3"):
+        np.testing.assert_array_equal(tables[n].numpy(), before[n])
+
+
+def _checkpointed(model, optimizer):
+    sharding.install_interleaved_slot_lookup(optimizer)
+    optimizer._create_all_weights(model.trainable_variables)  # pylint: disable=protected-access
+    return tf.train.Checkpoint(model=model, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("target", ["stacked", "interleaved_3", "plain"])
+def test_checkpoint_restores_into_other_layouts(tmp_path, target):
+    stacked = _model(TableStacks(lambda s: None))
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+    _train(stacked, optimizer, _batches())
+    path = _checkpointed(stacked, optimizer).write(str(tmp_path / "ckpt"))
+    keys = {name for name, _ in tf.train.list_variables(path)}
+    for f in range(FEATURES):  # Each table and its slot under the table's own key.
+        assert any(f"layer_with_weights-{f}/embeddings/.ATTRIBUTES" in k for k in keys), keys
+        assert any(f"layer_with_weights-{f}/embeddings/.OPTIMIZER_SLOT" in k for k in keys), keys
+    assert not any("stacked_tables" in k for k in keys)
+
+    if target == "plain":
+        other = tf.keras.models.clone_model(stacked)  # Plain variables, one per table.
+        other.build((None, FEATURES))
+    else:
+        other = _model(TableStacks(lambda s: None) if target == "stacked" else None,
+                       num_shards=SHARDS if target == "stacked" else 3, seed=5)
+    other_opt = tf.keras.optimizers.legacy.Adagrad(0.3)
+    status = _checkpointed(other, other_opt).read(path)
+    status.assert_existing_objects_matched()
+    for a, b in zip(export.logical_weights(other), export.logical_weights(stacked)):
+        np.testing.assert_array_equal(a, b)
+    src, dst = _tables(stacked), _tables(other)
+    for name in src:
+        np.testing.assert_array_equal(
+            tf.convert_to_tensor(other_opt.get_slot(dst[name], "accumulator")),
+            tf.convert_to_tensor(optimizer.get_slot(src[name], "accumulator")))
+
+
+def test_checkpoint_of_unstacked_tables_restores_into_stacks(tmp_path):
+    plain = _model(None, num_shards=3)
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+    _train(plain, optimizer, _batches())
+    path = _checkpointed(plain, optimizer).write(str(tmp_path / "ckpt"))
+    stacked = _model(TableStacks(lambda s: None), seed=9)
+    stacked_opt = tf.keras.optimizers.legacy.Adagrad(0.3)
+    _checkpointed(stacked, stacked_opt).read(path).assert_existing_objects_matched()
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    # Training goes on identically from there.
+    _train(stacked, stacked_opt, _batches(3, seed=4))
+    _train(plain, optimizer, _batches(3, seed=4))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_made_after_slots_starts_a_new_stack():
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+    _train(model, optimizer, _batches(1))
+    # The strategy seals a stack when a slot is made for its shards.
+    for var in model.trainable_variables:
+        stacks.seal(var)
+    late = _model(stacks, seed=3)
+    assert _tables(late)["emb_0"].variables[0] is not _tables(model)["emb_0"].variables[0]
+    assert len(stacks.stacks()) == 4
+
+
+def test_not_stacked():
+    stacks = TableStacks(lambda s: None)
+    shape = tf.TensorShape([100, 4])
+    assert stacks.eligible(shape, tf.float32, 2, {})
+    assert not stacks.eligible(shape, tf.int64, 2, {})
+    assert not stacks.eligible(shape, tf.float32, 1, {})
+    assert not stacks.eligible(tf.TensorShape([100]), tf.float32, 2, {})
+    assert not stacks.eligible(shape, tf.float32, 2, {"trainable": False})
+    assert not stacks.eligible(shape, tf.float32, 2, {"constraint": tf.keras.constraints.NonNeg()})
+    assert not stacks.eligible(tf.TensorShape([1 << 25, 4]), tf.float32, 2, {})
+    with tf.Graph().as_default():
+        assert not stacks.eligible(shape, tf.float32, 2, {})
+    from tf_psplugin.table_stacking import unstacked  # pylint: disable=g-import-not-at-top
+
+    with unstacked():
+        assert not stacks.eligible(shape, tf.float32, 2, {})
+
+
+def test_fused_lookups_of_a_stack_are_one_gather_per_shard(monkeypatch):
+    monkeypatch.setattr(lookup_fusion, "enabled", lambda: True)
+    lookup_fusion.install()
+    model = _model(TableStacks(lambda s: None))
+    x, _ = _batches(1)[0]
+    graph = tf.function(model).get_concrete_function(x).graph
+    gathers = [op for op in graph.get_operations()
+               if op.type == "ResourceGather" and "fused_lookups" in op.name]
+    assert len(gathers) == SHARDS  # The 4-wide stack; the 8-wide table is alone.
+    np.testing.assert_allclose(tf.function(model)(x), _plain_forward(model, x), rtol=1e-6)
+
+
+def _plain_forward(model, x):
+    local = tf.keras.models.clone_model(model)
+    local.set_weights(export.logical_weights(model))
+    return local(x)
+
+
+def test_export_copies_each_table(tmp_path):
+    model = _model(TableStacks(lambda s: None))
+    _train(model, tf.keras.optimizers.legacy.Adagrad(0.3), _batches(2))
+    x, _ = _batches(1, seed=7)[0]
+    path = export.export_saved_model(model, str(tmp_path / "export"))
+    loaded = tf.saved_model.load(path)
+    np.testing.assert_allclose(loaded.signatures["serving_default"](
+        **{model.input_names[0]: x})[model.output_names[0]], model(x), rtol=1e-5)
+    assert isinstance(_tables(model)["emb_0"], InterleavedShardedVariable)
