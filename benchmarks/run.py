@@ -36,7 +36,10 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import dynamic, network, procs, report
 
-THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_async")
+THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_stacked",
+                     "hybrid_async")
+# Setups that run on a PS cluster with the plugin's strategy.
+HYBRID_SETUPS = ("hybrid_sync", "hybrid_sync_stacked", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
                "peak_rss_mb", "steps", "global_batch", "tf_version")
 DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
@@ -189,6 +192,7 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "steps_per_execution": spe or args.steps_per_execution, "steps_per_epoch": warmup,
         "timed_epochs": steps // warmup, "pool_batches": pool or args.pool_batches,
         "embedding_updates": "async" if setup == "hybrid_async" else "sync",
+        "stack_tables": setup == "hybrid_sync_stacked",
         "partition_min_bytes": 1 << 20,
     }
 
@@ -245,7 +249,7 @@ def throughput_records(runs: Dict[str, List[dict]], args, num_workers: int) -> L
             "tf_version": last.get("tf_version"),
             "status": "ok" if ok else "error",
             "num_workers": 1 if setup == "single" else num_workers,
-            "num_ps": args.num_ps if setup in ("stock_pss", "hybrid_sync", "hybrid_async") else 0,
+            "num_ps": args.num_ps if setup in ("stock_pss",) + HYBRID_SETUPS else 0,
             "per_worker_batch": last.get("per_worker_batch", args.global_batch),
             "runs_examples_per_sec": [round(r["examples_per_sec"], 1) for r in ok],
             # Contention-robust companion figure: examples per CPU-second of
