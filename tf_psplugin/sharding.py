@@ -189,6 +189,16 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         """Returns the table as a numpy array in logical row order."""
         return self._logical_value().numpy()
 
+    def _shape_only_lookup(self, ids, max_norm=None):
+        """Rows of the right shape and no value, where only the shape is asked, else None.
+
+        A `table_stacking.StackedTable` returns them while Keras infers a
+        layer's output shape, so that building a model does not make its
+        stack's variables table by table.
+        """
+        del ids, max_norm
+        return None
+
     def _physical_ids(self, ids):
         """Logical ids as the "mod" lookup on `variables` takes them (the same here).
 

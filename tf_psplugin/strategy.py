@@ -470,15 +470,19 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                     self._variable_partitioner = None
         finally:
             self._creating_table = False
-        for shard in var.variables:
-            self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
+        if not isinstance(var, table_stacking.StackedTable):
+            # (A stack's shards are registered when they get their variables:
+            # `_replace_table_shard`.)
+            for shard in var.variables:
+                self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
         self._record(var, "table", devices=[v.device for v in var.variables],
                      stack=getattr(getattr(var, "stack", None), "name", ""))
         return var
 
     def _replace_table_shard(self, old, new) -> None:
-        """A stack shard's variable was replaced by a bigger one (table_stacking)."""
-        self._table_shard_owner.pop(id(old), None)
+        """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
+        if old is not None:
+            self._table_shard_owner.pop(id(old), None)
         self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
 
     def _table_shard_owner_of(self, var) -> int:

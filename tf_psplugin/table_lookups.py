@@ -58,6 +58,9 @@ def _physical_default_id(table, default_id: int) -> int:
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
 def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
+    rows = params._shape_only_lookup(ids, max_norm)  # pylint: disable=protected-access
+    if rows is not None:
+        return rows
     if max_norm is None:
         # Rows a fused lookup of the model's tables already fetched (lookup_fusion).
         from tf_psplugin import lookup_fusion  # pylint: disable=g-import-not-at-top  (a cycle)

@@ -25,12 +25,12 @@ How it stays transparent:
   logical row order: it restores into unstacked tables, any PS count and a
   single process), the placement report and export.
 * **Growth, not planning**: a layer builds its table alone, before the next
-  layer exists. The first table of a group creates the stack; each later
-  one is appended: on each PS a new variable of the new size holds the old
-  rows and the new ones, and the stack's shard (a forwarding variable that
-  Keras and every table hold) points to it from then on. A stack is sealed
-  once an optimizer slot is made for it: a table created after that starts
-  a new stack.
+  layer exists. The first table of a group opens a stack; each later one is
+  appended to it. The stack's shards (forwarding variables that Keras and
+  every table hold) get their variables, of the full size, when first
+  needed (a lookup, a read, a slot, a checkpoint), so each PS allocates a
+  stack once. A stack is sealed once an optimizer slot is made for it: a
+  table created after that starts a new stack.
 
 Which tables stack (`eligible`): 2-D float tables of a strategy with
 ``stack_tables=True``, made eagerly (Keras builds layers eagerly),
@@ -39,11 +39,12 @@ most `MAX_TABLE_BYTES`; a stack stops growing at `MAX_STACK_BYTES`. Not
 stacked: `DynamicEmbedding`'s tables (it addresses its own rows), tables
 made in graph mode (the Estimator path), contiguous sharding.
 
-Private TF API: `ps_values.AggregatingVariable` (TF's forwarding variable,
-which stock PSS wraps PS variables in) is a stack shard, and its `_v` (and
-the inner variable's `_aggregating_container`, which its constructor sets)
-are re-pointed when the stack grows; there is no public variable whose
-storage can be replaced.
+Private TF API: a stack shard is a `ps_values.AggregatingVariable` (TF's
+forwarding variable, which stock PSS wraps PS variables in) whose inner
+variable (`_v`, and the inner's `_aggregating_container`) is set when the
+stack is materialized, and which answers `_get_save_slice_info` for
+`ShardedVariable`; there is no public variable whose storage is made
+later or replaced.
 """
 
 import contextlib
@@ -177,6 +178,26 @@ class StackedTable(InterleavedShardedVariable):
         offsets = tf.constant(self._row_offsets, dtype=ids.dtype)
         return ids + n * tf.gather(offsets, ids % n)
 
+    def _shape_only_lookup(self, ids, max_norm=None):
+        """Zeros of the rows' shape while Keras infers an output shape before the stack exists.
+
+        Keras calls each layer of a functional model as it is built, in a
+        scratch graph named ``<layer>_scratch_graph`` (Keras 2.15 and
+        tf-keras 2.21, `Layer._infer_output_signature` and the functional
+        construction call) whose values are never run: a real lookup there
+        would make the stack's variables before the next table joins, and
+        appending that table would then copy them. Anywhere else, None.
+        """
+        del max_norm
+        stack = self._stack
+        if stack is None or not any(stack.pending):
+            return None
+        graph = tf.compat.v1.get_default_graph()
+        if tf.executing_eagerly() or not graph.name.endswith("_scratch_graph"):
+            return None
+        ids = tf.convert_to_tensor(ids)
+        return tf.zeros(tf.concat([tf.shape(ids), [stack.width]], axis=0), dtype=self.dtype)
+
     def _logical_value(self) -> tf.Tensor:
         if len(self.variables) == 1:  # tf.saved_model.save's one saving variable.
             return tf.convert_to_tensor(self.variables[0])
@@ -255,62 +276,136 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
 class _Stack:
     """The shard variables of one stack and the tables in it.
 
-    Each shard is a `ps_values.AggregatingVariable` (TF's forwarding
-    variable: Keras, the tape and the optimizers see its current inner
-    variable's handle) around a plain variable on its PS. Appending a table
-    makes a new inner variable of the new, fully known shape holding the old
-    rows and the new, and points the wrapper at it; the old one is freed.
-    (A variable of unknown first dimension could grow in place, but the
-    workers of a TF cluster abort on a remote handle of unknown shape:
-    "Check failed: size >= 0 (0 vs. -1)", measured on TF 2.15.1.)
+    A table that joins does not copy the stack: each shard keeps the initial
+    rows of the tables appended since it was last materialized (tensors on
+    its PS) and makes its variable, of the full known shape, from all of
+    them at once when anything first needs it (a lookup, a read, a slot, a
+    checkpoint). Building a model of 26 tables thus writes each shard once,
+    not once per table (appending by copying grew each PS's peak RSS by
+    0.55 GB on the 26-table benchmark model). A table that joins after that
+    costs one copy of the shard.
     """
 
-    def __init__(self, name: str, shards: list, width: int, dtype: tf.DType):
+    def __init__(self, name: str, num_shards: int, width: int, dtype: tf.DType,
+                 device_of: Callable[[int], Optional[str]], creator,
+                 on_replace: Callable[[Optional[tf.Variable], tf.Variable], None]):
         self.name = name
-        self.shards = shards
-        self.rows = [int(v.shape[0]) for v in shards]
         self.width = width
         self.dtype = dtype
+        self.rows = [0] * num_shards
+        self.pending: List[list] = [[] for _ in range(num_shards)]
+        self.shards = [_StackShard(self, s, device_of(s)) for s in range(num_shards)]
+        self._creator = creator
+        self._on_replace = on_replace
         self.sealed = False
+        self.materializations = 0
         self.tables: "weakref.WeakSet[StackedTable]" = weakref.WeakSet()
 
     @property
     def num_bytes(self) -> int:
         return sum(self.rows) * self.width * self.dtype.size
 
-    def append(self, name: str, values: List[tf.Tensor], creator,
-               on_replace: Callable[[tf.Variable, tf.Variable], None]) -> List[int]:
-        """Appends each shard's new rows; returns where they start."""
+    def append(self, shard_values: Callable[[int], Callable[[], tf.Tensor]],
+               counts: Sequence[int]) -> List[int]:
+        """Computes a table's initial rows on each PS; returns where they start in the stack.
+
+        The rows are computed now, so that an initializer draws the same
+        values as for an unstacked table (Keras's unseeded initializers
+        follow the global seed in creation order); they join the stack's
+        variables when it is materialized.
+        """
         offsets = list(self.rows)
-        for s, (shard, value) in enumerate(zip(self.shards, values)):
-            old = shard.get()
-            rows = self.rows[s] + int(value.shape[0])
-            with tf.device(old.device):
-                new = creator(name=f"{self.name}/part_{s}", shape=[rows, self.width],
-                              initial_value=functools.partial(_concat_rows, old, value))
-            _point_to(shard, new)
-            on_replace(old, new)
-            self.rows[s] = rows
+        for s, count in enumerate(counts):
+            with tf.device(self.shards[s].device or None):
+                rows = tf.convert_to_tensor(shard_values(s)(), dtype=self.dtype)
+            self.pending[s].append(rows)
+            self.rows[s] += int(count)
         return offsets
 
+    def materialize(self) -> None:
+        """Makes each shard's variable hold every row appended so far (one allocation)."""
+        if not any(self.pending):
+            return
+        with tf.init_scope():  # Also when first needed while a step is traced.
+            for s, shard in enumerate(self.shards):
+                if not self.pending[s]:
+                    continue
+                old, pieces = shard._inner, list(self.pending[s])  # pylint: disable=protected-access
+                with tf.device(shard.device or None):
+                    new = self._creator(
+                        name=f"{self.name}/part_{s}", shape=[self.rows[s], self.width],
+                        initial_value=functools.partial(_rows_of, old, pieces, self.dtype))
+                shard._inner = new  # pylint: disable=protected-access
+                new._aggregating_container = weakref.ref(shard)  # pylint: disable=protected-access
+                self.pending[s] = []
+                self._on_replace(old, new)
+        self.materializations += 1
 
-def _concat_rows(old: tf.Variable, value: tf.Tensor) -> tf.Tensor:
-    return tf.concat([old.read_value(), tf.cast(value, old.dtype)], axis=0)
+
+def _rows_of(old: Optional[tf.Variable], pieces, dtype) -> tf.Tensor:
+    parts = [old.read_value()] if old is not None else []
+    parts += [tf.cast(piece, dtype) for piece in pieces]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
 class _StackShard(ps_values.AggregatingVariable):
-    """A stack's shard on one PS: forwards to the variable holding its rows now.
+    """A stack's shard on one PS: forwards to the variable that holds its rows.
 
     `AggregatingVariable` is TF's own forwarding variable (stock PSS wraps PS
-    variables in it). Its strategy is the one whose scope made it, as Keras
-    checks before it makes slots; None outside any (a plain variable's, e.g.
-    in one process), where assignments go straight to the variable.
+    variables in it); Keras, the tape and the optimizers use its inner
+    variable's handle. The inner variable is made, or remade bigger, by the
+    stack (`_Stack.materialize`) when first needed; what Keras and
+    `ShardedVariable` ask while a model is built (shape, dtype, device,
+    name, trainable) is answered without it. Its strategy is the one whose
+    scope made it, as Keras checks before it makes slots; None outside any
+    (a plain variable's, e.g. in one process), where assignments go
+    straight to the variable.
     """
 
-    def __init__(self, var: tf.Variable):
-        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    # pylint: disable=super-init-not-called
+    def __init__(self, stack: _Stack, index: int, device: Optional[str]):
+        # Not AggregatingVariable.__init__: there is no inner variable yet.
+        self._distribute_strategy = (tf.distribute.get_strategy()
+                                     if tf.distribute.has_strategy() else None)
         # NONE: cross-replica writes go through the strategy's `update`.
-        super().__init__(strategy, var, tf.VariableAggregation.NONE)
+        self._aggregation = tf.VariableAggregation.NONE
+        self._stack = stack
+        self._index = index
+        self._inner: Optional[tf.Variable] = None
+        self._device = _canonical(device)
+
+    @property
+    def _v(self):
+        if self._inner is None or self._stack.pending[self._index]:
+            self._stack.materialize()
+        return self._inner
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self._stack.rows[self._index], self._stack.width])
+
+    @property
+    def dtype(self):
+        return self._stack.dtype
+
+    @property
+    def device(self):
+        return self._inner.device if self._inner is not None else self._device
+
+    @property
+    def name(self):
+        return f"{self._stack.name}/part_{self._index}:0"
+
+    @property
+    def trainable(self):
+        return True
+
+    @property
+    def synchronization(self):
+        return tf.VariableSynchronization.AUTO
+
+    def _get_save_slice_info(self):
+        return None  # ShardedVariable asks; the stack's tables save themselves.
 
     def _assign_func(self, *args, **kwargs):
         if self._distribute_strategy is None:
@@ -319,14 +414,14 @@ class _StackShard(ps_values.AggregatingVariable):
         return super()._assign_func(*args, **kwargs)
 
 
-def _wrap(var: tf.Variable) -> _StackShard:
-    return _StackShard(var)
-
-
-def _point_to(wrapper, var: tf.Variable) -> None:
-    """Makes `wrapper` forward to `var` (what its constructor sets, for a new inner)."""
-    wrapper._v = var  # pylint: disable=protected-access
-    var._aggregating_container = weakref.ref(wrapper)  # pylint: disable=protected-access
+def _canonical(device: Optional[str]) -> str:
+    """``/job:ps/task:0/device:CPU:0`` as a variable reports it (with ``/replica:0``)."""
+    if not device:
+        return ""
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.job and spec.replica is None:
+        spec = spec.replace(replica=0)
+    return spec.to_string()
 
 
 class TableStacks:
@@ -373,10 +468,11 @@ class TableStacks:
             num_shards: PS shards (>= 2).
             shard_values: ``shard_values(s)()`` is shard ``s``'s initial rows
                 (interleaved: logical rows ``s, s + n, ...``).
-            creator: Creates a stack's inner shard variable from `tf.Variable`
-                keyword arguments (``name``, ``shape``, ``initial_value``).
-            on_replace: Called with (old, new) inner variable of a shard the
-                table's rows were appended to (the old one is then freed).
+            creator: Creates a stack's shard variable from `tf.Variable` keyword
+                arguments (``name``, ``shape``, ``initial_value``), when the
+                stack is materialized (if this table starts a stack).
+            on_replace: Called with (old or None, new) variable of a shard
+                when the stack is materialized (the old one is then freed).
         """
         width = int(shape[1])
         key = (width, dtype.name, num_shards)
@@ -385,39 +481,23 @@ class TableStacks:
         if stack is not None and (stack.sealed or stack.num_bytes + table_bytes > MAX_STACK_BYTES):
             stack = None
         if stack is None:
-            stack = self._new_stack(key, shape, dtype, num_shards, shard_values, creator)
-            offsets = [0] * num_shards
-        else:
-            values = []
-            for s in range(num_shards):
-                with tf.device(self._device_of(s)):
-                    values.append(tf.convert_to_tensor(shard_values(s)(), dtype=dtype))
-            offsets = stack.append(name, values, creator, on_replace)
+            name_ = f"stacked_tables_{width}_{dtype.name}_{self._count}"
+            self._count += 1
+            stack = _Stack(name_, num_shards, width, dtype, self._device_of, creator, on_replace)
+            # Weak: a stack lives as long as a table in it (tables hold it).
+            self._open[key] = weakref.ref(stack)
+            self._all.append(weakref.ref(stack))
+        offsets = stack.append(shard_values,
+                               shard_rows(int(shape[0]), num_shards, SHARDING_INTERLEAVED))
         table = StackedTable(stack.shards, offsets, int(shape[0]), name=name, stack=stack)
         stack.tables.add(table)
         return table
-
-    def _new_stack(self, key, shape, dtype, num_shards, shard_values, creator) -> _Stack:
-        width = int(shape[1])
-        name = f"stacked_tables_{width}_{dtype.name}_{self._count}"
-        self._count += 1
-        shards = []
-        for s, rows in enumerate(shard_rows(int(shape[0]), num_shards, SHARDING_INTERLEAVED)):
-            with tf.device(self._device_of(s)):
-                inner = creator(name=f"{name}/part_{s}", shape=[rows, width],
-                                initial_value=shard_values(s))
-            shards.append(_wrap(inner))
-        stack = _Stack(name, shards, width, dtype)
-        # Weak: a stack lives as long as a table in it (tables hold it).
-        self._open[key] = weakref.ref(stack)
-        self._all.append(weakref.ref(stack))
-        return stack
 
     def stack_of(self, var) -> Optional[_Stack]:
         """The stack whose shard `var` is (the wrapper or its current variable), or None."""
         for stack in self.stacks():
             for shard in stack.shards:
-                if var is shard or var is shard.get():
+                if var is shard or var is shard._inner:  # pylint: disable=protected-access
                     return stack
         return None
 

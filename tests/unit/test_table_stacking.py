@@ -114,6 +114,14 @@ def test_training_matches_unstacked_tables(optimizer):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_each_stack_shard_is_allocated_once():
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    assert [s.materializations for s in stacks.stacks()] == [0, 0]  # Nothing needed them yet.
+    _train(model, tf.keras.optimizers.legacy.Adagrad(0.3), _batches(2))
+    assert [s.materializations for s in stacks.stacks()] == [1, 1]
+
+
 def test_one_gather_and_one_apply_per_stack_shard():
     model = _model(TableStacks(lambda s: None))
     optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
