@@ -149,7 +149,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             stack become one gather per PS (as `fuse_lookups` does). Each
             table stays its own object for lookups, checkpoints (its own
             key, restorable into unstacked tables, any PS count and one
-            process), export and the placement report. Off by default.
+            process), export and the placement report. On by default;
+            False stores every table as its own variable.
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -164,7 +165,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  failover: Optional[failover_lib.FailoverPolicy] = None,
                  log_placement: bool = True, sparse_exchange: str = "ps",
                  pack_on_read_updates: bool = True, fuse_lookups: bool = False,
-                 stack_tables: bool = False):
+                 stack_tables: bool = True):
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "

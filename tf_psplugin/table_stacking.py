@@ -63,8 +63,9 @@ from tf_psplugin.table_layout import _interleave, _range_plan, shard_rows
 __all__ = ["StackedTable", "TableStacks", "MAX_TABLE_BYTES", "MAX_STACK_BYTES", "unstacked"]
 
 # A table larger than this is not stacked: its own ops are a small share of a
-# step next to its rows, and appending it would copy the whole stack.
-MAX_TABLE_BYTES = 256 << 20
+# step next to its rows, and its initial rows would be held twice on its PS
+# while the stack is made (pending rows, then the variable).
+MAX_TABLE_BYTES = 32 << 20
 # A stack stops growing here (each append copies the stack on every PS).
 MAX_STACK_BYTES = 1 << 30
 

@@ -188,7 +188,7 @@ def main():
     logging.set_verbosity(logging.INFO)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
-        fuse_lookups=FUSED, stack_tables=STACKED)
+        fuse_lookups=FUSED, stack_tables=STACKED)  # Off: the other cases keep two tables.
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
