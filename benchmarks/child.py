@@ -11,8 +11,8 @@ with ``job["role"]`` one of:
 * ``single``: plain Keras in this process, no strategy.
 * ``ps_chief``: the chief of a loopback PS cluster started by the parent
   (TF_CONFIG set by `tf_psplugin.launch.LocalCluster`); ``job["setup"]`` is
-  ``stock_pss``, ``hybrid_sync``, ``hybrid_sync_stacked`` (``stack_tables=True``) or
-  ``hybrid_async``.
+  ``stock_pss``, ``hybrid_sync``, ``hybrid_sync_unstacked`` (``stack_tables=False``)
+  or ``hybrid_async``.
 * ``mwms_worker``: one MultiWorkerMirroredStrategy worker (TF_CONFIG set by
   the parent); every worker runs this, worker 0 reports the throughput.
 * ``soak_chief``: a ``ps_chief`` that trains for ``job["duration_seconds"]``
@@ -142,7 +142,7 @@ def _build_ps_chief(job):
             embedding_updates=job["embedding_updates"], log_placement=False,
             sharding=job.get("sharding") or None,
             sparse_exchange=job.get("sparse_exchange", "ps"),
-            stack_tables=bool(job.get("stack_tables", False)))
+            stack_tables=bool(job.get("stack_tables", True)))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.

@@ -209,7 +209,7 @@ def profile_setup(args) -> List[dict]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
     p.add_argument("--setup", default="hybrid_sync",
-                   choices=("stock_pss", "hybrid_sync", "hybrid_sync_stacked", "hybrid_async"))
+                   choices=("stock_pss", "hybrid_sync", "hybrid_sync_unstacked", "hybrid_async"))
     p.add_argument("--variant", default="baseline",
                    choices=("baseline", "fused", "dedup", "fused_dedup", "multitable"))
     p.add_argument("--num_workers", type=int, default=2)

@@ -36,10 +36,12 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import dynamic, network, procs, report
 
-THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_stacked",
+# hybrid_sync_unstacked: hybrid sync with stack_tables=False (every table its
+# own variable), beside the default's stacked tables.
+THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_unstacked",
                      "hybrid_async")
 # Setups that run on a PS cluster with the plugin's strategy.
-HYBRID_SETUPS = ("hybrid_sync", "hybrid_sync_stacked", "hybrid_async")
+HYBRID_SETUPS = ("hybrid_sync", "hybrid_sync_unstacked", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
                "peak_rss_mb", "steps", "global_batch", "tf_version")
 DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
@@ -192,7 +194,7 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "steps_per_execution": spe or args.steps_per_execution, "steps_per_epoch": warmup,
         "timed_epochs": steps // warmup, "pool_batches": pool or args.pool_batches,
         "embedding_updates": "async" if setup == "hybrid_async" else "sync",
-        "stack_tables": setup == "hybrid_sync_stacked",
+        "stack_tables": setup != "hybrid_sync_unstacked",
         "partition_min_bytes": 1 << 20,
     }
 

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from benchmarks import procs, run
 from benchmarks import soak_stats as stats
 
-SETUPS = ("hybrid_sync", "stock_pss", "hybrid_async", "hybrid_sync_stacked")
+SETUPS = ("hybrid_sync", "stock_pss", "hybrid_async", "hybrid_sync_unstacked")
 DEFAULT_SETUPS = ("hybrid_sync", "stock_pss")
 DEFAULT_MINUTES = 20.0
 QUICK_MINUTES = 3.0

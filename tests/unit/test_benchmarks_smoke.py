@@ -52,7 +52,7 @@ def _fake_result(eps, role="chief"):
 
 def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     fake = {"single": 1000.0, "stock_pss": 400.0, "mwms": 300.0, "hybrid_sync": 900.0,
-            "hybrid_sync_stacked": 1200.0, "hybrid_async": 950.0}
+            "hybrid_sync_unstacked": 600.0, "hybrid_async": 950.0}
 
     def fake_run_job(job, args, num_workers, log_dir):
         if job["setup"] == "mwms":
@@ -73,7 +73,7 @@ def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     by = {r["setup"]: r for r in lines}
     assert by["hybrid_sync"]["ratio_to_single"] == 0.9
     assert by["hybrid_sync"]["ratio_to_stock_pss"] == 2.25
-    assert by["hybrid_sync_stacked"]["ratio_to_stock_pss"] == 3.0
+    assert by["hybrid_sync_unstacked"]["ratio_to_stock_pss"] == 1.5
     assert by["mwms"]["status"] == "error" and by["mwms"]["examples_per_sec"] is None
     assert "hybrid_sync" in err and "examples/s" in err
 
@@ -87,7 +87,7 @@ def test_jobs_share_knobs():
         json.dumps(jobs[0]["model"], sort_keys=True)}
     assert [j["role"] for j in jobs] == ["single", "ps_chief", "mwms_worker", "ps_chief",
                                         "ps_chief", "ps_chief"]
-    assert [j["stack_tables"] for j in jobs[3:]] == [False, True, False]
+    assert [j["stack_tables"] for j in jobs[3:]] == [True, False, True]
     assert [j["embedding_updates"] for j in jobs[3:]] == ["sync", "sync", "async"]
 
 
