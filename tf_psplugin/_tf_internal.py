@@ -198,6 +198,7 @@ PRIVATE_ATTRIBUTES = {
     "_variable_specs": "sharded_variable.ShardedVariableSpec",
     "_assign_func": "ps_values.AggregatingVariable",
     "_aggregating_container": "ps_values.AggregatingVariable",
+    "_get_save_slice_info": "tf_variables.Variable",  # asked by ShardedVariable's init
     "_slots": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
     # -- coordinator.py: one closure dispatched to every worker. The stock
     # Closure traces and wraps the function; we reuse its parts per role and

@@ -23,8 +23,9 @@ a huge variable of any other kind off the workers.
 
 import contextlib
 import dataclasses
-import threading
 from typing import Iterable, Optional, Sequence, Tuple
+
+from tf_psplugin._scopes import ThreadScope
 
 SHARDING_INTERLEAVED = "interleaved"
 SHARDING_CONTIGUOUS = "contiguous"
@@ -33,7 +34,7 @@ SHARDING_SCHEMES = (SHARDING_INTERLEAVED, SHARDING_CONTIGUOUS)
 KIND_TABLE = "table"
 KIND_DENSE = "dense"
 
-_scope_state = threading.local()
+_TABLE_SCOPE = ThreadScope()
 
 
 @contextlib.contextmanager
@@ -50,17 +51,13 @@ def embedding_table_scope():
     Yields:
         None.
     """
-    depth = getattr(_scope_state, "depth", 0)
-    _scope_state.depth = depth + 1
-    try:
+    with _TABLE_SCOPE.scope():
         yield
-    finally:
-        _scope_state.depth = depth
 
 
 def in_embedding_table_scope() -> bool:
     """Returns True inside :func:`embedding_table_scope` on this thread."""
-    return getattr(_scope_state, "depth", 0) > 0
+    return _TABLE_SCOPE.active()
 
 
 def base_name(name: Optional[str]) -> str:

@@ -47,14 +47,13 @@ stack is materialized, and which answers `_get_save_slice_info` for
 later or replaced.
 """
 
-import contextlib
 import functools
-import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_psplugin._scopes import ThreadScope
 from tf_psplugin._tf_internal import ps_values, resource_variable_ops, sharded_variable
 from tf_psplugin.placement import SHARDING_INTERLEAVED
 from tf_psplugin.sharding import InterleavedShardedVariable, _LogicalTableSaveable
@@ -69,22 +68,16 @@ MAX_TABLE_BYTES = 32 << 20
 # A stack stops growing here (each append copies the stack on every PS).
 MAX_STACK_BYTES = 1 << 30
 
-_state = threading.local()
+_UNSTACKED = ThreadScope()
 
 
-@contextlib.contextmanager
 def unstacked():
-    """Tables created inside this scope are never stacked (their owner addresses rows)."""
-    depth = getattr(_state, "unstacked", 0)
-    _state.unstacked = depth + 1
-    try:
-        yield
-    finally:
-        _state.unstacked = depth
+    """Tables created inside this scope are never stacked (their owner addresses rows).
 
-
-def _in_unstacked_scope() -> bool:
-    return getattr(_state, "unstacked", 0) > 0
+    Returns:
+        A context manager.
+    """
+    return _UNSTACKED.scope()
 
 
 class StackedTable(InterleavedShardedVariable):
@@ -441,7 +434,7 @@ class TableStacks:
     def eligible(self, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
                  kwargs: dict) -> bool:
         """Whether a table with these creation arguments is stacked (see the module doc)."""
-        if _in_unstacked_scope() or not tf.executing_eagerly() or num_shards < 2:
+        if _UNSTACKED.active() or not tf.executing_eagerly() or num_shards < 2:
             return False
         if shape.rank != 2 or not shape.is_fully_defined() or not dtype.is_floating:
             return False

@@ -29,12 +29,13 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
+from tf_psplugin._scopes import ThreadScope
 from tf_psplugin._tf_internal import coordinator_context, ps_values, save_context
 
 _GRAPH_USES_ATTR = "_tf_psplugin_replicated_uses"
 _GRAPH_PENDING_ATTR = "_tf_psplugin_pending_table_updates"
 
-_local = threading.local()
+_IN_UPDATE = ThreadScope()  # Inside one variable's optimizer update.
 
 
 def outermost_function_graph(graph=None):
@@ -97,12 +98,8 @@ def _close_step() -> Optional[list]:
 @contextlib.contextmanager
 def inside_variable_update():
     """Marks writes as part of one variable's optimizer update (not step end)."""
-    depth = getattr(_local, "update_depth", 0)
-    _local.update_depth = depth + 1
-    try:
+    with _IN_UPDATE.scope():
         yield
-    finally:
-        _local.update_depth = depth
 
 
 class ReplicatedVariable(ps_values.PerWorkerVariable):
@@ -280,7 +277,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
 
     def _barrier_deps(self):
         if (tf.executing_eagerly() or self._end_of_step_fn is None
-                or getattr(_local, "update_depth", 0)):
+                or _IN_UPDATE.active()):
             return []
         pending = _close_step()
         if pending is None:
