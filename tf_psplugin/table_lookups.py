@@ -260,13 +260,18 @@ def lookup_tables(tables, ids_list, name=None):
 
 def _fused_interleaved_lookup(tables, ids_list, num_shards):
     ids_list = [tf.cast(tf.convert_to_tensor(i), tf.int64) for i in ids_list]
-    # Stacked tables' ids shifted to their rows in the stack (table_stacking).
-    flat = [tf.reshape(t._physical_ids(i), [-1])  # pylint: disable=protected-access
-            for t, i in zip(tables, ids_list)]
+    flat = [tf.reshape(i, [-1]) for i in ids_list]
     sizes = [tf.size(f, out_type=tf.int64) for f in flat]
     all_ids = tf.concat(flat, axis=0)
     table_of = tf.concat(
         [tf.fill([s], tf.constant(t, tf.int32)) for t, s in enumerate(sizes)], axis=0)
+    offsets = [getattr(t, "row_offsets", None) or (0,) * num_shards for t in tables]
+    if any(any(o) for o in offsets):
+        # Stacked tables (table_stacking): every id shifted to its table's
+        # rows in the stack, as `_physical_ids` does, in one gather for all.
+        flat_offsets = tf.constant([o for row in offsets for o in row], tf.int64)  # [T * n]
+        slot = tf.cast(table_of, tf.int64) * num_shards + all_ids % num_shards
+        all_ids = all_ids + num_shards * tf.gather(flat_offsets, slot)
     shard = tf.cast(all_ids % num_shards, tf.int32)  # Logical row i lives on shard i % n ...
     local = all_ids // num_shards                     # ... at position i // n.
     positions = tf.range(tf.size(all_ids, out_type=tf.int32))

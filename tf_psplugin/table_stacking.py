@@ -65,7 +65,8 @@ __all__ = ["StackedTable", "TableStacks", "MAX_TABLE_BYTES", "MAX_STACK_BYTES", 
 # step next to its rows, and its initial rows would be held twice on its PS
 # while the stack is made (pending rows, then the variable).
 MAX_TABLE_BYTES = 32 << 20
-# A stack stops growing here (each append copies the stack on every PS).
+# A stack stops growing here: a table joining a stack whose variables exist
+# copies them, and the pending rows of a stack not yet made are held twice.
 MAX_STACK_BYTES = 1 << 30
 
 _UNSTACKED = ThreadScope()
