@@ -470,7 +470,8 @@ def install_interleaved_slot_lookup(optimizer):
                     name: table for name in optimizer.get_slot_names()}
 
     optimizer.get_slot = get_slot
-    optimizer._create_slots_for_sharded_variables = _create_slots_for_sharded_variables  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    optimizer._create_slots_for_sharded_variables = _create_slots_for_sharded_variables
     optimizer._tf_psplugin_slot_fix = True  # pylint: disable=protected-access
     return optimizer
 

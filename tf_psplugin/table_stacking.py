@@ -134,7 +134,8 @@ class StackedTable(InterleavedShardedVariable):
     @property
     def _unique_id(self):
         # Every table of a stack shares shard 0: the id must name the table.
-        return f"{self._variables[0]._unique_id}_stacked_{self._row_offsets[0]}"  # pylint: disable=protected-access
+        shard_id = self._variables[0]._unique_id  # pylint: disable=protected-access
+        return f"{shard_id}_stacked_{self._row_offsets[0]}"
 
     @property
     def _type_spec(self):
@@ -325,7 +326,8 @@ class _Stack:
             for s, shard in enumerate(self.shards):
                 if not self.pending[s]:
                     continue
-                old, pieces = shard._inner, list(self.pending[s])  # pylint: disable=protected-access
+                old = shard._inner  # pylint: disable=protected-access
+                pieces = list(self.pending[s])
                 with tf.device(shard.device or None):
                     new = self._creator(
                         name=f"{self.name}/part_{s}", shape=[self.rows[s], self.width],

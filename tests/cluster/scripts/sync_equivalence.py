@@ -257,7 +257,8 @@ def main():
         "fused_lookup_gathers": fused_lookup_gathers(model),
         "sparse_applies_per_graph": sparse_applies_per_graph(model),
         "tables_share_shards": all(
-            a is b for a, b in zip(table.variables, model.get_layer("table_b").embeddings.variables)),
+            a is b
+            for a, b in zip(table.variables, model.get_layer("table_b").embeddings.variables)),
         "loss": hist.history["loss"][0],
         "ref_loss": ref_hist.history["loss"][0],
         "metrics": {k: hist.history[k][0] for k in ("mae", "mse_metric")},
