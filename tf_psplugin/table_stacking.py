@@ -55,6 +55,7 @@ import tensorflow as tf
 
 from tf_psplugin._scopes import ThreadScope
 from tf_psplugin._tf_internal import ps_values, resource_variable_ops, sharded_variable
+from tf_psplugin import table_lookups
 from tf_psplugin.placement import SHARDING_INTERLEAVED
 from tf_psplugin.sharding import InterleavedShardedVariable, _LogicalTableSaveable
 from tf_psplugin.table_layout import _interleave, _range_plan, shard_rows
@@ -120,6 +121,10 @@ class StackedTable(InterleavedShardedVariable):
             trainable=self._variables[0].trainable,
             synchronization=tf.VariableSynchronization.NONE,
             aggregation=tf.VariableAggregation.NONE)
+        # What InterleavedShardedVariable.__init__ does: without it, v1 safe
+        # lookups (feature columns) of a process whose first table is
+        # stacked would go to TF's ShardedVariable dispatcher, unshifted.
+        table_lookups.install_safe_lookup_v1_override()
 
     @property
     def stack(self):

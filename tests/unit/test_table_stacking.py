@@ -309,3 +309,63 @@ def test_new_optimizer_slots_restore_into_the_same_stacking(tmp_path):
     _train(other, other_opt, _batches(2, seed=4))
     for a, b in zip(export.logical_weights(other), export.logical_weights(model)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+_FEATURE_COLUMNS = r'''
+import functools, sys
+import numpy as np
+import tensorflow as tf
+from tf_psplugin import shard_init, sharding
+from tf_psplugin.table_stacking import TableStacks
+
+def creator_for(stacks):
+    def creator(next_creator, **kwargs):
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        if not (kwargs.get("name") or "").endswith("embedding_weights"):
+            return next_creator(**kwargs)
+        name = kwargs["name"]
+        make = functools.partial(shard_init.create_shard, next_creator, kwargs)
+        if stacks is not None:
+            return stacks.add(name, shape, dtype, 2, creator=make, shard_values=functools.partial(
+                sharding.shard_value_fn, kwargs["initial_value"], shape, dtype, num_shards=2,
+                name=name))
+        return sharding.create_interleaved(name, shape, dtype, kwargs["initial_value"], 2,
+                                           lambda s: None, make)
+    return creator
+
+def train(stacks):
+    tf.keras.utils.set_random_seed(0)
+    columns = [tf.feature_column.embedding_column(
+        tf.feature_column.categorical_column_with_identity(f"c{i}", 20), 4) for i in range(3)]
+    with tf.variable_creator_scope(creator_for(stacks)):
+        inputs = {f"c{i}": tf.keras.Input((1,), dtype="int64", name=f"c{i}") for i in range(3)}
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(
+            tf.keras.layers.DenseFeatures(columns)(inputs)))
+    rng = np.random.default_rng(0)
+    feats = {f"c{i}": tf.constant(rng.integers(0, 20, size=(8, 1)), tf.int64) for i in range(3)}
+    y = tf.constant(rng.normal(size=(8, 1)), tf.float32)
+    opt = tf.keras.optimizers.legacy.SGD(0.5)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(feats) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    return model(feats).numpy()
+
+# The stacked model first: nothing unstacked has been made in this process.
+stacked = train(TableStacks(lambda s: None))
+print("RESULT", float(np.abs(stacked - train(None)).max()))
+'''
+
+
+def test_feature_column_embeddings_of_a_process_whose_first_table_is_stacked(tmp_path):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    script = tmp_path / "feature_columns.py"
+    script.write_text(_FEATURE_COLUMNS)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    diff = float(result.stdout.split("RESULT")[-1])
+    assert diff <= 1e-5, diff
