@@ -217,9 +217,12 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         """
         if not isinstance(fn, (tf.types.experimental.GenericFunction,
                                tf.types.experimental.ConcreteFunction)):
+            # Stock's message first, word for word (users' `except` clauses
+            # and TF's own tests match it), then what to do.
             raise TypeError(
-                "HybridClusterCoordinator.schedule only accepts a `tf.function` or a concrete "
-                f"function, got {type(fn).__name__}. Fix: decorate it with @tf.function.")
+                "`tf.distribute.experimental.coordinator.ClusterCoordinator.schedule` only "
+                f"accepts a `tf.function` or a concrete function. Got {type(fn).__name__}; "
+                "fix: decorate it with @tf.function.")
         self._maybe_log_placement()
         if not self._synchronous:
             return super().schedule(fn, args=args, kwargs=kwargs)
@@ -263,17 +266,36 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         shared by every worker as it is.
         """
         extended = self.strategy.extended
+        on_read = extended.on_read_updates
+        traced = on_read.step_function(fn)
+        while True:
+            closures, left_pending = self._trace_each_role(traced, args, kwargs)
+            if not left_pending:
+                return closures
+            # A trace ended with ON_READ updates pending (a metric updated
+            # after the gradients and never read in the step): trace a
+            # replacement that writes them (see on_read_updates.py).
+            traced = on_read.replacement_for(fn, traced, left_pending)
+
+    def _trace_each_role(self, fn, args, kwargs):
+        """`_trace_per_role` for one function.
+
+        Returns:
+            (closures, names): the closures, or None and the names of the
+            ON_READ variables whose updates a trace left pending.
+        """
+        extended = self.strategy.extended
         per_role = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
             fn, tf.types.experimental.ConcreteFunction)
-        extended.on_read_updates.check_usable(fn)
+        on_read = extended.on_read_updates
         with self.strategy.scope():
             extended._being_scheduled = True  # pylint: disable=protected-access
             extended.tracing_sync_step = True
             try:
                 if not per_role:
                     closure = self._new_closure(fn, args, kwargs)
-                    extended.on_read_updates.check_flushed(fn)
-                    return [closure] * self._num_workers
+                    left = on_read.left_pending()
+                    return (None, left) if left else ([closure] * self._num_workers, [])
                 by_leader = {}
                 with extended.collective_group.same_keys_per_trace():
                     for leader in self._role_leaders():
@@ -282,10 +304,12 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                             with tf.device(leader.device_name):
                                 by_leader[id(leader)] = self._new_closure(fn, args, kwargs)
                             # A trace (if any) is over: nothing may be left pending.
-                            extended.on_read_updates.check_flushed(fn)
-                return [by_leader[id(leader)] for leader in self._role_leaders()]
+                            left = on_read.left_pending()
+                            if left:
+                                return None, left
+                return [by_leader[id(leader)] for leader in self._role_leaders()], []
             finally:
-                extended.on_read_updates.discard()
+                on_read.discard()
                 extended._being_scheduled = False  # pylint: disable=protected-access
                 extended.tracing_sync_step = False
                 extended.tracing_worker_index = None

@@ -19,10 +19,18 @@ other pending delta:
   update's result used as a value): one packed all-reduce for everything
   pending in that graph (`flush_if_pending`); Keras reads every metric at the
   end of its train and test steps;
-* never later: a traced step that ends with an update still pending raises
-  `StrategyError` naming the variable (`check_flushed`); its fix is to read
-  the variable in the step or to construct the strategy with
-  ``pack_on_read_updates=False``.
+* **at the end of the step**, for a step that updates a variable after its
+  gradient all-reduce and never reads it again (TensorFlow's PSS tutorial
+  updates its accuracy metric after `apply_gradients`, and reads
+  `result()` only after `join()`): no trace can flush those. The
+  coordinator then traces the user's Python function again, wrapped so
+  that whatever is still pending when it returns is written with one
+  packed all-reduce (`replacement_for`); should an update still be left
+  (pending in a loop body that has ended), a third trace applies every
+  update of that function where it happens, as with packing off. Packing
+  is an optimisation, never a precondition: no step is refused for it.
+  Only a concrete function, which has no Python function to trace again,
+  cannot be mended: it raises `StrategyError` naming the variable.
 
 What is deferred is only the write: every delta is computed where the user
 computed it. An update made in a branch of a `tf.cond` (a graph that is
@@ -32,7 +40,9 @@ Variables with aggregation ``NONE`` or ``ONLY_FIRST_REPLICA`` are updated
 locally, unreduced, as before.
 """
 
+import functools
 import threading
+import weakref
 from typing import Callable, Dict, List, NamedTuple
 
 import tensorflow as tf
@@ -119,8 +129,10 @@ class OnReadUpdates:
         self._num_workers = int(num_workers)
         self.enabled = bool(enabled)
         self._pending: Dict[object, List[_Pending]] = {}  # graph -> updates, in order
-        # id(function) -> (function, error): functions whose trace lost an update.
-        self._unusable: Dict[int, tuple] = {}
+        # A user's step function -> the tf.function traced in its place
+        # (`replacement_for`); weak, so a dropped step function is forgotten.
+        self._replacements = weakref.WeakKeyDictionary()
+        self._stages = weakref.WeakKeyDictionary()  # replacement -> 1 (flush at end) or 2
         self._local = threading.local()
 
     def update(self, var, delta, apply: Callable, read_value: bool):
@@ -142,7 +154,8 @@ class OnReadUpdates:
             return apply(delta)
         delta = tf.convert_to_tensor(delta, dtype=var.dtype)
         graph = tf.compat.v1.get_default_graph()
-        if not self.enabled or type(graph).__name__ not in _DEFERRABLE_GRAPHS:
+        if (not self.enabled or getattr(self._local, "unpacked", False)
+                or type(graph).__name__ not in _DEFERRABLE_GRAPHS):
             return self._reduce_and_apply([_Pending(var, delta, apply)])[0]
         self._pending.setdefault(graph, []).append(_Pending(var, delta, apply))
         with tf.control_dependencies([delta]):
@@ -196,35 +209,85 @@ class OnReadUpdates:
             with graph.as_default():
                 self._reduce_and_apply(pending)
 
-    def check_flushed(self, fn) -> None:
-        """Raises if the trace of `fn` ended with updates still pending (then forgets them).
+    def left_pending(self) -> List[str]:
+        """Names of the variables whose updates a finished trace left pending.
 
-        `fn` is remembered: its traced graph stays cached by TensorFlow, so
-        scheduling it again (`check_usable`) raises the same error instead of
-        running a step that loses the update.
+        Forgets those updates: the trace that recorded them is over, so they
+        could never be written. The caller traces the step again, with
+        `replacement_for`.
         """
-        if not self._pending:
-            return
         names = sorted({p.var.name for pending in self._pending.values() for p in pending})
         self._pending.clear()
-        self._unusable[id(fn)] = (fn, self._lost_update_error(names))
-        raise self._unusable[id(fn)][1]
+        return names
 
-    def check_usable(self, fn) -> None:
-        """Raises `check_flushed`'s error again for a function it rejected."""
-        if id(fn) in self._unusable:
-            raise self._unusable[id(fn)][1]
+    def step_function(self, fn):
+        """The function to trace when `fn` is scheduled: `fn`, or its replacement."""
+        try:
+            return self._replacements.get(fn, fn)
+        except TypeError:  # Not weakly referenceable: never replaced.
+            return fn
+
+    def replacement_for(self, fn, traced, names: List[str]):
+        """A tf.function to schedule instead of `fn`, whose trace `traced` left updates pending.
+
+        The first replacement runs `fn`'s Python function and then writes
+        every update still pending in the step's graph, with one packed
+        all-reduce. If `traced` was already that replacement (an update was
+        left in a loop body), the second applies each update of the step
+        where it happens. Both keep `fn`'s input signature.
+
+        Args:
+            fn: The function the user scheduled.
+            traced: What was traced for it (`fn` or an earlier replacement).
+            names: The variables left pending (for the error message).
+
+        Returns:
+            The replacement, remembered for later `schedule` calls of `fn`.
+
+        Raises:
+            StrategyError: `fn` is a concrete function (it cannot be traced
+                again), or even the unpacked replacement left updates pending.
+        """
+        python_function = getattr(fn, "python_function", None)
+        stage = self._stages.get(traced, 0)
+        if python_function is None or stage >= 2:
+            raise self._lost_update_error(names, concrete=python_function is None)
+        unpacked = stage == 1
+        local = self._local
+
+        @functools.wraps(python_function)
+        def step(*args, **kwargs):
+            previous = getattr(local, "unpacked", False)
+            local.unpacked = unpacked
+            try:
+                outputs = python_function(*args, **kwargs)
+            finally:
+                local.unpacked = previous
+            pending = self.take()  # What the step never read again.
+            if pending:
+                self._reduce_and_apply(pending)
+            return outputs
+
+        replacement = tf.function(step, input_signature=fn.input_signature)
+        self._stages[replacement] = stage + 1
+        try:
+            self._replacements[fn] = replacement
+        except TypeError:  # Not weakly referenceable: replaced for this call only.
+            pass
+        return replacement
 
     @staticmethod
-    def _lost_update_error(names) -> StrategyError:
+    def _lost_update_error(names, concrete: bool) -> StrategyError:
+        why = ("it is a concrete function, which tf_psplugin cannot trace again to write "
+               "those updates at the end of the step. Fix: schedule the tf.function itself"
+               if concrete else
+               "even a trace with every update applied where it happens left them pending "
+               "(please report this with the step's code). Fix")
         return StrategyError(
             f"the traced step updated {', '.join(map(repr, names))} (ON_READ: metric "
-            "accumulators or batch-norm statistics) after its gradient all-reduce and "
-            "never used them again, so the update would be lost: tf_psplugin applies "
-            "such updates, packed into one all-reduce, when the step next reads them. "
-            "Fix: read them in the step (Keras's train_step returns every metric's "
-            "result()), or pass pack_on_read_updates=False to "
-            "HybridParameterServerStrategy (one all-reduce per update).")
+            f"accumulators or batch-norm statistics) and never used them again, and {why}, "
+            "or pass pack_on_read_updates=False to HybridParameterServerStrategy (one "
+            "all-reduce per update, where it happens).")
 
     def discard(self) -> None:
         """Forgets pending updates (a trace that failed)."""

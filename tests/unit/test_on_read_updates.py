@@ -3,7 +3,8 @@
 The stand-in "all-reduce" multiplies by the group size (every worker
 contributed the same delta) and counts its calls, so these tests check the
 contract: when an update is written, with how many collectives, in which
-graph, and that a step cannot silently lose one. The cluster tests check
+graph, and that a step never loses one (an update the step never reads
+again is written by a replacement trace, as the coordinator does). The cluster tests check
 the real step (tests/cluster/test_strategy.py: metrics equal to
 single-process training, collectives per step).
 """
@@ -72,7 +73,7 @@ def test_updates_wait_and_ride_in_one_collective_with_the_gradient():
         return summed[0]
 
     step()
-    updates.check_flushed(step)
+    assert updates.left_pending() == []
     assert group.collectives == 1
     assert total.v.numpy() == 2.0 * WORKERS and count.v.numpy() == 1.0 * WORKERS
 
@@ -88,7 +89,7 @@ def test_a_read_writes_everything_pending_with_one_collective():
         return b.read_value()  # reads b: a, b and c are written first
 
     assert step().numpy() == 2.0 * WORKERS
-    updates.check_flushed(step)
+    assert updates.left_pending() == []
     assert group.collectives == 1
     assert [v.v.numpy() for v in (a, b, c)] == [1.0 * WORKERS, 2.0 * WORKERS, 3.0 * WORKERS]
 
@@ -133,7 +134,7 @@ def test_an_update_in_a_cond_branch_is_reduced_on_the_spot():
         return tf.constant(0.0)
 
     step(tf.constant(True))
-    updates.check_flushed(step)  # nothing left pending
+    assert updates.left_pending() == []  # nothing left pending
     assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
 
 
@@ -149,11 +150,75 @@ def test_updates_in_a_loop_body_are_flushed_there():
         return out
 
     assert steps().numpy() == 4.0 * WORKERS
-    updates.check_flushed(steps)
+    assert updates.left_pending() == []
     assert group.collectives == 1  # traced once, in the loop body
 
 
-def test_a_step_that_never_uses_its_update_again_is_refused_every_time():
+def _trace_like_the_coordinator(updates, fn):
+    """What HybridClusterCoordinator does: trace, and trace a replacement while
+    a trace leaves updates pending. Returns the function it would run."""
+    traced = updates.step_function(fn)
+    for _ in range(3):
+        traced.get_concrete_function()
+        left = updates.left_pending()
+        if not left:
+            return traced
+        traced = updates.replacement_for(fn, traced, left)
+    raise AssertionError("still pending after the unpacked replacement")
+
+
+def test_an_update_never_used_again_is_written_at_the_end_of_the_step():
+    # TF's PSS tutorial: accuracy.update_state after apply_gradients, read
+    # only after join().
+    group, updates, (total, count) = _setup("total", "count")
+
+    @tf.function
+    def step():
+        total.assign_add(2.0)
+        count.assign_add(1.0)
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, step)
+    assert run is not step and updates.step_function(step) is run  # remembered
+    assert group.collectives == 1  # both written with one packed all-reduce
+    run()
+    assert total.v.numpy() == 2.0 * WORKERS and count.v.numpy() == 1.0 * WORKERS
+    run()
+    assert total.v.numpy() == 4.0 * WORKERS  # every step, not only the first
+    assert _trace_like_the_coordinator(updates, step) is run  # no new trace
+
+
+def test_an_update_left_in_a_loop_body_is_applied_where_it_happens():
+    group, updates, (a,) = _setup("a")
+
+    @tf.function
+    def steps():
+        for _ in tf.range(4):
+            a.assign_add(1.0)
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, steps)
+    run()
+    assert a.v.numpy() == 4.0 * WORKERS
+    assert updates.left_pending() == []
+
+
+def test_the_replacement_keeps_the_input_signature():
+    _, updates, (a,) = _setup("a")
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.float32)])
+    def step(x):
+        a.assign_add(x)
+        return x
+
+    step.get_concrete_function()
+    run = updates.replacement_for(step, step, updates.left_pending())
+    assert run.input_signature == step.input_signature
+    run(tf.constant(3.0))
+    assert a.v.numpy() == 3.0 * WORKERS
+
+
+def test_a_concrete_function_that_loses_an_update_is_refused():
     _, updates, (a,) = _setup("auc/true_positives")
 
     @tf.function
@@ -161,12 +226,11 @@ def test_a_step_that_never_uses_its_update_again_is_refused_every_time():
         a.assign_add(1.0)
         return tf.constant(0.0)
 
-    step.get_concrete_function()
-    with pytest.raises(StrategyError, match=r"'auc/true_positives'.*pack_on_read_updates=False"):
-        updates.check_flushed(step)
-    with pytest.raises(StrategyError, match="auc/true_positives"):
-        updates.check_usable(step)  # TF keeps the traced graph: a rerun must not run it
-    updates.check_usable(tf.function(lambda: 0))  # other functions are fine
+    concrete = step.get_concrete_function()
+    left = updates.left_pending()
+    assert left == ["auc/true_positives"]
+    with pytest.raises(StrategyError, match=r"'auc/true_positives'.*concrete function"):
+        updates.replacement_for(concrete, concrete, left)
 
 
 def test_with_packing_off_every_update_is_reduced_where_it_happens():
@@ -179,5 +243,5 @@ def test_with_packing_off_every_update_is_reduced_where_it_happens():
         return tf.constant(0.0)
 
     step()
-    updates.check_flushed(step)
+    assert updates.left_pending() == []
     assert group.collectives == 2 and a.v.numpy() == b.v.numpy() == 1.0 * WORKERS
