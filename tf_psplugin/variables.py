@@ -30,7 +30,7 @@ from typing import Callable, List, Optional
 import tensorflow as tf
 
 from tf_psplugin._scopes import ThreadScope
-from tf_psplugin._tf_internal import coordinator_context, ps_values, save_context
+from tf_psplugin._tf_internal import context, coordinator_context, ps_values, save_context
 
 _GRAPH_USES_ATTR = "_tf_psplugin_replicated_uses"
 _GRAPH_PENDING_ATTR = "_tf_psplugin_pending_table_updates"
@@ -199,7 +199,12 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     @property
     def handle(self):
         if tf.executing_eagerly() or _in_save_context():
-            self._on_eager_access()
+            # A SavedModel export (ModelCheckpoint's default) asks for the
+            # handle while its v1 export graph is the default graph: the pull
+            # from the workers is eager work, so it runs in eager mode
+            # (tf.init_scope does not leave a v1 graph).
+            with context.eager_mode():
+                self._on_eager_access()
             return self._coordinator_instance.handle
         if self._graph_use_fn is not None:
             self._graph_use_fn(self)
