@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence
 from benchmarks import dynamic, network, procs, report
 
 # hybrid_sync_unstacked: hybrid sync with stack_tables=False (every table its
-# own variable), beside the default's stacked tables.
+# own variable; the strategy's default), beside hybrid_sync's stacked tables
+# (stack_tables=True, opt-in).
 THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_unstacked",
                      "hybrid_async")
 # Setups that run on a PS cluster with the plugin's strategy.

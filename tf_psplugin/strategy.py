@@ -146,11 +146,13 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             as one variable per PS (a stack; see `table_stacking.py`): one
             gather, one optimizer apply and one set of slots per PS and step
             instead of one per table; a functional model's lookups of one
-            stack become one gather per PS (as `fuse_lookups` does). Each
-            table stays its own object for lookups, checkpoints (its own
-            key, restorable into unstacked tables, any PS count and one
-            process), export and the placement report. On by default;
-            False stores every table as its own variable.
+            stack become one gather per PS (as `fuse_lookups` does). Off by
+            default, because a Keras program can tell: a stacked layer's
+            `weights`, `trainable` flag and regularizer cover the whole stack,
+            and two models built in one scope share it (docs/api.md lists
+            every difference). Turn it on for a model whose tables are all
+            trainable, unregularized and unconstrained, and whose weights
+            are read through checkpoints or `export.logical_weights`.
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -165,7 +167,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  failover: Optional[failover_lib.FailoverPolicy] = None,
                  log_placement: bool = True, sparse_exchange: str = "ps",
                  pack_on_read_updates: bool = True, fuse_lookups: bool = False,
-                 stack_tables: bool = True):
+                 stack_tables: bool = False):
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "

@@ -32,6 +32,11 @@ How it stays transparent:
   stack once. A stack is sealed once an optimizer slot is made for it: a
   table created after that starts a new stack.
 
+Off by default (the strategy's ``stack_tables=False``): every member layer
+reports the stack's shards as its own weights, so Keras's per-layer view
+(`weights`, `trainable`, regularizers, two models in one scope) covers the
+whole stack; docs/api.md lists the differences.
+
 Which tables stack (`eligible`): 2-D float tables of a strategy with
 ``stack_tables=True``, made eagerly (Keras builds layers eagerly),
 interleaved over 2 or more PS tasks, trainable, with no constraint, of at

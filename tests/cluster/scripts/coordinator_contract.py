@@ -67,7 +67,9 @@ def check_schedule_rejects_python_functions(coordinator, it):
     try:
         coordinator.schedule(lambda i: 1, args=(it,))
     except TypeError as e:
-        check("schedule_typeerror", "tf.function" in str(e), e)
+        # Stock's message, which users' `except` clauses and TF's tests match.
+        check("schedule_typeerror",
+              "only accepts a `tf.function` or a concrete function" in str(e), e)
     else:
         check("schedule_typeerror", False, "a Python function was accepted")
 
