@@ -23,6 +23,7 @@ CHECKS = (
     "error_raised_once",  # Raised by one join, not again.
     "pending_cancelled",  # Steps scheduled before the raise are cancelled.
     "per_worker_dataset_freed",
+    "repeated_iterators_released",  # TF's testRepeatedIteratorCreation.
     "second_strategy_trains",  # Two strategies in one process (collective keys).
 )
 

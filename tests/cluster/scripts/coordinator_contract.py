@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin import failover
-from tf_psplugin._tf_internal import cluster_coordinator
+from tf_psplugin._tf_internal import cluster_coordinator, coordinator_values
 
 ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
 
@@ -146,6 +146,46 @@ def check_per_worker_dataset_freed(coordinator):
           [gc.get_referrers(r())[:3] for r in alive])
 
 
+def check_repeated_iterators_released(coordinator):
+    """TF's ClusterCoordinatorTest.testRepeatedIteratorCreation, in our words.
+
+    Ten rounds of two new iterators each; once the last ones are dropped, no
+    per-worker resource made since the check began, but variables (the strategy's own step counters and
+    replicas are per-worker variables, which stock PSS's test has none of)
+    is still alive on any worker.
+    """
+    def alive_resources():
+        return {id(r()): type(r()).__name__
+                for w in coordinator._cluster.workers  # pylint: disable=protected-access
+                for r in w._resource_remote_value_refs  # pylint: disable=protected-access
+                if r() is not None and not isinstance(r(), coordinator_values.RemoteVariable)}
+
+    def input_fn():
+        return tf.data.Dataset.range(1, 100)
+
+    before = alive_resources()  # The iterators of the checks before this one.
+    d1 = coordinator.create_per_worker_dataset(input_fn)
+    d2 = coordinator.create_per_worker_dataset(input_fn)
+
+    @tf.function
+    def worker_fn(iterator1, iterator2):
+        return next(iterator1) + next(iterator2)
+
+    for _ in range(10):
+        it1, it2 = iter(d1), iter(d2)
+        result = coordinator.schedule(worker_fn, args=(it1, it2))
+        for _ in range(10):
+            coordinator.schedule(worker_fn, args=(it1, it2))
+        coordinator.join()
+        if result.fetch() < 2:
+            check("repeated_iterators_released", False, result.fetch())
+            return
+    del it1, it2, d1, d2, result
+    gc.collect()
+    alive = [name for key, name in alive_resources().items() if key not in before]
+    check("repeated_iterators_released", not alive, alive)
+
+
 def fit_small_model(strategy, seed):
     tf.keras.utils.set_random_seed(seed)  # Also seeds Python's `random`.
     ids = np.random.default_rng(seed).integers(0, 50, size=(256, 2)).astype("int64")
@@ -172,6 +212,7 @@ def main():
     check_errors_cancel_pending_steps(coordinator, good)
     check_still_usable(coordinator, good)
     check_per_worker_dataset_freed(coordinator)
+    check_repeated_iterators_released(coordinator)
     try:
         first = fit_small_model(strategy, seed=1)
         second_strategy = tf_psplugin.HybridParameterServerStrategy(failover=policy)
