@@ -80,6 +80,12 @@ from tensorflow.python.trackable.base import CheckpointInitialValueCallable  # n
 # the stock Worker does (no public constructor for one).
 from tensorflow.python.eager import executor  # noqa: F401
 
+# iterator_ops: epochs.AgreedIterator subclasses OwnedIterator (and its
+# IteratorSpec) so that a traced step's `next` agrees with the other workers
+# whether the epoch has ended; tf.data has no public hook into `next`.
+# Same module path in TF 2.15.1 and 2.21.0.
+from tensorflow.python.data.ops import iterator_ops  # noqa: F401
+
 # save_context tells a replicated variable that tf.saved_model.save is tracing
 # it (it must then save one plain value, not per-worker replicas). Same module
 # path in TF 2.15.1 and 2.21.0.
@@ -184,6 +190,9 @@ PRIVATE_ATTRIBUTES = {
     "_decompose_indices": "sharded_variable.ShardedVariableMixin",
     "_type_spec": "sharded_variable.ShardedVariable",
     "_from_components": "sharded_variable.ShardedVariableSpec",
+    # -- epochs.py: AgreedIterator's `next` and TypeSpec; the per-worker
+    # iterators' RemoteValues get its spec, as the stock class sets its own.
+    "_next_internal": "iterator_ops.OwnedIterator",
     "_gather_saveables_for_checkpoint": "sharded_variable.ShardedVariableMixin",
     "_copy_trackable_to_cpu": "sharded_variable.ShardedVariableMixin",
     "_sharded_container": "sharded_variable.ShardedVariableMixin",  # export.py

@@ -7,11 +7,20 @@ Stock ParameterServerStrategy has no such problem (a step runs on one
 worker; the first `OutOfRangeError` ends the epoch) and no such guarantee
 either (which worker reads which batch is up to the scheduler).
 
-Here the length of an epoch is agreed on before it starts. Each worker's
-number of batches ``c_i`` is read from its dataset's cardinality, or counted
-on the worker when the cardinality is unknown (one extra pass over the
-worker's input, done once per dataset; ``dataset.apply(
-tf.data.experimental.assert_cardinality(n))`` avoids it). Then:
+Here the end of an epoch is agreed on by every worker. When each
+worker's number of batches ``c_i`` is known from its dataset's cardinality
+(no pass over the data), it is agreed on before the epoch starts (below).
+When it is not (a `filter`, a file reader), it is agreed on step by step:
+each worker's iterator is an `AgreedIterator`, whose ``next`` all-reduces
+"I still have a batch" with the step's other workers (one scalar
+collective per step) and ends the epoch on every worker at the same step
+(`OutOfRangeError` everywhere), by the same rule as below. So the first
+step is dispatched at once, for an endless stream too. Only `fit` and
+`evaluate` given neither ``steps_per_epoch``/``steps`` nor a known
+cardinality count each worker's batches first (one extra pass over the
+worker's input, done once per dataset), because Keras needs the epoch
+length to run one; ``dataset.apply(
+tf.data.experimental.assert_cardinality(n))`` avoids that pass. Then:
 
 * **Training** (`fit`, custom loops): an epoch is ``min(c_i)`` steps, the
   steps every worker can take. Each worker's data is cut to that length, so
@@ -28,8 +37,9 @@ tf.data.experimental.assert_cardinality(n))`` avoids it). Then:
 
 `model.fit`/`evaluate` without ``steps_per_epoch``/``steps`` get the agreed
 length as their epoch length (the progress bar shows it too). With
-``steps_per_epoch`` given, Keras's own rule applies (data that runs out
-early ends training with Keras's warning). `predict` runs on the chief, as
+``steps_per_epoch`` given, nothing is counted and Keras's own rule applies
+(data that runs out early ends training with Keras's warning, on every
+worker at the same step). `predict` runs on the chief, as
 with stock PSS, and needs none of this.
 
 Which of the two a dataset is for is known only to Keras's data handler, so
@@ -46,7 +56,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin import _tf_internal
-from tf_psplugin._tf_internal import coordinator_values
+from tf_psplugin._tf_internal import coordinator_values, iterator_ops
 
 _local = threading.local()
 _install_lock = threading.Lock()
@@ -124,6 +134,85 @@ def _count_batches(dataset: tf.data.Dataset):
                    lambda: cardinality)
 
 
+def _end_of_input() -> tf.Tensor:
+    """An op that fails with `OutOfRangeError` when it runs (the next of an empty dataset)."""
+    return next(iter(tf.data.Dataset.range(0)))
+
+
+class AgreedIterator(iterator_ops.OwnedIterator):
+    """A worker's iterator whose epoch ends on every worker at the same step.
+
+    For input of unknown length (see the module docstring). Each ``next``
+    inside a synchronous step takes this worker's element as an optional,
+    sums "has an element" over the step's workers with one scalar
+    all-reduce, and then:
+
+    * training input: returns the element if every worker has one, else
+      raises `OutOfRangeError` on every worker (elements already taken on
+      the others are dropped, as the shortest-worker rule drops them);
+    * evaluation input: returns the element, or an empty batch on a worker
+      whose data has ended while another's has not; `OutOfRangeError` once
+      none has one.
+
+    Outside a traced step (eager) it is a plain iterator.
+
+    Private TF API: a subclass of `iterator_ops.OwnedIterator` with its own
+    `IteratorSpec` (`AgreedIteratorSpec`), so that a traced step
+    reconstructs this class and runs its `_next_internal`; there is no
+    public hook into an iterator's ``next``. Checked on TF 2.15.1 and 2.21.0.
+    """
+
+    def __init__(self, dataset=None, components=None, element_spec=None,
+                 evaluation: bool = False):
+        super().__init__(dataset=dataset, components=components, element_spec=element_spec)
+        self._evaluation = bool(evaluation)
+
+    @property
+    def _type_spec(self):
+        return AgreedIteratorSpec(self.element_spec, self._evaluation)
+
+    def _next_internal(self):
+        group = getattr(tf.distribute.get_strategy().extended, "collective_group", None)
+        if tf.executing_eagerly() or group is None:
+            return super()._next_internal()
+        optional = self.get_next_as_optional()
+        has = optional.has_value()
+        workers_with_data = group.all_reduce(tf.cast(has, tf.float32))
+
+        def ended():
+            with tf.control_dependencies([_end_of_input()]):
+                return optional.get_value()
+
+        if not self._evaluation:
+            return tf.cond(workers_with_data > group.group_size - 0.5,
+                           optional.get_value, ended)
+        spec = self.element_spec
+        return tf.cond(
+            workers_with_data > 0.5,
+            lambda: tf.cond(has, optional.get_value, lambda: _empty_batch(spec)),
+            ended)
+
+
+class AgreedIteratorSpec(iterator_ops.IteratorSpec):
+    """The TypeSpec of `AgreedIterator` (the same component: one iterator resource)."""
+
+    def __init__(self, element_spec, evaluation: bool = False):
+        super().__init__(element_spec)
+        self._elements = element_spec  # IteratorSpec keeps it in a private slot.
+        self._evaluation = bool(evaluation)
+
+    @property
+    def value_type(self):
+        return AgreedIterator
+
+    def _serialize(self):
+        return (self._elements, self._evaluation)
+
+    def _from_components(self, components):
+        return AgreedIterator(components=components, element_spec=self._elements,
+                              evaluation=self._evaluation)
+
+
 class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunction):
     """A per-worker dataset whose epochs end on every worker at the same step.
 
@@ -155,6 +244,7 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
                     "each epoch ends where the shortest worker's data ends, so up to one step of "
                     "examples per worker is not evaluated. Fix: give tensors, ragged or sparse "
                     "tensors whose batch dimension is dynamic.", e)
+        # Counted by `batches_per_worker` (-1: infinite), or None.
         self._lengths: Optional[List[int]] = None
         self._counted = False
 
@@ -166,14 +256,17 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
     def batches_per_worker(self) -> Optional[List[int]]:
         """Each worker's number of batches, or None (infinite, or not countable).
 
-        Counted once (on the workers, in parallel) and then reused: like
-        Keras's own inferred epoch length, it assumes the data has the same
-        length every epoch (each later epoch asserts that it does).
+        Counted once (on the workers, in parallel; one pass over each
+        worker's input when its cardinality is unknown) and then reused:
+        like Keras's own inferred epoch length, it assumes the data has the
+        same length every epoch (each later epoch asserts that it does).
+        Only `fit`/`evaluate` without a step count call this.
         """
         if not self._counted:
             self._counted = True
-            self._lengths = self._count()
-        return self._lengths
+            self._lengths = self._lengths_on_workers(count=True)  # -1: infinite
+        lengths = self._lengths
+        return None if lengths is None or min(lengths) < 0 else lengths
 
     def epoch_steps(self) -> Optional[int]:
         """Steps in one epoch on every worker (see the module docstring), or None."""
@@ -182,26 +275,35 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
             return None
         return max(lengths) if self._evaluation else min(lengths)
 
-    def _count(self) -> Optional[List[int]]:
+    def _lengths_on_workers(self, count: bool) -> Optional[List[int]]:
+        """Each worker's batches: cardinality (-1 infinite, -2 unknown), or counted.
+
+        Returns None if the input could not be built (its iterator will raise
+        that error where TF raises it).
+        """
         fn = self._dataset_fn
+        measure = ((lambda: _count_batches(fn())) if count
+                   else (lambda: fn().cardinality()))
         # One resource closure per worker (they run in parallel on the stock
         # worker threads), as the stock class creates its iterators.
-        remote = self._coordinator._create_per_worker_resources(  # pylint: disable=protected-access
-            lambda: _count_batches(fn()))
+        remote = self._coordinator._create_per_worker_resources(measure)  # pylint: disable=protected-access
         try:
-            lengths = [int(v.fetch()) for v in remote._values]  # pylint: disable=protected-access
+            return [int(v.fetch()) for v in remote._values]  # pylint: disable=protected-access
         except Exception as e:  # noqa: BLE001 - the iterator will raise it where TF raises it.
-            logging.debug("tf_psplugin: could not count the input's batches: %r", e)
+            logging.debug("tf_psplugin: could not read the input's length: %r", e)
             return None
-        if any(n < 0 for n in lengths):  # Infinite: no end to agree on.
-            return None
-        return lengths
 
     def __iter__(self):
-        steps = self.epoch_steps()
-        if steps is None:
+        lengths = self._lengths if self._counted else self._lengths_on_workers(count=False)
+        if lengths is None:
+            return super().__iter__()  # The input fails: let its iterator say so.
+        if tf.data.UNKNOWN_CARDINALITY in lengths or (
+                tf.data.INFINITE_CARDINALITY in lengths and max(lengths) >= 0):
+            # No length to agree on beforehand: agree step by step.
+            return self._agreed_iterator()
+        if min(lengths) < 0:  # Endless on every worker: no end to agree on.
             return super().__iter__()
-        lengths = self._lengths
+        steps = max(lengths) if self._evaluation else min(lengths)
         fn = self._dataset_fn
         evaluation = self._evaluation
         index = tf.distribute.coordinator.experimental_get_current_worker_index
@@ -222,6 +324,19 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         epoch = coordinator_values.PerWorkerDatasetFromDatasetFunction(
             tf.function(epoch_dataset).get_concrete_function(), self._coordinator)
         return iter(epoch)
+
+    def _agreed_iterator(self):
+        """Per-worker `AgreedIterator`s over this input (see the module docstring)."""
+        fn = self._dataset_fn
+        evaluation = self._evaluation
+        per_worker = self._coordinator._create_per_worker_resources(  # pylint: disable=protected-access
+            lambda: AgreedIterator(fn(), evaluation=evaluation))
+        # What a traced step sees of each worker's iterator (the stock class
+        # sets the dataset's IteratorSpec here).
+        spec = AgreedIteratorSpec(fn.structured_outputs.element_spec, evaluation)
+        for remote in per_worker._values:  # pylint: disable=protected-access
+            remote._type_spec = spec  # pylint: disable=protected-access
+        return coordinator_values.PerWorkerDistributedIterator(per_worker._values)  # pylint: disable=protected-access
 
 
 def install_data_handler_hook() -> None:

@@ -74,6 +74,17 @@ def test_tensorflow_and_keras_programs(make_cluster):
     cu.assert_checks_passed(result, TF_PROGRAM_CHECKS)
 
 
+@pytest.mark.timeout(300)
+def test_tutorial_custom_loop_with_async_tables(make_cluster):
+    """The tutorial's metric stays exact when the tables train asynchronously."""
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_tf_programs.py"),
+                                "async", "tutorial_custom_loop"], timeout=240)
+    cu.assert_checks_passed(result, [c for c in TF_PROGRAM_CHECKS if c.startswith("tutorial_")
+                                     and "fit" not in c])
+
+
 @pytest.mark.timeout(420)
 def test_keras_layer_arguments(make_cluster):
     cluster = make_cluster(num_workers=2, num_ps=2)

@@ -26,6 +26,13 @@ CHECKS = (
     "custom_loop_uneven_epoch0",  # Uneven shards end the epoch for all, no hang,
     "custom_loop_uneven_epoch1",  # ... every epoch,
     "custom_loop_usable_after",  # ... and the cluster stays usable.
+    # Unknown length, no counting pass: the end is agreed step by step.
+    "custom_loop_unknown_length_epoch0",
+    "custom_loop_unknown_length_epoch1",
+    "custom_loop_unknown_length_usable_after",
+    "fit_endless_filtered_stream",  # repeat().filter() with steps_per_epoch trains.
+    "fit_runs_out_with_steps",  # More steps than data: stops at the agreed end.
+    "fit_after_running_out",  # ... and the model trains again.
 )
 
 pytestmark = [pytest.mark.cluster]

@@ -173,6 +173,95 @@ def check_custom_loop_uneven(coordinator):
         check("custom_loop_usable_after", False, repr(e))
 
 
+def check_custom_loop_uneven_unknown_length(coordinator):
+    """Uneven shards of unknown length: agreed step by step, no counting pass."""
+
+    def dataset_fn():
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        n = tf.cast(3 + 2 * index, tf.int64)  # worker 0: 3 batches, worker 1: 5.
+        return tf.data.Dataset.range(100).filter(lambda x: x < n * 2).batch(2)
+
+    @tf.function
+    def step(iterator):
+        return tf.reduce_sum(next(iterator))
+
+    per_worker = coordinator.create_per_worker_dataset(dataset_fn)
+    for epoch in range(2):
+        start = time.monotonic()
+        it = iter(per_worker)
+        results, error = [], None
+        try:
+            for _ in range(8):
+                results.append(coordinator.schedule(step, args=(it,)))
+            coordinator.join()
+        except Exception as e:  # noqa: BLE001
+            error = e
+        done = []
+        for r in results:
+            try:
+                done.append(int(r.fetch()))
+            except Exception:  # noqa: BLE001 - cancelled or out of range.
+                pass
+        took = time.monotonic() - start
+        # Worker 0's steps: batches (0,1), (2,3), (4,5): sums 1, 5, 9.
+        check(f"custom_loop_unknown_length_epoch{epoch}",
+              isinstance(error, tf.errors.OutOfRangeError) and done == [1, 5, 9] and took < 30,
+              f"error={type(error).__name__}: {error} steps={done} took={took:.1f}s")
+    try:
+        value = int(coordinator.schedule(step, args=(iter(per_worker),)).fetch())
+        coordinator.join()
+        check("custom_loop_unknown_length_usable_after", value == 1, value)
+    except Exception as e:  # noqa: BLE001
+        check("custom_loop_unknown_length_usable_after", False, repr(e))
+
+
+def check_endless_filtered_stream(strategy):
+    """An endless stream of unknown length with steps_per_epoch trains at once."""
+    ids, y = data()
+    stream = (tf.data.Dataset.from_tensor_slices((ids, y)).repeat()
+              .filter(lambda x, t: tf.reduce_sum(x) % 7 != 0).batch(BATCH))
+    with strategy.scope():
+        model = make_model()
+        compile_model(model)
+    start = time.monotonic()
+    try:
+        hist = model.fit(stream, epochs=2, steps_per_epoch=5, verbose=0)
+        took = time.monotonic() - start
+        check("fit_endless_filtered_stream", len(hist.history["loss"]) == 2 and took < 60,
+              f"took={took:.1f}s history={hist.history}")
+    except Exception as e:  # noqa: BLE001
+        check("fit_endless_filtered_stream", False, repr(e))
+
+
+def check_fit_runs_out_with_steps(strategy):
+    """Finite data of unknown length, more steps than data: Keras's rule, no hang."""
+    ids, y = data()
+    short = tf.data.Dataset.from_tensor_slices((ids, y)).filter(lambda x, t: True).batch(BATCH)
+    with strategy.scope():
+        model = make_model()
+        compile_model(model)
+    start = time.monotonic()
+    error = None
+    try:
+        model.fit(short, epochs=1, steps_per_epoch=50, verbose=0)
+    except Exception as e:  # noqa: BLE001 - Keras may surface the cancelled last step.
+        error = e
+    took = time.monotonic() - start
+    trained = int(model.optimizer.iterations.numpy())
+    # 11 batches over 2 workers: 5 steps every worker can take.
+    check("fit_runs_out_with_steps",
+          trained == 5 and took < 60 and (error is None or isinstance(
+              error, (tf.errors.OutOfRangeError, tf.errors.CancelledError))),
+          f"iterations={trained} took={took:.1f}s error={error!r}")
+    try:
+        model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH).repeat(),
+                  epochs=1, steps_per_epoch=2, verbose=0)
+        check("fit_after_running_out", int(model.optimizer.iterations.numpy()) == trained + 2,
+              int(model.optimizer.iterations.numpy()))
+    except Exception as e:  # noqa: BLE001
+        check("fit_after_running_out", False, repr(e))
+
+
 def check_custom_loop_sharded(coordinator):
     """A tf.data.Dataset sharded by the coordinator: OutOfRangeError, not CancelledError."""
     ds = tf.data.Dataset.range(11 * 4).batch(4)  # 11 batches over 2 workers.
@@ -253,6 +342,9 @@ def main():
 
     check_custom_loop_sharded(coordinator)
     check_custom_loop_uneven(coordinator)
+    check_custom_loop_uneven_unknown_length(coordinator)
+    check_endless_filtered_stream(strategy)
+    check_fit_runs_out_with_steps(strategy)
     print("DONE", flush=True)
 
 
