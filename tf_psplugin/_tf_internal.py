@@ -193,6 +193,9 @@ PRIVATE_ATTRIBUTES = {
     # -- epochs.py: AgreedIterator's `next` and TypeSpec; the per-worker
     # iterators' RemoteValues get its spec, as the stock class sets its own.
     "_next_internal": "iterator_ops.OwnedIterator",
+    # The data handler's adapter: a pass over sharded data is W times fewer
+    # steps than Keras's test for starting an epoch over assumes.
+    "_adapter": "keras:engine.data_adapter.DataHandler",
     "_gather_saveables_for_checkpoint": "sharded_variable.ShardedVariableMixin",
     "_copy_trackable_to_cpu": "sharded_variable.ShardedVariableMixin",
     "_sharded_container": "sharded_variable.ShardedVariableMixin",  # export.py

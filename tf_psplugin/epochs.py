@@ -275,6 +275,13 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
             return None
         return max(lengths) if self._evaluation else min(lengths)
 
+    def steps_per_pass(self) -> Optional[int]:
+        """Training steps in one pass over data of known length (no counting), or None."""
+        lengths = self._lengths_on_workers(count=False)
+        if not lengths or min(lengths) < 0:
+            return None
+        return min(lengths)
+
     def _lengths_on_workers(self, count: bool) -> Optional[List[int]]:
         """Each worker's batches: cardinality (-1 infinite, -2 unknown), or counted.
 
@@ -348,7 +355,10 @@ def install_data_handler_hook() -> None:
     marks evaluation handlers (Keras builds those, and only those, with a
     ``pss_evaluation_shards`` argument) so their per-worker dataset is
     padded, and, when no step count was given, sets the handler's epoch
-    length to `SyncPerWorkerDataset.epoch_steps`. Every other model goes
+    length to `SyncPerWorkerDataset.epoch_steps`; when ``steps_per_epoch`` is
+    one pass over data of known length (its batches divided over the
+    workers), it makes Keras start every epoch over, as Keras does when
+    ``steps_per_epoch`` equals a dataset's batches. Every other model goes
     through Keras's function unchanged.
     """
     global _installed
@@ -375,6 +385,14 @@ def install_data_handler_hook() -> None:
                         "worker, or a smaller batch size.")
                 if steps is not None:
                     handler._inferred_steps = steps  # pylint: disable=protected-access
+            elif isinstance(dataset, SyncPerWorkerDataset) and not dataset.evaluation:
+                if kwargs.get("steps_per_epoch") == dataset.steps_per_pass():
+                    # One pass over the data per epoch: Keras starts each
+                    # epoch over only when steps_per_epoch equals the
+                    # dataset's batches, but a step here reads one batch on
+                    # every worker, so a pass is W times fewer steps.
+                    adapter = handler._adapter  # pylint: disable=protected-access
+                    adapter.should_recreate_iterator = lambda: True
             return handler
 
         data_adapter.get_data_handler = get_data_handler

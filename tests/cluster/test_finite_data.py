@@ -33,6 +33,8 @@ CHECKS = (
     "fit_endless_filtered_stream",  # repeat().filter() with steps_per_epoch trains.
     "fit_runs_out_with_steps",  # More steps than data: stops at the agreed end.
     "fit_after_running_out",  # ... and the model trains again.
+    "batch_counter_fit",  # tf-keras's PSS metric test: one pass per epoch, every epoch.
+    "batch_counter_evaluate",
 )
 
 pytestmark = [pytest.mark.cluster]

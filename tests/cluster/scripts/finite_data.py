@@ -262,6 +262,43 @@ def check_fit_runs_out_with_steps(strategy):
         check("fit_after_running_out", False, repr(e))
 
 
+def check_batch_counter(strategy):
+    """tf-keras's PSS metric test (batch counter over fit and evaluate), in our words.
+
+    40 batches, 20 per worker: `steps_per_epoch=20` is one pass per epoch
+    (a step reads one batch on every worker), so every epoch starts the data
+    over and counts all 40 batches, as stock PSS's 40 steps do.
+    """
+
+    class BatchCount(tf.keras.metrics.Sum):
+        def __init__(self, name="batch_count", dtype=tf.int64):
+            super().__init__(name=name, dtype=dtype)
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            return super().update_state(1, sample_weight)
+
+    with strategy.scope():
+        inputs = tf.keras.layers.Input((1,))
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(inputs))
+        model.compile(loss="mse", metrics=[BatchCount()], steps_per_execution=2)
+    x, val_x = np.ones((400, 1)), np.ones((100, 1))
+    train = tf.data.Dataset.from_tensor_slices((x, x)).batch(10)
+    val = tf.data.Dataset.from_tensor_slices((val_x, val_x)).batch(10)
+    try:
+        hist = model.fit(train, steps_per_epoch=20, validation_data=val, validation_steps=5,
+                         epochs=5, verbose=0)
+        check("batch_counter_fit",
+              hist.history["batch_count"] == [40] * 5
+              and hist.history["val_batch_count"] == [10] * 5, hist.history)
+    except Exception as e:  # noqa: BLE001
+        check("batch_counter_fit", False, repr(e))
+    try:
+        result = model.evaluate(train, steps=20, verbose=0)
+        check("batch_counter_evaluate", result[-1] == 40, result)
+    except Exception as e:  # noqa: BLE001
+        check("batch_counter_evaluate", False, repr(e))
+
+
 def check_custom_loop_sharded(coordinator):
     """A tf.data.Dataset sharded by the coordinator: OutOfRangeError, not CancelledError."""
     ds = tf.data.Dataset.range(11 * 4).batch(4)  # 11 batches over 2 workers.
@@ -345,6 +382,7 @@ def main():
     check_custom_loop_uneven_unknown_length(coordinator)
     check_endless_filtered_stream(strategy)
     check_fit_runs_out_with_steps(strategy)
+    check_batch_counter(strategy)
     print("DONE", flush=True)
 
 
