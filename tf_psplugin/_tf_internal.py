@@ -76,6 +76,11 @@ from tensorflow.python.training.saving import saveable_object  # noqa: F401
 # on-create); table creation must keep it lazy. Exported only as tf.__internal__.
 from tensorflow.python.trackable.base import CheckpointInitialValueCallable  # noqa: F401
 
+# CancellationManager: the coordinator cancels a step's remote calls on every
+# worker when one part failed with the user's error (the stock closure queue
+# owns one too, with no public constructor). Same path in TF 2.15.1 and 2.21.0.
+from tensorflow.python.eager import cancellation  # noqa: F401
+
 # The coordinator's dispatch threads each run a synchronous eager executor, as
 # the stock Worker does (no public constructor for one).
 from tensorflow.python.eager import executor  # noqa: F401
@@ -220,7 +225,6 @@ PRIVATE_ATTRIBUTES = {
     "_kwargs": "cluster_coordinator.Closure",
     "_output_type_spec": "cluster_coordinator.Closure",
     "_concrete_function": "cluster_coordinator.Closure",
-    "_cancellation_mgr": "cluster_coordinator._CoordinatedClosureQueue",
     "_cluster": "cluster_coordinator.ClusterCoordinator",
     "_being_scheduled": "cluster_coordinator.ClusterCoordinator",
     "_get_error_from_remote_values": "cluster_coordinator",

@@ -32,6 +32,12 @@ once one is pending: its worker thread may be stuck behind the failed step.
 An error in a per-worker input (a dataset function that fails on the
 workers) is raised as TF's `ClosureInputError` with the original as
 `original_exception`, and is a task failure only if the original is one.
+When one worker's part fails with the user's error (a bad record in its
+input, a failed assertion) while its peers still run the step, the peers
+wait in the step's collectives for a part that will never come: the
+coordinator cancels the step functions' remote calls
+(`_cancel_waiting_peers`), so the user's error is reported at once and the
+cluster is usable for the next step, as after a stock PSS step error.
 Worker recovery is handled in `failover.py`.
 
 Hung peers: a worker that stops answering (SIGSTOP, a partitioned network, a
@@ -55,7 +61,8 @@ from absl import logging
 from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
-from tf_psplugin._tf_internal import cluster_coordinator, context, coordinator_context
+from tf_psplugin._tf_internal import cancellation, cluster_coordinator, context
+from tf_psplugin._tf_internal import coordinator_context
 from tf_psplugin._tf_internal import coordinator_values, executor
 
 _STOP = object()
@@ -110,8 +117,10 @@ class _SyncStep:
     """A function dispatched to every worker, with its result and status."""
 
     def __init__(self, coordinator, step_id, functions, args, kwargs, output_spec, num_workers,
-                 generation=0):
+                 generation=0, cancellation_manager=None):
         self.step_id = step_id
+        # Cancels this step's functions on every worker (and no other step's).
+        self.cancellation_manager = cancellation_manager
         # Steps of an older generation than the coordinator's were scheduled
         # before an error was raised to the user: they are cancelled.
         self.generation = generation
@@ -227,7 +236,10 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if not self._synchronous:
             return super().schedule(fn, args=args, kwargs=kwargs)
         self._raise_if_error()
-        closures = self._trace_per_role(fn, args, kwargs)
+        # Each step its own cancellation manager (not the stock closure
+        # queue's): `_cancel_waiting_peers` cancels this step and no other.
+        manager = cancellation.CancellationManager()
+        closures = self._trace_per_role(fn, args, kwargs, manager)
         used = {}
         for closure in {id(c): c for c in closures}.values():  # Roles share closures.
             concrete = getattr(closure, "_concrete_function", None)
@@ -247,13 +259,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                              [c._function for c in closures],  # pylint: disable=protected-access
                              first._args, first._kwargs,  # pylint: disable=protected-access
                              first._output_type_spec, self._num_workers,  # pylint: disable=protected-access
-                             self._generation)
+                             self._generation, manager)
             self._inflight += 1
         for i, q in enumerate(self._queues):
             q.put(_StepPart(step, i))
         return step.remote_value
 
-    def _trace_per_role(self, fn, args, kwargs):
+    def _trace_per_role(self, fn, args, kwargs, manager):
         """Returns one traced Closure per worker.
 
         A `tf.function` is traced once per update role (the PS tasks whose
@@ -269,7 +281,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         on_read = extended.on_read_updates
         traced = on_read.step_function(fn)
         while True:
-            closures, left_pending = self._trace_each_role(traced, args, kwargs)
+            closures, left_pending = self._trace_each_role(traced, args, kwargs, manager)
             if not left_pending:
                 return closures
             # A trace ended with ON_READ updates pending (a metric updated
@@ -277,7 +289,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             # replacement that writes them (see on_read_updates.py).
             traced = on_read.replacement_for(fn, traced, left_pending)
 
-    def _trace_each_role(self, fn, args, kwargs):
+    def _trace_each_role(self, fn, args, kwargs, manager):
         """`_trace_per_role` for one function.
 
         Returns:
@@ -293,7 +305,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             extended.tracing_sync_step = True
             try:
                 if not per_role:
-                    closure = self._new_closure(fn, args, kwargs)
+                    closure = self._new_closure(fn, args, kwargs, manager)
                     left = on_read.left_pending()
                     return (None, left) if left else ([closure] * self._num_workers, [])
                 by_leader = {}
@@ -302,7 +314,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                         if id(leader) not in by_leader:
                             extended.tracing_worker_index = leader.worker_index
                             with tf.device(leader.device_name):
-                                by_leader[id(leader)] = self._new_closure(fn, args, kwargs)
+                                by_leader[id(leader)] = self._new_closure(
+                                    fn, args, kwargs, manager)
                             # A trace (if any) is over: nothing may be left pending.
                             left = on_read.left_pending()
                             if left:
@@ -323,10 +336,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 for w in self._cluster.workers]
         return self._leaders
 
-    def _new_closure(self, fn, args, kwargs):
-        return cluster_coordinator.Closure(
-            fn, self._cluster.closure_queue._cancellation_mgr,  # pylint: disable=protected-access
-            args=args, kwargs=kwargs)
+    def _new_closure(self, fn, args, kwargs, manager):
+        return cluster_coordinator.Closure(fn, manager, args=args, kwargs=kwargs)
 
     def wait_for_sync_steps(self, timeout: Optional[float] = None) -> bool:
         """Blocks until no synchronous step is in flight (errors not raised).
@@ -602,6 +613,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 self._idle.notify_all()
             step.remaining -= 1
             finished = step.remaining == 0
+            # The user's error (a step or input pipeline that failed on this
+            # worker) while peers still run the step: they wait in its
+            # collectives for a part that will never come.
+            cancel_peers = (error is not None and not finished and not cancelled
+                            and not isinstance(error, tf.errors.CancelledError))
+        if cancel_peers:
+            self._cancel_waiting_peers(step, error)
         if error is not None and worker_index == 0:
             step.remote_value._set_error(error)  # pylint: disable=protected-access
         if finished:
@@ -612,6 +630,26 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 self._inflight -= 1
                 if self._inflight == 0:
                     self._idle.notify_all()
+
+    def _cancel_waiting_peers(self, step, error) -> None:
+        """Cancels `step` on every worker after one of its parts failed with `error`.
+
+        Without it, the peers of a worker whose part failed before a
+        collective (a bad record in its input, a failed assertion, the end of
+        its data) would wait in that collective until the step watchdog
+        declared them hung, and failover restarted the cluster for the
+        user's own error. Each step has its own cancellation manager, so this
+        ends the remote calls of this step only (`CancelledError`; the error
+        reported is still the first one): an earlier step still running on a
+        slower worker completes, and a peer that has not started this step
+        skips it. Task failures are left to failover, which abandons the
+        parts stuck with a dead peer.
+        """
+        from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
+
+        if step.cancellation_manager is None or failover_lib.is_task_failure(error):
+            return
+        step.cancellation_manager.start_cancel()
 
     def shutdown(self) -> None:
         """Stops this coordinator's threads for good (idempotent).

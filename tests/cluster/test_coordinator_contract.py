@@ -24,6 +24,10 @@ CHECKS = (
     "pending_cancelled",  # Steps scheduled before the raise are cancelled.
     "per_worker_dataset_freed",
     "repeated_iterators_released",  # TF's testRepeatedIteratorCreation.
+    # A bad record on one worker mid-epoch: its error, at once; the peer
+    # waiting in the step's collective is cancelled, not left hanging.
+    "pipeline_error_is_users",
+    "usable_at_once_after_pipeline_error",
     "second_strategy_trains",  # Two strategies in one process (collective keys).
 )
 

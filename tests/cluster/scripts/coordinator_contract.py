@@ -18,6 +18,7 @@ What stock ParameterServerStrategy does, and this must do too:
 import gc
 import os
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -146,6 +147,52 @@ def check_per_worker_dataset_freed(coordinator):
           [gc.get_referrers(r())[:3] for r in alive])
 
 
+def check_pipeline_error_on_one_worker(coordinator, strategy, good):
+    """A bad record in one worker's input, mid-epoch, while its peer waits in a collective.
+
+    The user's error is reported (not a cancellation, not a hung peer), at
+    once, without failover, and the next step runs at once.
+    """
+    def dataset_fn():
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+
+        def validate(x):
+            # Worker 1's fourth record is bad.
+            tf.debugging.assert_less(x + tf.cast(index, tf.int64) * 1000,
+                                     tf.constant(1003, tf.int64), message="bad record")
+            return tf.cast(x, tf.float32)
+
+        return tf.data.Dataset.range(100).map(validate).batch(1).repeat()
+
+    @tf.function
+    def step(iterator):
+        x = next(iterator)
+        return strategy.run(
+            lambda v: tf.distribute.get_replica_context().all_reduce("sum", tf.reduce_sum(v)),
+            args=(x,))
+
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    start = time.monotonic()
+    try:
+        for _ in range(6):
+            coordinator.schedule(step, args=(it,))
+        coordinator.join()
+        check("pipeline_error_is_users", False, "join() raised nothing")
+    except tf.errors.InvalidArgumentError as e:
+        check("pipeline_error_is_users", "bad record" in str(e), e)
+    except Exception as e:  # pylint: disable=broad-except
+        check("pipeline_error_is_users", False, f"{type(e).__name__}: {e}")
+    try:
+        value = coordinator.schedule(sum_step, args=(good,))
+        coordinator.join()
+        took = time.monotonic() - start
+        check("usable_at_once_after_pipeline_error",
+              float(value.fetch()) >= 0 and took < 20
+              and os.environ.get(failover.RESTARTS_ENV, "0") == "0", f"took {took:.1f}s")
+    except Exception as e:  # pylint: disable=broad-except
+        check("usable_at_once_after_pipeline_error", False, f"{type(e).__name__}: {e}")
+
+
 def check_repeated_iterators_released(coordinator):
     """TF's ClusterCoordinatorTest.testRepeatedIteratorCreation, in our words.
 
@@ -213,6 +260,7 @@ def main():
     check_still_usable(coordinator, good)
     check_per_worker_dataset_freed(coordinator)
     check_repeated_iterators_released(coordinator)
+    check_pipeline_error_on_one_worker(coordinator, strategy, good)
     try:
         first = fit_small_model(strategy, seed=1)
         second_strategy = tf_psplugin.HybridParameterServerStrategy(failover=policy)
