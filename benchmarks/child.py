@@ -150,7 +150,9 @@ def _build_ps_chief(job):
     with strategy.scope():
         model = model_lib.build_model(spec)
         model_lib.compile_model(model, spec, job["steps_per_execution"])
-    ds = model_lib.make_dataset(spec, per_step_batch, pool)
+    # epoch_pass (soak): one pass over the pool per epoch, so Keras makes
+    # new per-worker iterators every epoch.
+    ds = model_lib.make_dataset(spec, per_step_batch, pool, repeat=not job.get("epoch_pass"))
     return model, ds, examples_per_step, per_step_batch
 
 

@@ -244,7 +244,7 @@ def compile_model(model: tf.keras.Model, spec: ModelSpec, steps_per_execution: i
 
 def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
                  shard_index: int = 0, num_shards: int = 1,
-                 vocab_size: Optional[int] = None) -> tf.data.Dataset:
+                 vocab_size: Optional[int] = None, repeat: bool = True) -> tf.data.Dataset:
     """A repeated pool of `pool_batches` cached batches of `batch_size` examples.
 
     Args:
@@ -254,9 +254,11 @@ def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
         shard_index: This reader's shard of the generated stream.
         num_shards: Number of readers.
         vocab_size: Override of `spec.vocab_size` for the ids.
+        repeat: False: the pool once (a finite dataset of known length).
 
     Returns:
-        An infinite dataset of `({"dense", "categorical"}, label)` batches.
+        An infinite (or, with ``repeat=False``, finite) dataset of
+        `({"dense", "categorical"}, label)` batches.
     """
     from tf_psplugin.data import SyntheticCTR  # pylint: disable=g-import-not-at-top
 
@@ -267,7 +269,7 @@ def make_dataset(spec: ModelSpec, batch_size: int, pool_batches: int,
     if spec.variant in RAW_KEY_VARIANTS:
         ds = ds.map(lambda x, y: ({"dense": x["dense"], "categorical": raw_keys(x["categorical"])},
                                   y))
-    return ds.cache().repeat()
+    return ds.cache().repeat() if repeat else ds.cache()
 
 
 def heldout_dataset(spec: ModelSpec, batch_size: int, num_batches: int,

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "in every step")
     p.add_argument("--stall_seconds", type=float, default=300.0,
                    help="stop the setup (not completed) if no epoch ends for this long")
+    p.add_argument("--epoch_pass", action="store_true",
+                   help="hybrid setups: each epoch is one pass over a finite dataset "
+                        "(--steps_per_epoch = --pool_batches), so every epoch makes new "
+                        "per-worker iterators (watches iterator and dataset release)")
     p.add_argument("--log_dir", default=None, help="cluster logs (default: a temp dir)")
     p.add_argument("--checkpoint_every_secs", type=float, default=120.0,
                    help="hybrid setups: ChiefCheckpoint every this many seconds, keep 3, in "
@@ -118,6 +122,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--steps_per_epoch must be a multiple of --steps_per_execution")
     if not 1 <= args.pool_batches <= args.steps_per_epoch:
         parser.error("--pool_batches must be in [1, --steps_per_epoch]")
+    if args.epoch_pass and args.pool_batches != args.steps_per_epoch:
+        parser.error("--epoch_pass needs --pool_batches equal to --steps_per_epoch")
     if args.num_workers < 1 or args.num_ps < 1 or args.global_batch % args.num_workers:
         parser.error("need >= 1 worker and PS, and --global_batch divisible by --num_workers")
     return args
@@ -134,7 +140,7 @@ def chief_job(setup: str, args: argparse.Namespace) -> dict:
         + ([] if args.capacity is None else ["--capacity", str(args.capacity)]))
     job = run.job_for(setup, opts, args.num_workers)
     job.update(role="soak_chief", duration_seconds=args.minutes * 60.0,
-               checkpoint_every_secs=args.checkpoint_every_secs)
+               checkpoint_every_secs=args.checkpoint_every_secs, epoch_pass=args.epoch_pass)
     return job
 
 

@@ -191,6 +191,7 @@ def test_defaults_quick_and_warmup():
     ["--steps_per_epoch", "100"],  # Not a multiple of steps_per_execution 8.
     ["--global_batch", "1023"],
     ["--minutes", "ten"],
+    ["--epoch_pass"],  # One pass per epoch needs --pool_batches == --steps_per_epoch.
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -210,6 +211,18 @@ def test_chief_job_is_the_benchmark_job_for_a_duration():
     assert job["model"] == ref["model"] and job["embedding_updates"] == "sync"
     assert job["steps_per_epoch"] == 128
     assert soak.chief_job("stock_pss", args)["setup"] == "stock_pss"
+    assert job["epoch_pass"] is False
+
+
+def test_epoch_pass_makes_every_epoch_one_pass_over_a_finite_pool():
+    from benchmarks import model as model_lib
+
+    args = soak.parse_args(["--epoch_pass", "--steps_per_epoch", "16", "--pool_batches", "16"])
+    assert soak.chief_job("hybrid_sync", args)["epoch_pass"] is True
+    spec = model_lib.ModelSpec.from_dict(soak.chief_job("hybrid_sync", args)["model"])
+    finite = model_lib.make_dataset(spec, 4, 3, repeat=False)
+    assert int(finite.cardinality()) == 3  # known: Keras can start each epoch over
+    assert int(model_lib.make_dataset(spec, 4, 3).cardinality()) == -1  # repeated
 
 
 def test_samples_read_proc_and_chief_progress():
