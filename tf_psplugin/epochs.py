@@ -59,6 +59,8 @@ from tf_psplugin import _tf_internal
 from tf_psplugin._tf_internal import coordinator_values, iterator_ops
 
 _local = threading.local()
+# How often a running counting pass is reported (`_SlowCountNotice`).
+COUNT_NOTICE_SECONDS = 30.0
 _install_lock = threading.Lock()
 _installed = False
 
@@ -213,6 +215,39 @@ class AgreedIteratorSpec(iterator_ops.IteratorSpec):
                               evaluation=self._evaluation)
 
 
+class _SlowCountNotice:
+    """Says, every `COUNT_NOTICE_SECONDS`, that a counting pass is still running.
+
+    A counting pass over an endless input of unknown length never ends, and
+    no step is dispatched meanwhile: without this, the job would be silent.
+    """
+
+    def __init__(self, every: Optional[float] = None):
+        self._every = COUNT_NOTICE_SECONDS if every is None else every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tf_psplugin-count-notice",
+                                        daemon=True)
+
+    def _run(self):
+        waited = 0.0
+        while not self._done.wait(self._every):
+            waited += self._every
+            logging.warning(
+                "tf_psplugin: still counting each worker's batches after %.0f s: fit/evaluate "
+                "got input of unknown length and no steps_per_epoch/steps, so every worker "
+                "reads its input once before the first step (an endless input never ends). "
+                "Fix: pass steps_per_epoch (or steps), or "
+                "dataset.apply(tf.data.experimental.assert_cardinality(n)).", waited)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+
 class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunction):
     """A per-worker dataset whose epochs end on every worker at the same step.
 
@@ -264,7 +299,8 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         """
         if not self._counted:
             self._counted = True
-            self._lengths = self._lengths_on_workers(count=True)  # -1: infinite
+            with _SlowCountNotice():
+                self._lengths = self._lengths_on_workers(count=True)  # -1: infinite
         lengths = self._lengths
         return None if lengths is None or min(lengths) < 0 else lengths
 

@@ -4,6 +4,8 @@ The cluster behaviour (fit/evaluate/custom loops on finite data) is in
 tests/cluster/test_finite_data.py.
 """
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -128,3 +130,16 @@ def test_data_handler_hook_leaves_models_without_the_strategy_alone():
     hist = model.fit(ds, epochs=2, verbose=0)  # 4 batches per epoch, the last partial.
     assert len(hist.history["loss"]) == 2
     assert model.evaluate(ds, verbose=0) >= 0
+
+
+def test_a_long_counting_pass_is_reported_until_it_ends(monkeypatch):
+    """A counting pass that takes long (an endless input never ends) is not silent."""
+    said = []
+    monkeypatch.setattr(epochs.logging, "warning", lambda msg, *a: said.append(msg % a))
+    with epochs._SlowCountNotice(every=0.05) as notice:  # pylint: disable=protected-access
+        time.sleep(0.3)
+    count = len(said)
+    time.sleep(0.15)
+    assert count >= 2 and len(said) == count  # Repeated while counting, then quiet.
+    assert "still counting" in said[0] and "steps_per_epoch" in said[0]
+    assert not notice._thread.is_alive()  # pylint: disable=protected-access
