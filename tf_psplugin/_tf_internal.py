@@ -59,6 +59,12 @@ from tensorflow.python.distribute import distribute_lib  # noqa: F401
 # replica per worker (no re-batching) while num_replicas_in_sync = workers.
 from tensorflow.python.distribute import input_util  # noqa: F401
 
+# input_ops.auto_shard_dataset: tf.data's auto-shard rewrite (by file, else
+# by element), which MultiWorkerMirroredStrategy applies to each worker's
+# input; the coordinator applies it to a Dataset it splits over the workers.
+# There is no public entry point. Same in TF 2.15.1 and 2.21.0.
+from tensorflow.python.distribute import input_ops  # noqa: F401
+
 # ops.inside_function tells whether we are tracing (dataset build timing).
 from tensorflow.python.framework import ops  # noqa: F401
 

@@ -50,9 +50,11 @@ This replaces per-op collective timeouts, which cost one sleeping OS thread
 per collective op on the workers (see `collectives.py`).
 """
 
+import logging as std_logging
 import queue
 import threading
 import time
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -62,7 +64,7 @@ from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
 from tf_psplugin._tf_internal import cancellation, cluster_coordinator, context
-from tf_psplugin._tf_internal import coordinator_context
+from tf_psplugin._tf_internal import coordinator_context, input_ops
 from tf_psplugin._tf_internal import coordinator_values, executor
 
 _STOP = object()
@@ -411,10 +413,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         """Creates a dataset on every worker; in sync mode each gets a shard.
 
         A `tf.data.Dataset` (or one distributed with
-        `strategy.experimental_distribute_dataset`) is sharded by batch:
-        worker `i` of `n` reads batches `i, i+n, ...`, so one synchronous step
-        consumes `n` consecutive batches (the global batch is `n` times the
-        dataset's batch). A dataset function runs on each worker and is
+        `strategy.experimental_distribute_dataset`) is sharded with tf.data's
+        auto-shard policy: by file when it reads files (worker `i` of `n`
+        opens files `i, i+n, ...`), otherwise by batch (worker `i` reads
+        batches `i, i+n, ...`, so one synchronous step consumes `n`
+        consecutive batches and the global batch is `n` times the dataset's
+        batch); `tf.data.Options().experimental_distribute.auto_shard_policy`
+        chooses otherwise (OFF: every worker reads all of it). A dataset function runs on each worker and is
         expected to shard itself (`experimental_get_current_worker_index`).
         Finite data ends on every worker at the same step: training input
         is cut to the shortest worker's length, evaluation input padded to
@@ -452,13 +457,64 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         serialized = coordinator_values.serialize_dataset_to_graph(original)
         element_spec = original.element_spec
         num_workers = self._num_workers
+        policy = original.options().experimental_distribute.auto_shard_policy
 
-        def sharded_dataset_fn():
+        def sharded_dataset_fn(by_element=False):
             ds = coordinator_values.deserialize_dataset_from_graph(serialized, element_spec)
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return ds.shard(num_workers, index)
+            if by_element:  # Batch i, i+W, ... (AUTO's fallback, see below).
+                return ds.shard(num_workers, index)
+            # tf.data's auto-shard rewrite, as MultiWorkerMirroredStrategy
+            # applies it: by file where the input reads files (each worker
+            # opens 1/W of them), else by element (here a batch: worker i
+            # reads batches i, i+W, ...); `tf.data.Options` auto-shard
+            # settings are honoured (OFF: every worker reads everything).
+            if policy == tf.data.experimental.AutoShardPolicy.OFF:
+                return ds
+            with warnings.catch_warnings():
+                # It reads the options in graph mode, which TF warns may be
+                # stale; `policy` was read eagerly above.
+                warnings.simplefilter("ignore", UserWarning)
+                return input_ops.auto_shard_dataset(ds, num_workers, index,
+                                                    num_replicas_in_sync=1)
 
+        if policy == tf.data.experimental.AutoShardPolicy.AUTO and not self._file_sharding_applies(
+                sharded_dataset_fn):
+            return epochs_lib.SyncPerWorkerDataset(
+                lambda: sharded_dataset_fn(by_element=True), self, evaluation)
         return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self, evaluation)
+
+    def _file_sharding_applies(self, sharded_dataset_fn) -> bool:
+        """Whether AUTO sharding of this input works on the workers (tried once).
+
+        tf.data's AUTO policy shards by file when the input reads files, but
+        fails (at the first element) when it reads fewer files than there are
+        workers, where MultiWorkerMirroredStrategy users must switch the
+        policy to DATA by hand. Here each worker builds its shard and takes
+        one element; on that error the input is sharded by batch instead.
+        """
+        @tf.function
+        def first_element():  # A tf.function: the worker index is read when it runs.
+            return iter(sharded_dataset_fn()).get_next_as_optional().has_value()
+
+        # The stock worker threads log a failed resource closure at ERROR;
+        # this failure is expected and handled here.
+        quiet = _DropMessages("FILE based sharding")
+        tf_logger = std_logging.getLogger("tensorflow")
+        tf_logger.addFilter(quiet)
+        try:
+            remote = self._create_per_worker_resources(first_element)
+            for value in remote._values:  # pylint: disable=protected-access
+                value.fetch()
+        except (tf.errors.InvalidArgumentError, cluster_coordinator.ClosureInputError) as e:
+            if "FILE based sharding" not in str(e):
+                return True  # Another error: the input's own, raised where TF raises it.
+            logging.info("tf_psplugin: the input reads fewer files than there are workers: "
+                         "sharding it by batch instead of by file.")
+            return False
+        finally:
+            tf_logger.removeFilter(quiet)
+        return True
 
     # -- internals ------------------------------------------------------------
 
@@ -525,9 +581,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                     outputs = self._execute(step, worker, worker_executor)
                 except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
                     error = e
-                    # End of data is how a custom loop's epoch ends, not a failure.
-                    log = (logging.info if isinstance(e, tf.errors.OutOfRangeError)
-                           else logging.error)
+                    # End of data is how a custom loop's epoch ends, not a
+                    # failure; a cancellation follows a peer's error (logged).
+                    log = (logging.info if isinstance(
+                        e, (tf.errors.OutOfRangeError, tf.errors.CancelledError))
+                        else logging.error)
                     log("tf_psplugin: worker %d failed step %d: %r",
                         worker.worker_index, step.step_id, e)
             self._finish_part(step, worker.worker_index, outputs, error, cancelled)
@@ -680,6 +738,17 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             super().__del__()
         except AttributeError:
             pass
+
+
+class _DropMessages(std_logging.Filter):
+    """A logging filter that drops records containing `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self._text = text
+
+    def filter(self, record) -> bool:
+        return self._text not in record.getMessage()
 
 
 def _static_batch_size(per_worker_dataset) -> Optional[int]:

@@ -35,6 +35,9 @@ CHECKS = (
     "fit_after_running_out",  # ... and the model trains again.
     "batch_counter_fit",  # tf-keras's PSS metric test: one pass per epoch, every epoch.
     "batch_counter_evaluate",
+    "file_sharding_auto",  # TFRecord files: each worker opens only its own files.
+    "file_sharding_data_policy",  # AutoShardPolicy.DATA: by batch.
+    "file_sharding_off_policy",  # OFF: every worker reads everything.
 )
 
 pytestmark = [pytest.mark.cluster]

@@ -299,6 +299,79 @@ def check_batch_counter(strategy):
         check("batch_counter_evaluate", False, repr(e))
 
 
+def check_file_sharding(strategy, coordinator):
+    """A TFRecord input is sharded by file: each worker opens its own files only.
+
+    4 files of 12 records (file id, example id), batches of 3: worker i must
+    see only files i, i+2 (asserted in the step, on the worker), and an
+    epoch must count every example once. `auto_shard_policy` OFF makes every
+    worker read everything (each example twice); DATA shards by batch.
+    """
+    import tempfile  # pylint: disable=g-import-not-at-top
+
+    folder = tempfile.mkdtemp(prefix="file_sharding_")
+    files = []
+    for f in range(4):
+        path = os.path.join(folder, f"part-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for e in range(12):
+                example = tf.train.Example(features=tf.train.Features(feature={
+                    "file": tf.train.Feature(int64_list=tf.train.Int64List(value=[f])),
+                    "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[f * 12 + e])),
+                }))
+                writer.write(example.SerializeToString())
+        files.append(path)
+    spec = {"file": tf.io.FixedLenFeature([], tf.int64), "id": tf.io.FixedLenFeature([], tf.int64)}
+
+    def make(policy=None):
+        ds = tf.data.TFRecordDataset(files).map(
+            lambda r: tf.io.parse_single_example(r, spec)).batch(3)
+        if policy is not None:
+            options = tf.data.Options()
+            options.experimental_distribute.auto_shard_policy = policy
+            ds = ds.with_options(options)
+        return ds
+
+    with strategy.scope():
+        seen = tf.keras.metrics.Sum()
+
+    def run(dataset, by_file):
+        @tf.function
+        def step(iterator):
+            batch = next(iterator)
+            if by_file:
+                worker = tf.cast(
+                    tf.distribute.coordinator.experimental_get_current_worker_index(), tf.int64)
+                tf.debugging.assert_equal(batch["file"] % 2, worker + 0 * batch["file"],
+                                          message="a worker read another worker's file")
+
+            def replica_fn(ids):
+                seen.update_state(tf.cast(ids, tf.float32))
+            strategy.run(replica_fn, args=(batch["id"],))
+
+        seen.reset_state()
+        it = iter(coordinator.create_per_worker_dataset(dataset))
+        try:
+            for _ in range(40):
+                coordinator.schedule(step, args=(it,))
+            coordinator.join()
+        except tf.errors.OutOfRangeError:
+            pass
+        return float(seen.result())
+
+    total = float(sum(range(48)))
+    for name, policy, by_file, want in (
+            ("file_sharding_auto", None, True, total),
+            ("file_sharding_data_policy", tf.data.experimental.AutoShardPolicy.DATA, False, total),
+            ("file_sharding_off_policy", tf.data.experimental.AutoShardPolicy.OFF, False,
+             2 * total)):
+        try:
+            got = run(make(policy), by_file)
+            check(name, got == want, f"sum of ids {got}, want {want}")
+        except Exception as e:  # noqa: BLE001
+            check(name, False, repr(e))
+
+
 def check_custom_loop_sharded(coordinator):
     """A tf.data.Dataset sharded by the coordinator: OutOfRangeError, not CancelledError."""
     ds = tf.data.Dataset.range(11 * 4).batch(4)  # 11 batches over 2 workers.
@@ -383,6 +456,7 @@ def main():
     check_endless_filtered_stream(strategy)
     check_fit_runs_out_with_steps(strategy)
     check_batch_counter(strategy)
+    check_file_sharding(strategy, coordinator)
     print("DONE", flush=True)
 
 
