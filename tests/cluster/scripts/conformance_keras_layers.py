@@ -8,23 +8,15 @@ stacking would put in one variable), in a functional model and in a second
 model built in the same scope, trained with `model.fit`.
 """
 
-import os
-import sys
 
 import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
+from checks import check  # tests/cluster/scripts/checks.py
 
 V_A, V_FROZEN, V_REG, V_CON = 30, 30, 20, 24
 DIM = 4
-
-
-def check(name, ok, why=""):
-    why = " ".join(str(why).split())[:400]
-    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line.encode())
 
 
 def attempt(name, fn):

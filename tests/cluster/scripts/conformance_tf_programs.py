@@ -24,15 +24,9 @@ import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
+from checks import check  # tests/cluster/scripts/checks.py
 
 WORKERS = 2  # tests/cluster/test_conformance.py starts 2 workers.
-
-
-def check(name, ok, why=""):
-    why = " ".join(str(why).split())[:400]
-    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line.encode())
 
 
 def program(name):

@@ -27,18 +27,9 @@ import tensorflow as tf
 import tf_psplugin
 from tf_psplugin import failover
 from tf_psplugin._tf_internal import cluster_coordinator, coordinator_values
+from checks import check  # tests/cluster/scripts/checks.py
 
 ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
-
-
-def check(name, ok, why=""):
-    # One os.write per line: stdout and stderr share the launcher's pipe, and
-    # print() writes the text and its newline separately when unbuffered, so a
-    # log line from TF's closure threads could land between them.
-    why = " ".join(str(why).split())[:400]
-    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line.encode())
 
 
 def good_dataset_fn(_=None):

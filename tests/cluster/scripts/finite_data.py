@@ -11,24 +11,17 @@ hang in a collective).
 """
 
 import os
-import sys
 import time
 
 import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
+from checks import check  # tests/cluster/scripts/checks.py
 
 BATCH, FEATURES, VOCAB, DIM = 8, 3, 40, 4
 EXAMPLES = 10 * BATCH + 3  # 11 batches of 8, the last one holds 3 examples.
 TOL = 1e-5
-
-
-def check(name, ok, why=""):
-    why = " ".join(str(why).split())[:400]
-    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line.encode())
 
 
 def data(n=EXAMPLES, seed=0):
@@ -126,59 +119,23 @@ def check_evaluate(strategy, name, dataset, model):
     check(name, ok, detail)
 
 
-def check_custom_loop_uneven(coordinator):
-    """A dataset function with uneven shards: every worker stops at the shortest."""
+def check_custom_loop_uneven(coordinator, known_length=True):
+    """A dataset function with uneven shards: every worker stops at the shortest.
+
+    Worker 0 has 3 batches, worker 1 has 5. With `known_length` the shards
+    keep their cardinality (agreed before the epoch); without it a filter
+    hides it, and the end is agreed step by step, with no counting pass.
+    Checks `custom_loop_uneven_epoch{0,1}` and `custom_loop_usable_after`
+    (or `custom_loop_unknown_length_...`).
+    """
+    prefix = "custom_loop_uneven" if known_length else "custom_loop_unknown_length"
+    usable = "custom_loop_usable_after" if known_length else f"{prefix}_usable_after"
 
     def dataset_fn():
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
-        # worker 0: 3 batches, worker 1: 5 batches.
         n = tf.cast(3 + 2 * index, tf.int64)
-        return tf.data.Dataset.range(100).take(n * 2).batch(2)
-
-    @tf.function
-    def step(iterator):
-        return tf.reduce_sum(next(iterator))
-
-    per_worker = coordinator.create_per_worker_dataset(dataset_fn)
-    for epoch in range(2):
-        it = iter(per_worker)
-        results = []
-        start = time.monotonic()
-        error = None
-        try:
-            for _ in range(8):
-                results.append(coordinator.schedule(step, args=(it,)))
-            coordinator.join()
-        except tf.errors.OutOfRangeError as e:
-            error = e
-        except Exception as e:  # noqa: BLE001
-            error = e
-        done = []
-        for r in results:
-            try:
-                done.append(int(r.fetch()))
-            except Exception:  # noqa: BLE001 - cancelled or out of range.
-                pass
-        took = time.monotonic() - start
-        check(f"custom_loop_uneven_epoch{epoch}",
-              isinstance(error, tf.errors.OutOfRangeError) and len(done) == 3 and took < 30,
-              f"error={type(error).__name__}: {error} steps={done} took={took:.1f}s")
-    # The cluster is still usable after the epochs ended.
-    try:
-        it = iter(per_worker)
-        value = int(coordinator.schedule(step, args=(it,)).fetch())
-        coordinator.join()
-        check("custom_loop_usable_after", value == 0 + 1, value)
-    except Exception as e:  # noqa: BLE001
-        check("custom_loop_usable_after", False, repr(e))
-
-
-def check_custom_loop_uneven_unknown_length(coordinator):
-    """Uneven shards of unknown length: agreed step by step, no counting pass."""
-
-    def dataset_fn():
-        index = tf.distribute.coordinator.experimental_get_current_worker_index()
-        n = tf.cast(3 + 2 * index, tf.int64)  # worker 0: 3 batches, worker 1: 5.
+        if known_length:
+            return tf.data.Dataset.range(100).take(n * 2).batch(2)
         return tf.data.Dataset.range(100).filter(lambda x: x < n * 2).batch(2)
 
     @tf.function
@@ -204,15 +161,16 @@ def check_custom_loop_uneven_unknown_length(coordinator):
                 pass
         took = time.monotonic() - start
         # Worker 0's steps: batches (0,1), (2,3), (4,5): sums 1, 5, 9.
-        check(f"custom_loop_unknown_length_epoch{epoch}",
+        check(f"{prefix}_epoch{epoch}",
               isinstance(error, tf.errors.OutOfRangeError) and done == [1, 5, 9] and took < 30,
               f"error={type(error).__name__}: {error} steps={done} took={took:.1f}s")
+    # The cluster is still usable after the epochs ended.
     try:
         value = int(coordinator.schedule(step, args=(iter(per_worker),)).fetch())
         coordinator.join()
-        check("custom_loop_unknown_length_usable_after", value == 1, value)
+        check(usable, value == 0 + 1, value)
     except Exception as e:  # noqa: BLE001
-        check("custom_loop_unknown_length_usable_after", False, repr(e))
+        check(usable, False, repr(e))
 
 
 def check_endless_filtered_stream(strategy):
@@ -452,7 +410,7 @@ def main():
 
     check_custom_loop_sharded(coordinator)
     check_custom_loop_uneven(coordinator)
-    check_custom_loop_uneven_unknown_length(coordinator)
+    check_custom_loop_uneven(coordinator, known_length=False)
     check_endless_filtered_stream(strategy)
     check_fit_runs_out_with_steps(strategy)
     check_batch_counter(strategy)

@@ -10,8 +10,6 @@ on every worker, `num_replicas_in_sync` is the number of workers). Each
 prints `CHECK <name> ok|FAIL <why>`; the script ends with `DONE`.
 """
 
-import os
-import sys
 import time
 
 import numpy as np
@@ -19,16 +17,10 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin._tf_internal import cluster_coordinator, resource_variable_ops
+from checks import check  # tests/cluster/scripts/checks.py
 
 WORKERS = 2  # tests/cluster/test_tf_coordinator_cases.py starts 2 workers.
 ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
-
-
-def check(name, ok, why=""):
-    why = " ".join(str(why).split())[:400]
-    line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), line.encode())
 
 
 def case(fn):
