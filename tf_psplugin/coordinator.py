@@ -419,8 +419,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         batches `i, i+n, ...`, so one synchronous step consumes `n`
         consecutive batches and the global batch is `n` times the dataset's
         batch); `tf.data.Options().experimental_distribute.auto_shard_policy`
-        chooses otherwise (OFF: every worker reads all of it). A dataset function runs on each worker and is
-        expected to shard itself (`experimental_get_current_worker_index`).
+        chooses otherwise (OFF: every worker reads all of it). A dataset
+        function runs on each worker and is expected to shard itself
+        (`experimental_get_current_worker_index`).
         Finite data ends on every worker at the same step: training input
         is cut to the shortest worker's length, evaluation input padded to
         the longest with empty batches (see `epochs.py`).
