@@ -479,8 +479,10 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 return input_ops.auto_shard_dataset(ds, num_workers, index,
                                                     num_replicas_in_sync=1)
 
-        if policy == tf.data.experimental.AutoShardPolicy.AUTO and not self._file_sharding_applies(
-                sharded_dataset_fn):
+        if policy == tf.data.experimental.AutoShardPolicy.AUTO and not (
+                _reads_files(serialized) and self._file_sharding_applies(sharded_dataset_fn)):
+            # In-memory input (no file reader: what AUTO would shard by
+            # element anyway, without the rewrite), or too few files.
             return epochs_lib.SyncPerWorkerDataset(
                 lambda: sharded_dataset_fn(by_element=True), self, evaluation)
         return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self, evaluation)
@@ -739,6 +741,21 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             super().__del__()
         except AttributeError:
             pass
+
+
+# tf.data's file readers (dataset op names, TF 2.15-2.21): what its FILE
+# auto-sharding shards. Other sources are sharded by element.
+_FILE_READER_OPS = ("TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
+                    "FixedLengthRecordDataset", "FixedLengthRecordDatasetV2")
+
+
+def _reads_files(serialized_dataset: tf.Tensor) -> bool:
+    """Whether a serialized dataset graph has a tf.data file reader (functions included)."""
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(serialized_dataset.numpy())
+    ops = {node.op for node in graph.node}
+    ops.update(node.op for function in graph.library.function for node in function.node_def)
+    return any(op in _FILE_READER_OPS for op in ops)
 
 
 class _DropMessages(std_logging.Filter):
