@@ -15,6 +15,7 @@ import sys
 import tempfile
 import warnings
 
+from tf_psplugin._cli import cli_module
 from tf_psplugin.verbosity import CppLogFilter
 
 # Without TF_CPP_MIN_LOG_LEVEL, TensorFlow's import-time INFO lines are dropped.
@@ -22,10 +23,13 @@ _DEFAULT_IMPORT_LOG_LEVEL = 1
 
 
 def _import_tensorflow():
-    """Imports TensorFlow, honouring TF_CPP_MIN_LOG_LEVEL for its import-time lines.
+    """Imports TensorFlow; for the plugin's CLIs, honouring TF_CPP_MIN_LOG_LEVEL.
 
-    With the variable unset, import-time INFO lines (oneDNN, CPU features)
-    are dropped and warnings and errors kept; set it to 0 to see everything.
+    A program that imports tf_psplugin gets TensorFlow's import exactly as
+    TensorFlow does it: no file descriptor is touched. Only when this process
+    is one of the plugin's command-line tools (`cli_module`) and the variable
+    is unset are import-time INFO lines (oneDNN, CPU features) dropped and
+    warnings and errors kept; set it to 0 to see everything.
 
     Why: TF 2.21 (measured with tensorflow-cpu 2.21.0 from PyPI, Nov 2026)
     prints its oneDNN and CPU-feature INFO lines through absl logging while it
@@ -41,7 +45,7 @@ def _import_tensorflow():
         level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", _DEFAULT_IMPORT_LOG_LEVEL) or 0)
     except ValueError:
         level = 0
-    if level < 1 or "tensorflow" in sys.modules:
+    if level < 1 or "tensorflow" in sys.modules or cli_module() is None:
         import tensorflow  # pylint: disable=g-import-not-at-top
 
         return tensorflow

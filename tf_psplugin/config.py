@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from absl import flags
 from absl import logging
 
+from tf_psplugin import _cli
 from tf_psplugin import _ports
 from tf_psplugin import verbosity as verbosity_lib
 
@@ -58,11 +59,13 @@ __all__ = [
 # tf_psplugin/__init__.py imports this module, so `python -m tf_psplugin.config`
 # finds it already imported and runpy prints a RuntimeWarning on stderr, which
 # would break the CLIs' one-line error contract. Ignore exactly that warning,
-# for this package's command-line modules only; their `__main__` blocks then
-# delegate to the already-imported module, so nothing runs twice in effect.
-warnings.filterwarnings(
-    "ignore", category=RuntimeWarning,
-    message=r"'tf_psplugin\.(config|server|launch)' found in sys\.modules after import")
+# and only in a process started as one of those commands (an import from any
+# other program leaves the warning filters alone); their `__main__` blocks
+# then delegate to the already-imported module, so nothing runs twice.
+if _cli.cli_module() is not None:
+    warnings.filterwarnings(
+        "ignore", category=RuntimeWarning,
+        message=r"'tf_psplugin\.(config|server|launch)' found in sys\.modules after import")
 
 # "1" if failed workers/PS tasks are restarted by something (the launcher's
 # --restart-failed, a scheduler), "0" if not. The launcher sets it for every

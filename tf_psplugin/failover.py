@@ -232,7 +232,8 @@ def install_exit_hook() -> None:
     message (no traceback: the failover log lines above it say what
     happened) and exits with the error's `exit_code`, e.g. 138 for
     `TaskFailedError`. `finally` blocks and atexit handlers run as usual.
-    Other exceptions go to the previous hook. Interactive shells (IPython,
+    Other exceptions go to the previous hook. Also registers
+    `_exit_if_wedged` with atexit. Interactive shells (IPython,
     notebooks) do not use `sys.excepthook`: there the error is shown and the
     kernel lives on.
     """
@@ -253,6 +254,9 @@ def install_exit_hook() -> None:
             previous(exc_type, exc, tb)
 
         sys.excepthook = hook
+        # See `_exit_if_wedged`: registered with the hook, when a strategy
+        # with failover is built, never at import.
+        atexit.register(_exit_if_wedged)
         _hook_installed = True
 
 
@@ -263,10 +267,12 @@ def _exit_if_wedged() -> None:
     tells each remote task to drop it (`context.remove_function`), with no
     deadline. A hung task (stopped, wedged) accepts the connection and never
     answers, so the chief would never exit after raising FailoverError
-    (measured on TF 2.15 with a SIGSTOPped worker). Registered when this
-    module is imported, so it runs after the atexit handlers that user code
-    registers later (atexit is last-in, first-out), and `finally` blocks have
-    run by then too; only TF's own shutdown is skipped.
+    (measured on TF 2.15 with a SIGSTOPped worker). Registered by
+    `install_exit_hook`, when the first strategy with failover is built, so
+    it runs after the atexit handlers that user code registers later (atexit
+    is last-in, first-out), and `finally` blocks have run by then too; only
+    TF's own shutdown (and handlers registered before the strategy) is
+    skipped, and only when a peer is hung.
     """
     if not _wedged:
         return
@@ -276,8 +282,6 @@ def _exit_if_wedged() -> None:
     sys.stderr.flush()
     os._exit(_exit_status)
 
-
-atexit.register(_exit_if_wedged)
 
 
 def register_checkpointer(checkpointer) -> None:
