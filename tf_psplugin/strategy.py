@@ -75,7 +75,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     """ParameterServerStrategy with PS-sharded tables and all-reduced dense variables.
 
     Construct it on the chief; workers and PS tasks run
-    `tf_psplugin.server.start()` (which blocks) before they get here.
+    `tf_psplugin.start_server()` (which blocks) before they get here.
 
     Example:
 
@@ -83,7 +83,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     import tensorflow as tf
     import tf_psplugin
 
-    tf_psplugin.server.start()              # ps/worker tasks block here
+    tf_psplugin.start_server()              # ps/worker tasks block here
     strategy = tf_psplugin.HybridParameterServerStrategy()
     with strategy.scope():
         model = tf.keras.Sequential([
