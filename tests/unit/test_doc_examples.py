@@ -31,6 +31,7 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
+from tf_psplugin import _compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PUBLIC_MODULES = ("config", "server", "launch", "elastic", "layers", "data")
@@ -164,6 +165,9 @@ def test_markdown_and_docstrings_have_examples():
 
 @pytest.mark.parametrize("where,code", BLOCKS, ids=[w for w, _ in BLOCKS])
 def test_example_compiles_and_uses_the_real_api(where, code):
+    if "tf_psplugin.estimator" in code and not _compat.HAS_ESTIMATOR:
+        pytest.skip("the Estimator front-end needs TF 2.15 (tf.estimator was removed in 2.16); "
+                    "the TF 2.15 run checks this example")
     source = "def _example():\n" + textwrap.indent(code, "    ") + "\n"
     try:
         tree = ast.parse(source)
@@ -210,6 +214,8 @@ def _documented_signatures():
                 isinstance(a, ast.Name) for a in call.args) or any(
                 isinstance(k.value, ast.Name) for k in call.keywords):
             continue
+        if "tf_psplugin.estimator" in code and not _compat.HAS_ESTIMATOR:
+            continue  # Checked by the TF 2.15 run: the module raises ImportError here.
         imported = {"estimator"} if "tf_psplugin.estimator" in code else set()
         obj, dotted = _resolve(call.func, imported)
         if obj is not None:
