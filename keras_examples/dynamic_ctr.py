@@ -22,8 +22,6 @@ Local cluster:
 Lines tagged `# tf_psplugin:` are what differs from single-machine Keras.
 """
 
-import os
-import sys
 import time
 
 from absl import app, flags
@@ -33,9 +31,6 @@ import tensorflow as tf
 import tf_psplugin  # tf_psplugin: raises a clear ImportError under Keras 3.
 from tf_psplugin import config as tfp_config
 from tf_psplugin.data import NUM_CATEGORICAL_FEATURES, NUM_INTEGER_FEATURES, SyntheticCTR
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_model import DotInteraction  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("train_steps", 300, "Training steps (global batches).")
@@ -55,6 +50,21 @@ flags.DEFINE_string("export_dir", None, "If set: a cluster-free SavedModel servi
 tfp_config.define_flags(FLAGS)  # tf_psplugin: --job_name --task_index --*_hosts.
 
 EVAL_OFFSET_BATCHES = 1 << 40  # Held-out examples come from far beyond any training data.
+
+
+@tf.keras.utils.register_keras_serializable(package="tf_psplugin_examples")
+class DotInteraction(tf.keras.layers.Layer):
+    """DLRM's feature interaction: dot products of every pair of ``[B, N, D]`` vectors.
+
+    Returns ``[B, N * (N - 1) / 2]`` (the strict upper triangle of ``X X^T``).
+    """
+
+    def call(self, vectors):
+        n = vectors.shape[1]
+        gram = tf.linalg.matmul(vectors, vectors, transpose_b=True)  # [B, N, N]
+        rows, cols = zip(*[(i, j) for i in range(n) for j in range(i + 1, n)])
+        index = tf.constant([r * n + c for r, c in zip(rows, cols)], tf.int32)
+        return tf.gather(tf.reshape(gram, [-1, n * n]), index, axis=1)
 
 
 def criteo_raw_dataset(pattern, batch_size, repeat):

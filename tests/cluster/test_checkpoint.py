@@ -7,7 +7,7 @@ predictions and a SavedModel export. The other tests restore that directory
 into other cluster shapes, into a plain Keras model with no cluster, and from
 torn copies of it, and compare with `np.testing.assert_array_equal`.
 
-Model: keras_examples/_ctr_model.py, tiny (26 x 40-row fused table, width
+Model: keras_examples/ctr.py's `build_ctr_model`, tiny (26 x 40-row fused table, width
 4), interleaved sharding (the default), legacy Adagrad (table slots on PS).
 """
 
@@ -24,8 +24,7 @@ from tf_psplugin.launch import LocalCluster
 pytestmark = pytest.mark.cluster
 
 COMMON = """
-import json, os, sys
-sys.path.insert(0, os.path.join({repo!r}, "keras_examples"))
+import importlib.util, json, os, sys
 import numpy as np
 import tensorflow as tf
 import tf_psplugin
@@ -33,7 +32,12 @@ from tf_psplugin import checkpoint as ckpt_lib
 from tf_psplugin import checkpoint_write
 from tf_psplugin import export as export_lib
 from tf_psplugin.data import SyntheticCTR
-from _ctr_model import build_ctr_model, compile_ctr_model
+# The model of keras_examples/ctr.py (a script, so loaded from its path).
+_spec = importlib.util.spec_from_file_location(
+    "ctr_example", os.path.join({repo!r}, "keras_examples", "ctr.py"))
+_ctr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ctr)
+build_ctr_model, compile_ctr_model = _ctr.build_ctr_model, _ctr.compile_ctr_model
 
 V, B = 40, 8
 
