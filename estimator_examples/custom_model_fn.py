@@ -42,8 +42,9 @@ flags.DEFINE_integer("save_checkpoints_steps", 50, "Checkpoint interval, in step
 flags.DEFINE_integer("eval_steps", 10, "Batches per evaluation.")
 flags.DEFINE_string("placement_report_dir", None, "If set, each training task writes "
                     "placement_<task>.json (variable -> devices) there.")
-flags.DEFINE_enum("table_update", "sync", ["sync", "local"], "How table gradients apply.")
-flags.DEFINE_enum("placement", "hybrid", ["hybrid", "ps_async"], "Where variables live.")
+flags.DEFINE_enum("embedding_updates", "sync", ["sync", "async"], "How table gradients apply.")
+flags.DEFINE_enum("dense_placement", "allreduce", ["allreduce", "ps"],
+                  "Where dense variables live: every worker (all-reduced) or the PS tasks.")
 tf_psplugin.config.define_flags(FLAGS)  # tf_psplugin: --job_name --task_index --*_hosts
 
 
@@ -121,8 +122,8 @@ def main(argv):
         save_summary_steps=10,
         log_step_count_steps=10,
         tf_random_seed=1,
-        mode=FLAGS.placement,  # tf_psplugin: "hybrid" (default) or the "ps_async" fallback
-        table_update=FLAGS.table_update,  # tf_psplugin: sync (default) or local table updates
+        dense_placement=FLAGS.dense_placement,  # tf_psplugin: "allreduce" (default) or "ps"
+        embedding_updates=FLAGS.embedding_updates,  # tf_psplugin: "sync" (default) or "async"
         flag_values=FLAGS,  # tf_psplugin: where define_flags registered the cluster flags
     )
     estimator = tf.estimator.Estimator(

@@ -242,7 +242,7 @@ def test_custom_model_fn_flag_launch_without_chief_hosts(tmp_path, procs):
 @pytest.mark.timeout(180)
 def test_ps_async_fallback_puts_everything_on_ps(tmp_path, procs):
     model_dir = str(tmp_path / "fallback")
-    job = _launch_flags(procs, CUSTOM, model_dir, 30, extra=["--placement=ps_async"],
+    job = _launch_flags(procs, CUSTOM, model_dir, 30, extra=["--dense_placement=ps"],
                         evaluator=False)
     job.wait(["worker:0", "worker:1"], timeout=170)
     records = _placement(model_dir, "chief_0")
@@ -255,12 +255,12 @@ def test_ps_async_fallback_puts_everything_on_ps(tmp_path, procs):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("table_update, optimizer", [
+@pytest.mark.parametrize("embedding_updates, optimizer", [
     ("sync", "sgd"),
     ("sync", "adagrad"),  # Adaptive: exact only because the chief applies the sum once.
-    ("local", "sgd"),  # Per-worker sparse updates add up for SGD.
+    ("async", "sgd"),  # Per-worker sparse updates add up for SGD.
 ])
-def test_hybrid_training_matches_single_process(tmp_path, procs, table_update, optimizer):
+def test_hybrid_training_matches_single_process(tmp_path, procs, embedding_updates, optimizer):
     """2 workers x batch B == 1 process x batch 2B, to float precision.
 
     Both runs start from the distributed job's step-0 checkpoint, so they share
@@ -278,7 +278,7 @@ def test_hybrid_training_matches_single_process(tmp_path, procs, table_update, o
                     "--save_checkpoints_steps=1000", "--vocab_size=50"]
     job = _launch_flags(procs, CUSTOM, dist_dir, steps, evaluator=False,
                         extra=[*flags_common, f"--batch_size={batch}",
-                               f"--table_update={table_update}"])
+                               f"--embedding_updates={embedding_updates}"])
     job.wait(["worker:0", "worker:1"], timeout=150)
     assert _latest_step(dist_dir) == steps
     os.makedirs(local_dir)
@@ -302,5 +302,5 @@ def test_hybrid_training_matches_single_process(tmp_path, procs, table_update, o
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
         worst = max(worst, float(np.max(np.abs(np.asarray(got, np.float64) - want))))
         moved += int(not np.array_equal(want, initial.get_tensor(name)))
-    print(f"{table_update}/{optimizer}: {len(names)} variables, max |diff| {worst:.2e}")
+    print(f"{embedding_updates}/{optimizer}: {len(names)} variables, max |diff| {worst:.2e}")
     assert moved >= 5, "training did not change the variables"

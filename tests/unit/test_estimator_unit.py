@@ -125,6 +125,52 @@ def test_run_config_ps_async_fallback_from_tf_config(monkeypatch):
 
 
 @needs_estimator
+@pytest.mark.parametrize("new, old, properties", [
+    ({"dense_placement": "ps"}, {"mode": "ps_async"},
+     {"dense_placement": "ps", "placement_mode": "ps_async"}),
+    ({"dense_placement": "allreduce", "embedding_updates": "async"},
+     {"mode": "hybrid", "table_update": "local"},
+     {"dense_placement": "allreduce", "embedding_updates": "async", "table_update": "local"}),
+])
+def test_run_config_takes_the_strategys_names_and_the_old_ones_with_a_warning(
+        monkeypatch, new, old, properties):
+    import warnings
+
+    import tf_psplugin.estimator as est
+    from tf_psplugin import PlacementPolicy
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"],
+                    "ps": ["localhost:3", "localhost:4"]},
+        "task": {"type": "worker", "index": 0}}))
+    policy = PlacementPolicy(min_table_bytes=1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # The new names warn about nothing.
+        config = est.RunConfig(flag_values=_flag_values(), placement=policy, **new)
+    with pytest.warns(DeprecationWarning, match="is deprecated: use"):
+        old_config = est.RunConfig(flag_values=_flag_values(), placement_policy=policy, **old)
+    for c in (config, old_config):
+        assert {name: getattr(c, name) for name in properties} == properties
+        assert c.placement is policy and c.placement_policy is policy
+        assert type(c.train_distribute) is type(config.train_distribute)
+
+
+@needs_estimator
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dense_placement": "ps", "mode": "ps_async"}, "RunConfig.mode: given together with "
+                                                   "dense_placement"),
+    ({"embedding_updates": "local"}, "RunConfig.embedding_updates: unknown value 'local'"),
+    ({"dense_placement": "hybrid"}, "RunConfig.dense_placement: unknown value 'hybrid'"),
+])
+def test_run_config_names_the_keyword_in_errors(monkeypatch, kwargs, match):
+    import tf_psplugin.estimator as est
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match=match):
+        est.RunConfig(flag_values=_flag_values(), **kwargs)
+
+
+@needs_estimator
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "everything_on_gpu"}, "unknown mode"),
     ({"table_update": "eventually"}, "unknown value"),

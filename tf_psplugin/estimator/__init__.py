@@ -20,13 +20,13 @@ Design (TF 2.15, graph mode, between-graph replication):
   optimizer slots beside each shard. Dense variables are replicated on the
   chief and every worker and all-reduced every step.
 * Table gradients are summed on the PS in an accumulator and applied once by
-  the chief (``table_update="sync"``, default: the same result as one process
+  the chief (``embedding_updates="sync"``, default: the same result as one process
   on the global batch), or applied by each worker for its own batch
-  (``table_update="local"``). Every step ends with a barrier across workers.
+  (``embedding_updates="async"``). Every step ends with a barrier across workers.
 * The chief writes checkpoints and summaries to ``model_dir``. A table is
   saved as slices of ONE logical tensor, so the evaluator's unsharded copy, a
   restarted job, or a job with a different number of PS tasks restore it.
-* ``mode="ps_async"`` is the explicit fallback: every variable on PS,
+* ``dense_placement="ps"`` is the explicit fallback: every variable on PS,
   asynchronous updates (TF1 ParameterServerStrategy), tables still sharded.
 
 See docs/estimator.md for launch commands, measurements and limits.

@@ -26,18 +26,44 @@ import dataclasses
 import inspect
 import json
 import os
+import warnings
 from typing import Optional
 
 import tensorflow as tf
 from absl import flags, logging
 
 from tf_psplugin import config as cluster_config_lib
-from tf_psplugin import placement
+from tf_psplugin import placement as placement_lib
 from tf_psplugin.estimator import _strategy
 
 MODE_HYBRID = "hybrid"
 MODE_PS_ASYNC = "ps_async"
 MODES = (MODE_HYBRID, MODE_PS_ASYNC)
+
+# The Keras front-end's names (`HybridParameterServerStrategy`) are the ones:
+# dense_placement "allreduce"/"ps" is what `mode` "hybrid"/"ps_async" was,
+# embedding_updates "sync"/"async" what `table_update` "sync"/"local" was.
+DENSE_PLACEMENT_TO_MODE = {"allreduce": MODE_HYBRID, "ps": MODE_PS_ASYNC}
+EMBEDDING_UPDATES_TO_TABLE_UPDATE = {"sync": _strategy.TABLE_UPDATE_SYNC,
+                                     "async": _strategy.TABLE_UPDATE_LOCAL}
+# Deprecated keyword -> its name now (kept working, with a DeprecationWarning).
+DEPRECATED_KEYWORDS = {"mode": "dense_placement", "table_update": "embedding_updates",
+                       "placement_policy": "placement"}
+
+
+def _deprecated(old: str, value, new: str, new_value):
+    """`new_value`, or `value` given under the old keyword `old` (with a warning)."""
+    if value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(
+            f"RunConfig.{old}: given together with {new}, its new name. Fix: pass only "
+            f"{new}=...")
+    warnings.warn(
+        f"tf_psplugin.estimator.RunConfig({old}=...) is deprecated: use {new}=..., the name "
+        "HybridParameterServerStrategy uses (docs/estimator.md, Options).",
+        DeprecationWarning, stacklevel=4)
+    return value
 
 # The stock constructor's sentinel for "use the default checkpoint interval";
 # read from its signature instead of importing the private module constant.
@@ -84,7 +110,7 @@ class _Settings:
 
     mode: str
     table_update: str
-    policy: placement.PlacementPolicy
+    policy: placement_lib.PlacementPolicy
     cluster: Optional[cluster_config_lib.ClusterConfig]
 
     def __deepcopy__(self, memo):
@@ -115,28 +141,34 @@ class RunConfig(tf.estimator.RunConfig):
         tf.estimator.EvalSpec(eval_input_fn, steps=10, throttle_secs=0))
     ```
 
-    Keyword-only args:
-        mode: ``"hybrid"`` (default): embedding tables sharded over the PS
-            tasks, dense variables replicated on chief and workers and kept in
-            sync by collective all-reduce. ``"ps_async"``: the explicit
-            fallback -- every variable on PS, asynchronous updates (TF1
-            ParameterServerStrategy), tables still sharded.
-        table_update: Hybrid mode only. ``"sync"`` (default): every worker's
-            table gradient is summed on the PS and applied once by the chief,
-            so a step equals single-process training on the global batch.
-            ``"local"``: each worker applies its own sparse gradient (less
-            work for the chief; exact for SGD, approximate for adaptive
-            optimizers).
-        placement_policy: The table-vs-dense rule; default
-            `tf_psplugin.placement.PlacementPolicy()`.
+    Keyword-only args (named as in `HybridParameterServerStrategy`):
+        dense_placement: ``"allreduce"`` (default): embedding tables sharded
+            over the PS tasks, dense variables replicated on chief and
+            workers and kept in sync by collective all-reduce. ``"ps"``: the
+            explicit fallback -- every variable on PS, asynchronous updates
+            (TF1 ParameterServerStrategy), tables still sharded.
+        embedding_updates: With ``dense_placement="allreduce"`` only.
+            ``"sync"`` (default): every worker's table gradient is summed on
+            the PS and applied once by the chief, so a step equals
+            single-process training on the global batch. ``"async"``: each
+            worker applies its own sparse gradient (less work for the
+            chief; exact for SGD, approximate for adaptive optimizers).
+        placement: The table-vs-dense rule; default
+            `tf_psplugin.PlacementPolicy()`.
         cluster: An explicit `tf_psplugin.config.ClusterConfig`; default:
             resolved from flags (``flag_values``) or TF_CONFIG.
         flag_values: The absl `FlagValues` on which the script registered the
             plugin's flags with `tf_psplugin.config.define_flags`.
+        mode: Deprecated name of `dense_placement` (``"hybrid"`` is
+            ``"allreduce"``, ``"ps_async"`` is ``"ps"``).
+        table_update: Deprecated name of `embedding_updates` (``"local"`` is
+            ``"async"``).
+        placement_policy: Deprecated name of `placement`.
 
     Raises:
         ValueError: on ``train_distribute``/``device_fn`` (the plugin owns
-            placement), or an unknown mode or table update.
+            placement), an unknown placement or update value, or a
+            deprecated keyword given with its new name.
         tf_psplugin.config.ConfigError: if the cluster flags or TF_CONFIG are
             invalid.
     """
@@ -161,12 +193,31 @@ class RunConfig(tf.estimator.RunConfig):
         session_creation_timeout_secs=7200,
         checkpoint_save_graph_def=True,
         *,
-        mode: str = MODE_HYBRID,
-        table_update: str = _strategy.TABLE_UPDATE_SYNC,
-        placement_policy: Optional[placement.PlacementPolicy] = None,
+        dense_placement: Optional[str] = None,
+        embedding_updates: Optional[str] = None,
+        placement: Optional[placement_lib.PlacementPolicy] = None,
         cluster: Optional[cluster_config_lib.ClusterConfig] = None,
         flag_values: Optional[flags.FlagValues] = None,
+        mode: Optional[str] = None,
+        table_update: Optional[str] = None,
+        placement_policy: Optional[placement_lib.PlacementPolicy] = None,
     ):
+        if dense_placement is not None:
+            if dense_placement not in DENSE_PLACEMENT_TO_MODE:
+                raise ValueError(
+                    f"RunConfig.dense_placement: unknown value {dense_placement!r}. Fix: use "
+                    f"one of {tuple(DENSE_PLACEMENT_TO_MODE)}.")
+            dense_placement = DENSE_PLACEMENT_TO_MODE[dense_placement]
+        if embedding_updates is not None:
+            if embedding_updates not in EMBEDDING_UPDATES_TO_TABLE_UPDATE:
+                raise ValueError(
+                    f"RunConfig.embedding_updates: unknown value {embedding_updates!r}. Fix: "
+                    f"use one of {tuple(EMBEDDING_UPDATES_TO_TABLE_UPDATE)}.")
+            embedding_updates = EMBEDDING_UPDATES_TO_TABLE_UPDATE[embedding_updates]
+        mode = _deprecated("mode", mode, "dense_placement", dense_placement) or MODE_HYBRID
+        table_update = _deprecated("table_update", table_update, "embedding_updates",
+                                   embedding_updates) or _strategy.TABLE_UPDATE_SYNC
+        placement = _deprecated("placement_policy", placement_policy, "placement", placement)
         if mode not in MODES:
             raise ValueError(f"RunConfig.mode: unknown mode {mode!r}. Fix: use one of {MODES}.")
         if table_update not in _strategy.TABLE_UPDATES:
@@ -186,7 +237,7 @@ class RunConfig(tf.estimator.RunConfig):
                 "on workers) and Estimator ignores device_fn with a strategy. Fix: drop "
                 "device_fn, or use tf.estimator.RunConfig(device_fn=...) for manual placement."
             )
-        policy = placement_policy or placement.PlacementPolicy()
+        policy = placement or placement_lib.PlacementPolicy()
         resolved = _resolve_cluster(cluster, flag_values)
         strategy = None
         if resolved is not None:
@@ -229,13 +280,29 @@ class RunConfig(tf.estimator.RunConfig):
         return self._tf_psplugin.mode
 
     @property
+    def dense_placement(self) -> str:
+        """``"allreduce"`` or ``"ps"`` (the Keras front-end's names)."""
+        return {m: d for d, m in DENSE_PLACEMENT_TO_MODE.items()}[self._tf_psplugin.mode]
+
+    @property
+    def embedding_updates(self) -> str:
+        """``"sync"`` or ``"async"`` (the Keras front-end's names)."""
+        return {t: e for e, t in EMBEDDING_UPDATES_TO_TABLE_UPDATE.items()}[
+            self._tf_psplugin.table_update]
+
+    @property
+    def placement(self) -> placement_lib.PlacementPolicy:
+        """The table-vs-dense rule in use."""
+        return self._tf_psplugin.policy
+
+    @property
     def table_update(self) -> str:
-        """``"sync"`` or ``"local"``."""
+        """Deprecated name: ``"sync"`` or ``"local"`` (`embedding_updates` "async")."""
         return self._tf_psplugin.table_update
 
     @property
-    def placement_policy(self) -> placement.PlacementPolicy:
-        """The table-vs-dense rule in use."""
+    def placement_policy(self) -> placement_lib.PlacementPolicy:
+        """Deprecated name of `placement`."""
         return self._tf_psplugin.policy
 
     @property
