@@ -281,7 +281,7 @@ def run_evaluator():
 
     records = tf_psplugin.run_evaluator(  # tf_psplugin: watch --model_dir.
         compiled_model, eval_dataset, FLAGS.model_dir, eval_steps=FLAGS.eval_steps,
-        idle_timeout_secs=FLAGS.eval_idle_timeout_secs)
+        idle_timeout_seconds=FLAGS.eval_idle_timeout_secs)
     if not records:
         return
     final = records[-1]  # The evaluator logged every record as it went.

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import _deprecation
 from tf_psplugin import checkpoint as checkpoint_lib
 from tf_psplugin import model_dir as model_dir_lib
 
@@ -124,12 +125,16 @@ class _Recorder:
 
 def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                   dataset_fn: Callable[[], tf.data.Dataset], model_dir: str,
-                  eval_steps: Optional[int] = None, poll_interval_secs: float = 5.0,
-                  idle_timeout_secs: Optional[float] = 3600.0, evaluate_all: bool = False,
-                  stale_done_grace_secs: float = 120.0,
-                  max_read_retries: int = 3, retry_delay_secs: float = 2.0,
+                  eval_steps: Optional[int] = None, poll_interval_seconds: float = 5.0,
+                  idle_timeout_seconds: Optional[float] = 3600.0, evaluate_all: bool = False,
+                  stale_done_grace_seconds: float = 120.0,
+                  max_read_retries: int = 3, retry_delay_seconds: float = 2.0,
                   clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep) -> List[Dict[str, Any]]:
+                  sleep: Callable[[float], None] = time.sleep,
+                  poll_interval_secs: Any = _deprecation.UNSET,
+                  idle_timeout_secs: Any = _deprecation.UNSET,
+                  stale_done_grace_secs: Any = _deprecation.UNSET,
+                  retry_delay_secs: Any = _deprecation.UNSET) -> List[Dict[str, Any]]:
     """Evaluates every new committed checkpoint in `model_dir` until training is done.
 
     Example (in the training script, after `config = tf_psplugin.start_server()`):
@@ -150,22 +155,25 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         dataset_fn: Returns the evaluation dataset; called per evaluation.
         model_dir: The chief's model directory.
         eval_steps: Batches per evaluation (None: the whole dataset).
-        poll_interval_secs: Seconds between looks at `model_dir`.
-        idle_timeout_secs: Stop after this long without a new checkpoint
+        poll_interval_seconds: Seconds between looks at `model_dir`.
+        idle_timeout_seconds: Stop after this long without a new checkpoint
             (None: wait forever, until ``TRAINING_DONE``).
         evaluate_all: Evaluate every new checkpoint, not just the newest one
             when several appeared since the last look. The final checkpoint
             is evaluated either way.
-        stale_done_grace_secs: A ``TRAINING_DONE`` that was already there
+        stale_done_grace_seconds: A ``TRAINING_DONE`` that was already there
             when the evaluator started may be left from a run that is being
             resumed right now (its chief removes it when it starts, possibly
             after the evaluator looked). Such a marker ends the evaluator only
             after this many seconds; one written later ends it at once.
         max_read_retries: Retries of a checkpoint read that failed with a
             transient error (each logged) before the checkpoint is skipped.
-        retry_delay_secs: Seconds between those retries.
+        retry_delay_seconds: Seconds between those retries.
         clock: Seconds clock (injectable for tests).
         sleep: Sleep function (injectable for tests).
+        poll_interval_secs, idle_timeout_secs, stale_done_grace_secs,
+        retry_delay_secs: Deprecated names of the ``*_seconds`` arguments
+            (they work, with a DeprecationWarning).
 
     Returns:
         The records written, one per evaluated checkpoint.
@@ -174,6 +182,18 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         EvaluatorError: when called in a training task or strategy scope, or
             if `model_fn` returns an uncompiled model.
     """
+    poll_interval_seconds = _deprecation.renamed(
+        "run_evaluator", "poll_interval_secs", poll_interval_secs, "poll_interval_seconds",
+        poll_interval_seconds, 5.0)
+    idle_timeout_seconds = _deprecation.renamed(
+        "run_evaluator", "idle_timeout_secs", idle_timeout_secs, "idle_timeout_seconds",
+        idle_timeout_seconds, 3600.0)
+    stale_done_grace_seconds = _deprecation.renamed(
+        "run_evaluator", "stale_done_grace_secs", stale_done_grace_secs,
+        "stale_done_grace_seconds", stale_done_grace_seconds, 120.0)
+    retry_delay_seconds = _deprecation.renamed(
+        "run_evaluator", "retry_delay_secs", retry_delay_secs, "retry_delay_seconds",
+        retry_delay_seconds, 2.0)
     _check_not_in_training_cluster()
     model_dir = model_dir_lib.resolve(model_dir)
     model = model_fn()
@@ -196,7 +216,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
             targets = new if evaluate_all else new[-1:]
             for info in targets:
                 result = _evaluate_checkpoint(model, dataset_fn, info, eval_steps,
-                                              max_read_retries, retry_delay_secs, sleep)
+                                              max_read_retries, retry_delay_seconds, sleep)
                 if result is None:
                     skipped.add(info.path)
                     continue
@@ -209,19 +229,19 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                 last_activity = clock()
             done = model_dir_lib.read_training_done(model_dir)
             if done is not None and done == stale_done and clock() - started < (
-                    stale_done_grace_secs):
+                    stale_done_grace_seconds):
                 done = None  # Give a resuming chief time to remove it.
             if done is not None and last_step >= done["step"]:
                 logging.info("tf_psplugin evaluator: training finished at step %d; exiting",
                              done["step"])
                 return results
-            if idle_timeout_secs is not None and clock() - last_activity >= idle_timeout_secs:
+            if idle_timeout_seconds is not None and clock() - last_activity >= idle_timeout_seconds:
                 logging.warning("tf_psplugin evaluator: no new checkpoint for %.0f s%s; exiting",
-                                idle_timeout_secs,
+                                idle_timeout_seconds,
                                 "" if done is None else f" (TRAINING_DONE at step {done['step']}"
                                 " but that checkpoint never became readable)")
                 return results
-            sleep(poll_interval_secs)
+            sleep(poll_interval_seconds)
     finally:
         recorder.close()
 

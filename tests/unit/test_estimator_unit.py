@@ -147,7 +147,8 @@ def test_run_config_takes_the_strategys_names_and_the_old_ones_with_a_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # The new names warn about nothing.
         config = est.RunConfig(flag_values=_flag_values(), placement=policy, **new)
-    with pytest.warns(DeprecationWarning, match="is deprecated: use"):
+    with pytest.warns(DeprecationWarning, match=r"RunConfig\(mode=...\) is deprecated: use "
+                      r"dense_placement=..."):
         old_config = est.RunConfig(flag_values=_flag_values(), placement_policy=policy, **old)
     for c in (config, old_config):
         assert {name: getattr(c, name) for name in properties} == properties
@@ -157,8 +158,8 @@ def test_run_config_takes_the_strategys_names_and_the_old_ones_with_a_warning(
 
 @needs_estimator
 @pytest.mark.parametrize("kwargs, match", [
-    ({"dense_placement": "ps", "mode": "ps_async"}, "RunConfig.mode: given together with "
-                                                   "dense_placement"),
+    ({"dense_placement": "allreduce", "mode": "ps_async"},
+     "RunConfig: mode='ps_async' and dense_placement='hybrid' are the same option"),
     ({"embedding_updates": "local"}, "RunConfig.embedding_updates: unknown value 'local'"),
     ({"dense_placement": "hybrid"}, "RunConfig.dense_placement: unknown value 'hybrid'"),
 ])

@@ -75,9 +75,9 @@ class FakeTime:
 
 
 def run(model_dir, fake, **kwargs):
-    kwargs.setdefault("poll_interval_secs", 1.0)
-    kwargs.setdefault("idle_timeout_secs", 30.0)
-    kwargs.setdefault("stale_done_grace_secs", 3.0)
+    kwargs.setdefault("poll_interval_seconds", 1.0)
+    kwargs.setdefault("idle_timeout_seconds", 30.0)
+    kwargs.setdefault("stale_done_grace_seconds", 3.0)
     return ev.run_evaluator(lambda: build(), dataset, str(model_dir), clock=fake.clock,
                             sleep=fake.sleep, **kwargs)
 
@@ -134,9 +134,22 @@ def test_newest_only_by_default_and_every_one_on_request(tmp_path):
     assert [r["step"] for r in run(other, FakeTime(), evaluate_all=True)] == [1, 2, 3]
 
 
+def test_former_secs_names_still_work_with_a_warning_and_clash_with_the_new_ones(tmp_path):
+    fake = FakeTime()
+    with pytest.warns(DeprecationWarning, match=r"run_evaluator\(idle_timeout_secs=...\) is "
+                      r"deprecated: use idle_timeout_seconds=..."):
+        assert ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
+                                clock=fake.clock, sleep=fake.sleep, poll_interval_secs=1.0,
+                                idle_timeout_secs=4.0) == []
+    assert fake.now == 4.0 and len(fake.sleeps) == 4
+    with pytest.raises(ValueError, match="are the same option"):
+        ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
+                         idle_timeout_secs=4.0, idle_timeout_seconds=5.0)
+
+
 def test_idle_timeout_when_no_checkpoint_ever_comes(tmp_path):
     fake = FakeTime()
-    assert run(tmp_path / "nothing", fake, idle_timeout_secs=5.0) == []
+    assert run(tmp_path / "nothing", fake, idle_timeout_seconds=5.0) == []
     assert fake.now == 5.0 and len(fake.sleeps) == 5
     assert not os.path.exists(tmp_path / "nothing" / "eval" / "metrics.jsonl")
 
@@ -179,7 +192,7 @@ def test_retries_transient_read_errors_then_gives_up(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_lib, "load_into", flaky)
     fake = FakeTime()
-    assert [r["step"] for r in run(tmp_path, fake, retry_delay_secs=0.5)] == [1]
+    assert [r["step"] for r in run(tmp_path, fake, retry_delay_seconds=0.5)] == [1]
     assert fake.sleeps[:2] == [0.5, 0.5]
 
     # Always failing: skipped after max_read_retries, then the idle timeout ends it.
@@ -188,15 +201,15 @@ def test_retries_transient_read_errors_then_gives_up(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_lib, "load_into", lambda *a, **k: (_ for _ in ()).throw(
         tf.errors.UnavailableError(None, None, "filesystem down")))
     fake = FakeTime()
-    assert run(other, fake, max_read_retries=2, retry_delay_secs=0.5,
-               idle_timeout_secs=3.0) == []
+    assert run(other, fake, max_read_retries=2, retry_delay_seconds=0.5,
+               idle_timeout_seconds=3.0) == []
     assert fake.sleeps[:2] == [0.5, 0.5]
 
 
 def test_restarted_evaluator_does_not_redo_steps(tmp_path):
     training = Training(tmp_path)
     training.advance()
-    run(tmp_path, FakeTime(), idle_timeout_secs=1.0)
+    run(tmp_path, FakeTime(), idle_timeout_seconds=1.0)
     training.advance(final=True)
     assert [r["step"] for r in run(tmp_path, FakeTime())] == [2]
     assert [r["step"] for r in lines(tmp_path)] == [1, 2]
@@ -212,17 +225,17 @@ def test_stale_done_marker_waits_for_a_resuming_chief(tmp_path):
         training.advance()
 
     fake = FakeTime([lambda: None, resume, lambda: training.advance(final=True)])
-    assert [r["step"] for r in run(tmp_path, fake, stale_done_grace_secs=10.0)] == [2, 3]
+    assert [r["step"] for r in run(tmp_path, fake, stale_done_grace_seconds=10.0)] == [2, 3]
     # Nobody resumes: the stale marker ends the evaluator after the grace period.
     fake = FakeTime()
-    assert run(tmp_path, fake, stale_done_grace_secs=10.0) == []
+    assert run(tmp_path, fake, stale_done_grace_seconds=10.0) == []
     assert fake.now == 10.0
     # Marker already there, final checkpoint not evaluated yet (the evaluator
     # started after training): evaluated, then the same grace.
     other = tmp_path / "finished"
     Training(other).advance(final=True)
     fake = FakeTime()
-    assert [r["step"] for r in run(other, fake, stale_done_grace_secs=10.0)] == [1]
+    assert [r["step"] for r in run(other, fake, stale_done_grace_seconds=10.0)] == [1]
     assert fake.now == 10.0
 
 

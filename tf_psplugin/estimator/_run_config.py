@@ -26,12 +26,12 @@ import dataclasses
 import inspect
 import json
 import os
-import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import tensorflow as tf
 from absl import flags, logging
 
+from tf_psplugin import _deprecation
 from tf_psplugin import config as cluster_config_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin.estimator import _strategy
@@ -46,24 +46,7 @@ MODES = (MODE_HYBRID, MODE_PS_ASYNC)
 DENSE_PLACEMENT_TO_MODE = {"allreduce": MODE_HYBRID, "ps": MODE_PS_ASYNC}
 EMBEDDING_UPDATES_TO_TABLE_UPDATE = {"sync": _strategy.TABLE_UPDATE_SYNC,
                                      "async": _strategy.TABLE_UPDATE_LOCAL}
-# Deprecated keyword -> its name now (kept working, with a DeprecationWarning).
-DEPRECATED_KEYWORDS = {"mode": "dense_placement", "table_update": "embedding_updates",
-                       "placement_policy": "placement"}
 
-
-def _deprecated(old: str, value, new: str, new_value):
-    """`new_value`, or `value` given under the old keyword `old` (with a warning)."""
-    if value is None:
-        return new_value
-    if new_value is not None:
-        raise ValueError(
-            f"RunConfig.{old}: given together with {new}, its new name. Fix: pass only "
-            f"{new}=...")
-    warnings.warn(
-        f"tf_psplugin.estimator.RunConfig({old}=...) is deprecated: use {new}=..., the name "
-        "HybridParameterServerStrategy uses (docs/estimator.md, Options).",
-        DeprecationWarning, stacklevel=4)
-    return value
 
 # The stock constructor's sentinel for "use the default checkpoint interval";
 # read from its signature instead of importing the private module constant.
@@ -198,9 +181,9 @@ class RunConfig(tf.estimator.RunConfig):
         placement: Optional[placement_lib.PlacementPolicy] = None,
         cluster: Optional[cluster_config_lib.ClusterConfig] = None,
         flag_values: Optional[flags.FlagValues] = None,
-        mode: Optional[str] = None,
-        table_update: Optional[str] = None,
-        placement_policy: Optional[placement_lib.PlacementPolicy] = None,
+        mode: Any = _deprecation.UNSET,
+        table_update: Any = _deprecation.UNSET,
+        placement_policy: Any = _deprecation.UNSET,
     ):
         if dense_placement is not None:
             if dense_placement not in DENSE_PLACEMENT_TO_MODE:
@@ -214,10 +197,14 @@ class RunConfig(tf.estimator.RunConfig):
                     f"RunConfig.embedding_updates: unknown value {embedding_updates!r}. Fix: "
                     f"use one of {tuple(EMBEDDING_UPDATES_TO_TABLE_UPDATE)}.")
             embedding_updates = EMBEDDING_UPDATES_TO_TABLE_UPDATE[embedding_updates]
-        mode = _deprecated("mode", mode, "dense_placement", dense_placement) or MODE_HYBRID
-        table_update = _deprecated("table_update", table_update, "embedding_updates",
-                                   embedding_updates) or _strategy.TABLE_UPDATE_SYNC
-        placement = _deprecated("placement_policy", placement_policy, "placement", placement)
+        owner = "tf_psplugin.estimator.RunConfig"
+        mode = _deprecation.renamed(owner, "mode", mode, "dense_placement", dense_placement,
+                                    None) or MODE_HYBRID
+        table_update = _deprecation.renamed(owner, "table_update", table_update,
+                                            "embedding_updates", embedding_updates,
+                                            None) or _strategy.TABLE_UPDATE_SYNC
+        placement = _deprecation.renamed(owner, "placement_policy", placement_policy,
+                                         "placement", placement, None)
         if mode not in MODES:
             raise ValueError(f"RunConfig.mode: unknown mode {mode!r}. Fix: use one of {MODES}.")
         if table_update not in _strategy.TABLE_UPDATES:
