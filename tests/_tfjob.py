@@ -52,7 +52,8 @@ def service_name(tfjob: dict, job: str, index: int) -> str:
 
 def replica_counts(tfjob: dict) -> Dict[str, int]:
     """{replica type: replicas} (the operator's default is 1)."""
-    return {rtype: spec.get("replicas", 1) for rtype, spec in tfjob["spec"]["tfReplicaSpecs"].items()}
+    specs = tfjob["spec"]["tfReplicaSpecs"]
+    return {rtype: spec.get("replicas", 1) for rtype, spec in specs.items()}
 
 
 def tasks(tfjob: dict, replicas: Optional[Dict[str, int]] = None) -> List[Tuple[str, str, int]]:

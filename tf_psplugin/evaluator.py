@@ -18,8 +18,9 @@ It stops once the chief has written ``TRAINING_DONE`` and the checkpoint of
 that final step has been evaluated, or after `idle_timeout_secs` without a
 new checkpoint. A chief whose scheduler stops the evaluator as soon as the
 chief exits (a Kubeflow TFJob with ``cleanPodPolicy: Running``) calls
-`wait_for_evaluation` before exiting, so the final checkpoint gets its score. The local launcher's ``--evaluator`` runs the training script
-with ``TF_CONFIG`` task type ``evaluator``; the script dispatches on
+`wait_for_evaluation` before exiting, so the final checkpoint gets its score.
+The local launcher's ``--evaluator`` runs the training script with
+``TF_CONFIG`` task type ``evaluator``; the script dispatches on
 ``config.task_type`` and calls `run_evaluator` there.
 """
 
