@@ -59,6 +59,10 @@ flags.DEFINE_integer("eval_steps", 20, "Evaluator: batches per evaluation.")
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluator: examples per batch.")
 flags.DEFINE_float("eval_idle_timeout_secs", 900, "Evaluator: exit after this long "
                    "without a new checkpoint (it exits at once after the final one).")
+flags.DEFINE_float("wait_for_evaluator_secs", 0, "Chief: when the cluster has an evaluator, "
+                   "wait up to this long for it to score the final checkpoint before exiting "
+                   "(a TFJob with cleanPodPolicy: Running stops the evaluator once the chief "
+                   "exits). 0: do not wait.")
 flags.DEFINE_string("export_dir", None, "If set, the chief exports a cluster-free "
                     "SavedModel there after training.")
 tfp_config.define_flags(FLAGS)  # tf_psplugin: --job_name --task_index --*_hosts.
@@ -340,6 +344,15 @@ def train(config):
           + (f"  (expected AUC ceiling {ceiling:.4f})" if ceiling else ""), flush=True)
     print(f"ctr: checkpoint {checkpoints.manager.latest.path}", flush=True)
     print(f"ctr: curves: tensorboard --logdir {model_dir} (train/ and eval/)", flush=True)
+    if FLAGS.wait_for_evaluator_secs > 0 and config.has_evaluator:
+        # tf_psplugin: keep the chief (and so the job) alive until the final score is in.
+        record = tf_psplugin.evaluator.wait_for_evaluation(
+            model_dir, int(model.optimizer.iterations.numpy()),
+            timeout_secs=FLAGS.wait_for_evaluator_secs)
+        if record is not None:
+            auc = record.get("auc")
+            print(f"ctr: the evaluator scored step {record['step']}"
+                  + (f": AUC {auc:.4f}" if isinstance(auc, float) else ""), flush=True)
     if FLAGS.export_dir:
         path = tf_psplugin.export_saved_model(  # tf_psplugin: full tables, no cluster.
             model, FLAGS.export_dir, model_fn=model_fn, overwrite=True)

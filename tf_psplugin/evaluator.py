@@ -16,8 +16,11 @@ evaluates it on its own dataset, and records the result:
 
 It stops once the chief has written ``TRAINING_DONE`` and the checkpoint of
 that final step has been evaluated, or after `idle_timeout_secs` without a
-new checkpoint. The local launcher's ``--evaluator`` runs the training script
-with ``TF_CONFIG`` task type ``evaluator``; the script dispatches on
+new checkpoint. A chief whose scheduler stops the evaluator as soon as the
+chief exits (a Kubeflow TFJob with ``cleanPodPolicy: Running``) calls
+`wait_for_evaluation` before exiting, so the final checkpoint gets its score.
+The local launcher's ``--evaluator`` runs the training script with
+``TF_CONFIG`` task type ``evaluator``; the script dispatches on
 ``config.task_type`` and calls `run_evaluator` there.
 """
 
@@ -34,7 +37,7 @@ from tf_psplugin import _deprecation
 from tf_psplugin import checkpoint as checkpoint_lib
 from tf_psplugin import model_dir as model_dir_lib
 
-__all__ = ["EvaluatorError", "METRICS_FILE", "run_evaluator"]
+__all__ = ["EvaluatorError", "METRICS_FILE", "run_evaluator", "wait_for_evaluation"]
 
 METRICS_FILE = "metrics.jsonl"
 # Errors worth retrying: a file being copied, a flaky network filesystem.
@@ -89,6 +92,22 @@ def _append_line(path: str, line: str) -> None:
         f.flush()
 
 
+def _read_records(metrics_path: str) -> List[Dict[str, Any]]:
+    """The records in metrics.jsonl with an integer step; [] if there is no file yet."""
+    if not tf.io.gfile.exists(metrics_path):
+        return []
+    records = []
+    with tf.io.gfile.GFile(metrics_path, "r") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                record["step"] = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # A torn last line from a crash.
+            records.append(record)
+    return records
+
+
 class _Recorder:
     """Writes metrics.jsonl and TensorBoard scalars under <model_dir>/eval."""
 
@@ -100,16 +119,7 @@ class _Recorder:
 
     def evaluated_steps(self) -> set:
         """Steps already recorded (a restarted evaluator does not redo them)."""
-        steps = set()
-        if not tf.io.gfile.exists(self.metrics_path):
-            return steps
-        with tf.io.gfile.GFile(self.metrics_path, "r") as f:
-            for line in f:
-                try:
-                    steps.add(int(json.loads(line)["step"]))
-                except (ValueError, KeyError, TypeError):
-                    continue  # A torn last line from a crash.
-        return steps
+        return {record["step"] for record in _read_records(self.metrics_path)}
 
     def record(self, result: Dict[str, Any]) -> None:
         _append_line(self.metrics_path, json.dumps(result, sort_keys=True) + "\n")
@@ -276,3 +286,59 @@ def _evaluate_checkpoint(model, dataset_fn, info: checkpoint_lib.CheckpointInfo,
     for name, value in metrics.items():
         result[name] = _scalar(value)
     return result
+
+
+def wait_for_evaluation(model_dir: str, step: int, timeout_secs: float,
+                        poll_interval_secs: float = 2.0,
+                        clock: Callable[[], float] = time.monotonic,
+                        sleep: Callable[[float], None] = time.sleep) -> Optional[Dict[str, Any]]:
+    """Waits (on the chief) until the evaluator has recorded its result for `step`.
+
+    Why: a scheduler may stop the evaluator as soon as the chief exits. A
+    Kubeflow TFJob decides success by the chief alone, and with
+    ``cleanPodPolicy: Running`` it then deletes every pod still running,
+    the evaluator included, possibly while it scores the final checkpoint.
+    Called after the final checkpoint (and ``TRAINING_DONE``) are written,
+    this holds the chief until ``<model_dir>/eval/metrics.jsonl`` has a record
+    of `step` or a later one. It only reads files: the evaluator stays out of
+    the training cluster.
+
+    Example (at the end of the chief's training):
+
+    ```python
+    record = tf_psplugin.evaluator.wait_for_evaluation(
+        FLAGS.model_dir, step=int(model.optimizer.iterations.numpy()), timeout_secs=600)
+    ```
+
+    Args:
+        model_dir: The chief's model directory (the evaluator's too).
+        step: The final training step (the step of the final checkpoint).
+        timeout_secs: Give up after this many seconds (the evaluator may
+            have crashed or been removed); a warning is logged.
+        poll_interval_secs: Seconds between looks at the metrics file.
+        clock: Seconds clock (injectable for tests).
+        sleep: Sleep function (injectable for tests).
+
+    Returns:
+        The evaluator's record (``{"step", "loss", <metrics>...}``) of the
+        first evaluated step >= `step`, or None on timeout.
+    """
+    metrics_path = model_dir_lib.join(model_dir_lib.resolve(model_dir),
+                                      model_dir_lib.EVAL_SUBDIR, METRICS_FILE)
+    deadline = clock() + timeout_secs
+    logging.info("tf_psplugin: waiting up to %.0f s for the evaluator to score step %d (%s)",
+                 timeout_secs, step, metrics_path)
+    while True:
+        try:
+            done = [r for r in _read_records(metrics_path) if r["step"] >= step]
+        except _TRANSIENT_ERRORS as e:  # A flaky shared filesystem: look again.
+            logging.warning("tf_psplugin: reading %s failed (%s); retrying", metrics_path, e)
+            done = []
+        if done:
+            return min(done, key=lambda r: r["step"])
+        if clock() >= deadline:
+            logging.warning("tf_psplugin: the evaluator has not scored step %d after %.0f s; "
+                            "not waiting any longer (is the evaluator running?)",
+                            step, timeout_secs)
+            return None
+        sleep(poll_interval_secs)

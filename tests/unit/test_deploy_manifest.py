@@ -1,11 +1,11 @@
 """The Kubeflow TFJob manifest gives every replica a TF_CONFIG the plugin accepts.
 
 Builds each replica's TF_CONFIG the way Kubeflow's training operator
-(kubeflow.org/v1) does: job names are the lowercased replica types, addresses
-are `<tfjob>-<type>-<index>.<namespace>.svc:<port>` with the port of the
-`tensorflow` container's `tfjob-port` (2222 by default), the Evaluator is left
-out of the cluster, and "environment": "cloud" is added. Each one is then fed
-through `python -m tf_psplugin.config`, as a pod would.
+(kubeflow.org/v1) does (tests/_tfjob.py: job names are the lowercased replica
+types, addresses are `<tfjob>-<type>-<index>.<namespace>.svc:<port>` with the
+port of the `tensorflow` container's `tfjob-port`, 2222 by default, the
+evaluator is in the cluster, and "environment": "cloud" is added). Each one is
+then fed through `python -m tf_psplugin.config`, as a pod would.
 """
 
 import json
@@ -17,42 +17,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the manifest")
 
-MANIFEST = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubeflow", "tfjob.yaml")
-DEFAULT_PORT = 2222
-
-
-def load_manifest():
-    with open(MANIFEST, encoding="utf-8") as f:
-        docs = [doc for doc in yaml.safe_load_all(f) if doc]
-    return {doc["kind"]: doc for doc in docs}
-
-
-def replica_port(spec):
-    for container in spec["template"]["spec"]["containers"]:
-        if container["name"] == "tensorflow":
-            for port in container.get("ports", []):
-                if port.get("name") == "tfjob-port":
-                    return port["containerPort"]
-    return DEFAULT_PORT
-
-
-def operator_tf_configs(tfjob):
-    """{(type, index): TF_CONFIG dict}, as the training operator builds them."""
-    name = tfjob["metadata"]["name"]
-    namespace = tfjob["metadata"].get("namespace", "default")
-    specs = tfjob["spec"]["tfReplicaSpecs"]
-    cluster = {}
-    for rtype, spec in specs.items():
-        if rtype == "Evaluator":  # "evaluator is not part of training cluster"
-            continue
-        job = rtype.lower()
-        cluster[job] = [f"{name}-{job}-{i}.{namespace}.svc:{replica_port(spec)}"
-                        for i in range(spec.get("replicas", 1))]
-    return {
-        (rtype.lower(), i): {"cluster": cluster, "task": {"type": rtype.lower(), "index": i},
-                             "environment": "cloud"}
-        for rtype, spec in specs.items() for i in range(spec.get("replicas", 1))
-    }
+from tests._tfjob import (  # noqa: E402  (after the importorskip)
+    DEFAULT_PORT, load_manifest, operator_tf_configs, replica_port)
 
 
 def test_manifest_shape():
@@ -105,7 +71,22 @@ def test_every_replica_tf_config_is_accepted_by_the_cli():
         assert info["training_cluster"]["ps"] == [
             "ctr-ps-0.default.svc:2222", "ctr-ps-1.default.svc:2222"]
         assert "evaluator" not in info["training_cluster"]
-        if task_type == "evaluator":
-            assert info["task_address"] is None
-        else:
-            assert info["task_address"] == f"ctr-{task_type}-{index}.default.svc:2222"
+        assert info["evaluator"] == "ctr-evaluator-0.default.svc:2222"
+        assert info["task_address"] == f"ctr-{task_type}-{index}.default.svc:2222"
+
+
+def test_policies_are_the_ones_deploy_readme_explains():
+    """cleanPodPolicy Running needs a chief that waits for the evaluator; see deploy/README."""
+    from tests._tfjob import container
+
+    tfjob = load_manifest()["TFJob"]
+    run_policy, specs = tfjob["spec"]["runPolicy"], tfjob["spec"]["tfReplicaSpecs"]
+    assert run_policy["cleanPodPolicy"] == "Running"
+    assert "successPolicy" not in tfjob["spec"]  # Only matters without a Chief.
+    assert specs["Chief"]["restartPolicy"] == "ExitCode"  # 138 retried, 1 permanent.
+    for rtype in ("Worker", "PS", "Evaluator"):
+        assert specs[rtype]["restartPolicy"] == "OnFailure", rtype
+    # One worker failure costs Worker.replicas restarts of the shared budget.
+    assert run_policy["backoffLimit"] > 2 * specs["Worker"]["replicas"]
+    argv = container(specs["Chief"])["args"]
+    assert float(argv[argv.index("--wait_for_evaluator_secs") + 1]) > 0
