@@ -52,14 +52,14 @@ flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate (1500 steps of 2
                    "examples, vocab 10k: held-out AUC 0.778 vs a ceiling of 0.791).")
 flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
 flags.DEFINE_integer("save_every_steps", 250, "Checkpoint every N steps (0: only at the end).")
-flags.DEFINE_float("save_every_secs", 0, "Also checkpoint every S seconds (0: off).")
+flags.DEFINE_float("save_every_seconds", 0, "Also checkpoint every S seconds (0: off).")
 flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints kept in --model_dir.")
 flags.DEFINE_integer("log_every_steps", 50, "Training curves: one point every N steps.")
 flags.DEFINE_integer("eval_steps", 20, "Evaluator: batches per evaluation.")
 flags.DEFINE_integer("eval_batch_size", 1024, "Evaluator: examples per batch.")
-flags.DEFINE_float("eval_idle_timeout_secs", 900, "Evaluator: exit after this long "
+flags.DEFINE_float("eval_idle_timeout_seconds", 900, "Evaluator: exit after this long "
                    "without a new checkpoint (it exits at once after the final one).")
-flags.DEFINE_float("wait_for_evaluator_secs", 0, "Chief: when the cluster has an evaluator, "
+flags.DEFINE_float("wait_for_evaluator_seconds", 0, "Chief: when the cluster has an evaluator, "
                    "wait up to this long for it to score the final checkpoint before exiting "
                    "(a TFJob with cleanPodPolicy: Running stops the evaluator once the chief "
                    "exits). 0: do not wait.")
@@ -285,7 +285,7 @@ def run_evaluator():
 
     records = tf_psplugin.run_evaluator(  # tf_psplugin: watch --model_dir.
         compiled_model, eval_dataset, FLAGS.model_dir, eval_steps=FLAGS.eval_steps,
-        idle_timeout_seconds=FLAGS.eval_idle_timeout_secs)
+        idle_timeout_seconds=FLAGS.eval_idle_timeout_seconds)
     if not records:
         return
     final = records[-1]  # The evaluator logged every record as it went.
@@ -316,7 +316,7 @@ def train(config):
     # tf_psplugin: chief-only checkpoints; restores at train begin, final one at train_steps.
     checkpoints = tf_psplugin.ChiefCheckpoint(
         model_dir, save_every_steps=FLAGS.save_every_steps or None,
-        save_every_secs=FLAGS.save_every_secs or None, max_to_keep=FLAGS.keep_checkpoints,
+        save_every_secs=FLAGS.save_every_seconds or None, max_to_keep=FLAGS.keep_checkpoints,
         final_step=FLAGS.train_steps)
     remaining = FLAGS.train_steps - start_step
     workers = config.num_workers
@@ -344,11 +344,11 @@ def train(config):
           + (f"  (expected AUC ceiling {ceiling:.4f})" if ceiling else ""), flush=True)
     print(f"ctr: checkpoint {checkpoints.manager.latest.path}", flush=True)
     print(f"ctr: curves: tensorboard --logdir {model_dir} (train/ and eval/)", flush=True)
-    if FLAGS.wait_for_evaluator_secs > 0 and config.has_evaluator:
+    if FLAGS.wait_for_evaluator_seconds > 0 and config.has_evaluator:
         # tf_psplugin: keep the chief (and so the job) alive until the final score is in.
-        record = tf_psplugin.evaluator.wait_for_evaluation(
+        record = tf_psplugin.wait_for_evaluation(
             model_dir, int(model.optimizer.iterations.numpy()),
-            timeout_secs=FLAGS.wait_for_evaluator_secs)
+            timeout_seconds=FLAGS.wait_for_evaluator_seconds)
         if record is not None:
             auc = record.get("auc")
             print(f"ctr: the evaluator scored step {record['step']}"

@@ -19,7 +19,7 @@ from tf_psplugin.checkpoint import (CheckpointError, CheckpointInfo, CheckpointM
 from tf_psplugin.config import ClusterConfig, ConfigError
 from tf_psplugin.config import resolve as resolve_cluster
 from tf_psplugin.coordinator import HybridClusterCoordinator
-from tf_psplugin.evaluator import EvaluatorError, run_evaluator
+from tf_psplugin.evaluator import EvaluatorError, run_evaluator, wait_for_evaluation
 from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
 from tf_psplugin import elastic
 from tf_psplugin import layers
@@ -83,4 +83,5 @@ __all__ = [
     "resolve_cluster",
     "run_evaluator",
     "start_server",
+    "wait_for_evaluation",
 ]

@@ -288,8 +288,8 @@ def _evaluate_checkpoint(model, dataset_fn, info: checkpoint_lib.CheckpointInfo,
     return result
 
 
-def wait_for_evaluation(model_dir: str, step: int, timeout_secs: float,
-                        poll_interval_secs: float = 2.0,
+def wait_for_evaluation(model_dir: str, step: int, timeout_seconds: float,
+                        poll_interval_seconds: float = 2.0,
                         clock: Callable[[], float] = time.monotonic,
                         sleep: Callable[[float], None] = time.sleep) -> Optional[Dict[str, Any]]:
     """Waits (on the chief) until the evaluator has recorded its result for `step`.
@@ -306,16 +306,16 @@ def wait_for_evaluation(model_dir: str, step: int, timeout_secs: float,
     Example (at the end of the chief's training):
 
     ```python
-    record = tf_psplugin.evaluator.wait_for_evaluation(
-        FLAGS.model_dir, step=int(model.optimizer.iterations.numpy()), timeout_secs=600)
+    record = tf_psplugin.wait_for_evaluation(
+        FLAGS.model_dir, step=int(model.optimizer.iterations.numpy()), timeout_seconds=600)
     ```
 
     Args:
         model_dir: The chief's model directory (the evaluator's too).
         step: The final training step (the step of the final checkpoint).
-        timeout_secs: Give up after this many seconds (the evaluator may
+        timeout_seconds: Give up after this many seconds (the evaluator may
             have crashed or been removed); a warning is logged.
-        poll_interval_secs: Seconds between looks at the metrics file.
+        poll_interval_seconds: Seconds between looks at the metrics file.
         clock: Seconds clock (injectable for tests).
         sleep: Sleep function (injectable for tests).
 
@@ -325,9 +325,9 @@ def wait_for_evaluation(model_dir: str, step: int, timeout_secs: float,
     """
     metrics_path = model_dir_lib.join(model_dir_lib.resolve(model_dir),
                                       model_dir_lib.EVAL_SUBDIR, METRICS_FILE)
-    deadline = clock() + timeout_secs
+    deadline = clock() + timeout_seconds
     logging.info("tf_psplugin: waiting up to %.0f s for the evaluator to score step %d (%s)",
-                 timeout_secs, step, metrics_path)
+                 timeout_seconds, step, metrics_path)
     while True:
         try:
             done = [r for r in _read_records(metrics_path) if r["step"] >= step]
@@ -339,6 +339,6 @@ def wait_for_evaluation(model_dir: str, step: int, timeout_secs: float,
         if clock() >= deadline:
             logging.warning("tf_psplugin: the evaluator has not scored step %d after %.0f s; "
                             "not waiting any longer (is the evaluator running?)",
-                            step, timeout_secs)
+                            step, timeout_seconds)
             return None
-        sleep(poll_interval_secs)
+        sleep(poll_interval_seconds)

@@ -28,7 +28,7 @@ def launch(procs, model_dir, steps, extra=(), timeout=170, evaluator=True):
            "--timeout", str(timeout - 20), "--", cu.PYTHON, CTR, "--model_dir", str(model_dir),
            "--train_steps", str(steps), "--vocab_size", "50", "--batch_size", "32",
            "--steps_per_execution", "5", "--save_every_steps", "10", "--log_every_steps", "10",
-           "--eval_steps", "2", "--eval_batch_size", "64", "--eval_idle_timeout_secs", "120",
+           "--eval_steps", "2", "--eval_batch_size", "64", "--eval_idle_timeout_seconds", "120",
            *extra]
     result = procs.run(cmd, timeout=timeout)
     assert result.returncode == 0, result.stdout[-8000:]

@@ -49,7 +49,7 @@ pytestmark = pytest.mark.cluster
 STEPS = 30
 SHORTER = ["--train_steps", str(STEPS), "--vocab_size", "50", "--batch_size", "32",
            "--steps_per_execution", "5", "--save_every_steps", "10", "--log_every_steps", "10",
-           "--eval_steps", "2", "--eval_batch_size", "64", "--wait_for_evaluator_secs", "150"]
+           "--eval_steps", "2", "--eval_batch_size", "64", "--wait_for_evaluator_seconds", "150"]
 IMAGE_PYTHON = "python"
 IMAGE_WORKDIR = "/workspace"
 

@@ -89,4 +89,4 @@ def test_policies_are_the_ones_deploy_readme_explains():
     # One worker failure costs Worker.replicas restarts of the shared budget.
     assert run_policy["backoffLimit"] > 2 * specs["Worker"]["replicas"]
     argv = container(specs["Chief"])["args"]
-    assert float(argv[argv.index("--wait_for_evaluator_secs") + 1]) > 0
+    assert float(argv[argv.index("--wait_for_evaluator_seconds") + 1]) > 0

@@ -260,12 +260,12 @@ def test_never_runs_in_a_training_task_or_strategy(tmp_path, monkeypatch):
 def test_chief_waits_until_the_evaluator_scored_the_final_step(tmp_path):
     training = Training(tmp_path)
     training.advance(2)
-    run(tmp_path, FakeTime(), idle_timeout_secs=0.0)  # Scores step 2, training not done.
+    run(tmp_path, FakeTime(), idle_timeout_seconds=0.0)  # Scores step 2, training not done.
     training.advance(2, final=True)
     evaluated = []
     # The chief polls; the evaluator scores step 4 during the chief's second sleep.
     chief_time = FakeTime([lambda: None, lambda: evaluated.extend(run(tmp_path, FakeTime()))])
-    record = ev.wait_for_evaluation(str(tmp_path), 4, timeout_secs=60, poll_interval_secs=1.0,
+    record = ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=60, poll_interval_seconds=1.0,
                                     clock=chief_time.clock, sleep=chief_time.sleep)
     assert [r["step"] for r in evaluated] == [4]
     assert record["step"] == 4 and record["auc"] == evaluated[0]["auc"]
@@ -277,7 +277,7 @@ def test_wait_for_evaluation_times_out_and_skips_torn_lines(tmp_path):
     with open(tmp_path / "eval" / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"step": 3, "loss": 0.5}) + "\n" + '{"step": 9, "lo')  # torn
     fake = FakeTime()
-    assert ev.wait_for_evaluation(str(tmp_path), 4, timeout_secs=5, poll_interval_secs=2.0,
+    assert ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=5, poll_interval_seconds=2.0,
                                   clock=fake.clock, sleep=fake.sleep) is None
     assert fake.sleeps == [2.0, 2.0, 2.0]  # Looked at t=0, 2, 4, 6 (past 5): gave up.
-    assert ev.wait_for_evaluation(str(tmp_path), 3, timeout_secs=0)["loss"] == 0.5
+    assert ev.wait_for_evaluation(str(tmp_path), 3, timeout_seconds=0)["loss"] == 0.5
