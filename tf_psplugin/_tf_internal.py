@@ -204,6 +204,9 @@ PRIVATE_ATTRIBUTES = {
     # -- epochs.py: AgreedIterator's `next` and TypeSpec; the per-worker
     # iterators' RemoteValues get its spec, as the stock class sets its own.
     "_next_internal": "iterator_ops.OwnedIterator",
+    # -- input_state.py: each worker's iterator resource, serialized and
+    # restored there by the public raw ops (no public handle accessor).
+    "_iterator_resource": "iterator_ops.OwnedIterator",
     # The data handler's adapter: a pass over sharded data is W times fewer
     # steps than Keras's test for starting an epoch over assumes.
     "_adapter": "keras:engine.data_adapter.DataHandler",
