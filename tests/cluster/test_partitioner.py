@@ -6,10 +6,13 @@ variable_partitioner=...)`, on 2 workers and 2 PS tasks.
 """
 
 import collections
+import json
+import os
 
 import pytest
 
-from tests.cluster.test_strategy import run_chief_script
+from tests.cluster import _cluster_util as cu
+from tests.cluster.test_strategy import SCRIPTS, run_chief_script
 
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
@@ -26,12 +29,20 @@ PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
     ("fixed3", "interleaved", "stacked"),
     # TF's own row-range layout: stock's placement (round-robin counter).
     ("fixed3", "contiguous", "plain"),
+    # The ps and worker tasks start their servers as stock's guide does
+    # (scripts/stock_server.py: tf.distribute.Server(...).join(), no plugin),
+    # and the chief does not call tf_psplugin.start_server().
+    ("minsize", "interleaved", "stock_servers"),
 ])
 def test_partitioner_decides_shards_and_training_is_exact(make_cluster, tmp_path, partitioner,
                                                           sharding, variant):
-    args = [partitioner, sharding] + (["stacked"] if variant == "stacked" else [])
-    report, log = run_chief_script(make_cluster, tmp_path, "partitioned_tables.py", args,
-                                   num_workers=2, num_ps=2)
+    args = [partitioner, sharding] + {"stacked": ["stacked"], "stock_servers": ["stock"]}.get(
+        variant, [])
+    if variant == "stock_servers":
+        report = _run_with_stock_servers(make_cluster, tmp_path, args)
+    else:
+        report, _ = run_chief_script(make_cluster, tmp_path, "partitioned_tables.py", args,
+                                     num_workers=2, num_ps=2)
     assert report["num_workers"] == 2
     for name, table in report["tables"].items():
         n = table["partitioner_says"]
@@ -75,3 +86,14 @@ def test_partitioner_decides_shards_and_training_is_exact(make_cluster, tmp_path
     assert report["restored_tables"] == 0.0
     assert report["restored_accumulator"] == 0.0
     assert report["accumulator_trained"] > 0.0
+
+
+def _run_with_stock_servers(make_cluster, tmp_path, args):
+    out = str(tmp_path / "report.json")
+    cluster = make_cluster(num_workers=2, num_ps=2, servers="command")
+    cluster.start_servers([cu.PYTHON, os.path.join(SCRIPTS, "stock_server.py")])
+    result = cluster.run_chief(
+        [cu.PYTHON, os.path.join(SCRIPTS, "partitioned_tables.py"), out] + args, timeout=240)
+    assert result.returncode == 0, result.stdout[-6000:]
+    with open(out) as f:
+        return json.load(f)

@@ -1,12 +1,14 @@
 """Chief script: stock PSS's constructor call with a `variable_partitioner`, class renamed.
 
 Run by tests/cluster/test_partitioner.py under a LocalCluster (TF_CONFIG set)
-with argv: OUT PARTITIONER SHARDING [stacked]. PARTITIONER is "fixed3"
+with argv: OUT PARTITIONER SHARDING [stacked|stock]. PARTITIONER is "fixed3"
 (`FixedShardsPartitioner(3)`: more shards than the 2 PS tasks) or "minsize"
 (`MinSizePartitioner`: 3 shards for one table, 1 for the other). Trains two
 tables synchronously on 2 workers, compares with single-process training on
 the global batch, then restores the checkpoint into a plain Keras model.
-Writes a JSON report to OUT.
+"stock": the chief does not call `tf_psplugin.start_server()` either (the ps
+and worker tasks run scripts/stock_server.py), so the program is stock code
+with the class renamed. Writes a JSON report to OUT.
 """
 
 import json
@@ -22,6 +24,7 @@ from tf_psplugin._tf_internal import sharded_variable
 
 OUT, PARTITIONER, SHARDING = sys.argv[1], sys.argv[2], sys.argv[3]
 STACKED = len(sys.argv) > 4 and sys.argv[4] == "stacked"
+STOCK = len(sys.argv) > 4 and sys.argv[4] == "stock"
 STEPS, BATCH, VOCAB_A, VOCAB_B, DIM, FEATURES = 12, 8, 50, 18, 4, 3
 
 
@@ -65,7 +68,8 @@ def shards_of(table):
 
 
 def main():
-    tf_psplugin.start_server()
+    if not STOCK:
+        tf_psplugin.start_server()
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     partitioner = make_partitioner()
     # The stock call, with only the class renamed (plus the plugin's options).
