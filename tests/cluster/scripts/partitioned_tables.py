@@ -47,7 +47,8 @@ def make_model():
     x = tf.keras.layers.Concatenate()([tf.keras.layers.Flatten()(x), tf.keras.layers.Flatten()(y)])
     x = tf.keras.layers.Dense(8, activation="relu",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
-    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
+    out = tf.keras.layers.Dense(
+        1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
     return tf.keras.Model(inp, out)
 
 
