@@ -160,7 +160,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             default: on loopback it was no faster (the per-table gathers and
             updates, not the transfers, cost the time; benchmarks/README).
         stack_tables: Store the embedding tables of one row width and dtype
-            as one variable per PS (a stack; see `table_stacking.py`): one
+            as one variable per PS (a stack; see `table_stacking.py`; with
+            a `variable_partitioner`, tables of one shard count share one
+            variable per shard): one
             gather, one optimizer apply and one set of slots per PS and step
             instead of one per table; a functional model's lookups of one
             stack become one gather per PS (as `fuse_lookups` does). Off by
