@@ -253,7 +253,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     def build(self, input_shape):
         # Tables of their own (never stacked): admission addresses their rows.
-        with placement_lib.embedding_table_scope(), table_stacking.unstacked():
+        # One shard per PS whatever the strategy's variable_partitioner: the
+        # row tables must be split like the embeddings, and each PS admits
+        # into its own rows.
+        with placement_lib.embedding_table_scope(), table_stacking.unstacked(), \
+                placement_lib.one_shard_per_ps():
             self.embeddings = self.add_weight(
                 "embeddings", [self.capacity, self.output_dim], initializer="zeros",
                 trainable=True)

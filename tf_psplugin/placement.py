@@ -19,6 +19,10 @@ A variable is a table when any of these holds:
 
 Rules 1 and 2 mean unchanged user code gets the right placement; rule 3 keeps
 a huge variable of any other kind off the workers.
+
+How many shards a table gets is :func:`table_shard_count`: one per PS task,
+or what the strategy's ``variable_partitioner`` says (as stock
+ParameterServerStrategy's constructor argument).
 """
 
 import contextlib
@@ -35,6 +39,7 @@ KIND_TABLE = "table"
 KIND_DENSE = "dense"
 
 _TABLE_SCOPE = ThreadScope()
+_ONE_SHARD_PER_PS_SCOPE = ThreadScope()
 
 
 @contextlib.contextmanager
@@ -58,6 +63,63 @@ def embedding_table_scope():
 def in_embedding_table_scope() -> bool:
     """Returns True inside :func:`embedding_table_scope` on this thread."""
     return _TABLE_SCOPE.active()
+
+
+def one_shard_per_ps():
+    """Tables created inside this scope get one shard per PS task, whatever the partitioner.
+
+    For tables whose owner lays out its rows per PS task
+    (`layers.DynamicEmbedding`: each PS admits keys into its own rows, and
+    its row tables must be split like its embeddings).
+
+    Returns:
+        A context manager.
+    """
+    return _ONE_SHARD_PER_PS_SCOPE.scope()
+
+
+def table_shard_count(shape, dtype, num_ps: int, partitioner=None,
+                      name: Optional[str] = None) -> int:
+    """How many shards (row blocks) an embedding table is split into.
+
+    Without a partitioner (or inside :func:`one_shard_per_ps`), one per PS
+    task. With one, what it returns for the first axis, as stock
+    ParameterServerStrategy uses its ``variable_partitioner``: called as
+    ``partitioner(shape=shape, dtype=dtype)``, it returns the number of
+    partitions per axis, and only the first axis may be split. Either way
+    capped at the number of rows, so that no shard is empty. More shards
+    than PS tasks is allowed: the strategy places them round-robin.
+
+    Args:
+        shape: The table's full shape (a `tf.TensorShape` for TF's
+            partitioners), rank >= 1 with a known first dimension.
+        dtype: Its `tf.DType`.
+        num_ps: PS tasks in the cluster.
+        partitioner: A `tf.distribute.experimental.partitioners.Partitioner`
+            or any callable ``(shape, dtype) -> list of ints``; None for one
+            shard per PS task.
+        name: The table's name, for the error message.
+
+    Returns:
+        The number of shards, between 1 and the number of rows.
+
+    Raises:
+        ValueError: The partitioner's answer splits another axis than the
+            first, or asks for no shard.
+    """
+    num_rows = int(shape[0])
+    if partitioner is None or _ONE_SHARD_PER_PS_SCOPE.active():
+        return max(1, min(int(num_ps), num_rows))
+    parts = partitioner(shape=shape, dtype=dtype)
+    parts = list(parts) if isinstance(parts, (list, tuple)) else [parts]
+    if (not parts or not all(isinstance(p, int) or hasattr(p, "__index__") for p in parts)
+            or int(parts[0]) < 1 or any(int(p) != 1 for p in parts[1:])):
+        raise ValueError(
+            f"variable_partitioner returned {parts!r} for table {name!r} of shape "
+            f"{list(shape)}, but a table can only be split along its first axis (rows). "
+            "Fix: return a list of one int per axis, [n, 1, ...] with n >= 1, as "
+            "tf.distribute.experimental.partitioners do.")
+    return max(1, min(int(parts[0]), num_rows))
 
 
 def base_name(name: Optional[str]) -> str:
@@ -101,7 +163,9 @@ class PlacementPolicy:
         min_table_bytes: Any variable at least this large is a table, whatever
             its name. 0 disables the size rule.
         sharding: How table rows are spread over PS tasks: ``"interleaved"``
-            (row ``i`` on shard ``i mod num_ps``; balances Zipf-hot ids) or
+            (row ``i`` on shard ``i mod n``, ``n`` shards: one per PS task
+            unless a ``variable_partitioner`` says otherwise; balances Zipf-hot
+            ids) or
             ``"contiguous"`` (row ranges, TF's default layout).
     """
 

@@ -4,7 +4,8 @@ A subclass of TF's ParameterServerStrategy (the chief is the single client
 running a coordinator) that changes three things:
 
 * **Placement** (`_create_variable`): embedding tables (see `placement.py`)
-  are sharded across every PS task; every other variable becomes a
+  are sharded across the PS tasks (one shard per task, or as many as the
+  `variable_partitioner` says); every other variable becomes a
   `ReplicatedVariable` with one copy per worker. Metric accumulators and
   batch-norm statistics (``ON_READ`` variables) are replicated too; their
   in-step updates are applied with the deltas all-reduced, packed into the
@@ -95,10 +96,26 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     model.fit(dataset, epochs=2, steps_per_epoch=100)
     ```
 
+    The first two arguments are stock ParameterServerStrategy's (the same in
+    TF 2.15 and 2.21), so ``HybridParameterServerStrategy(resolver,
+    variable_partitioner=...)`` is stock code with the class renamed; the rest
+    are keywords of the plugin (docs/coming_from_stock_pss.md lists what
+    behaves differently).
+
     Args:
         cluster_resolver: A cluster resolver for the training cluster. If
             None, `config` is used, else the cluster is resolved from the
             plugin's flags or `TF_CONFIG` (`tf_psplugin.config.resolve()`).
+        variable_partitioner: As stock's: a
+            `tf.distribute.experimental.partitioners.Partitioner` (or any
+            callable ``(shape, dtype) -> [n, 1, ...]``) that decides how many
+            shards each embedding table gets (first axis only; capped at its
+            rows; ``n == 1`` keeps it whole on one PS, round-robin). Shard
+            ``s`` goes to ps ``s mod num_ps``, so more shards than PS tasks
+            is fine. None (default): one shard per PS task. It does not
+            apply to dense variables, which are not on the PS (one replica
+            per worker; with ``dense_placement="ps"`` they stay whole), nor
+            to `layers.DynamicEmbedding`, which keeps one shard per PS.
         config: A `tf_psplugin.config.ClusterConfig` for this (chief) task.
         embedding_updates: ``"sync"`` (global sparse gradient applied once per
             step: exactly single-process training on the global batch) or
@@ -143,7 +160,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             default: on loopback it was no faster (the per-table gathers and
             updates, not the transfers, cost the time; benchmarks/README).
         stack_tables: Store the embedding tables of one row width and dtype
-            as one variable per PS (a stack; see `table_stacking.py`): one
+            as one variable per PS (a stack; see `table_stacking.py`; with
+            a `variable_partitioner`, tables of one shard count share one
+            variable per shard): one
             gather, one optimizer apply and one set of slots per PS and step
             instead of one per table; a functional model's lookups of one
             stack become one gather per PS (as `fuse_lookups` does). Off by
@@ -159,7 +178,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             not the chief.
     """
 
-    def __init__(self, cluster_resolver=None, config: Optional[config_lib.ClusterConfig] = None,
+    def __init__(self, cluster_resolver=None, variable_partitioner=None,
+                 config: Optional[config_lib.ClusterConfig] = None,
                  embedding_updates: str = "sync", dense_placement: str = "allreduce",
                  placement: Optional[placement_lib.PlacementPolicy] = None,
                  sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
@@ -168,6 +188,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                  log_placement: bool = True, sparse_exchange: str = "ps",
                  pack_on_read_updates: bool = True, fuse_lookups: bool = False,
                  stack_tables: bool = False):
+        _check_partitioner(variable_partitioner)
         if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
             raise StrategyError(
                 f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
@@ -218,7 +239,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 self, resolver, embedding_updates=embedding_updates,
                 dense_allreduce=self._dense_allreduce, placement=placement,
                 collective_timeout_seconds=self._collective_timeout, log_placement=log_placement,
-                sparse_exchange=sparse_exchange, pack_on_read_updates=pack_on_read_updates)
+                sparse_exchange=sparse_exchange, pack_on_read_updates=pack_on_read_updates,
+                table_partitioner=variable_partitioner)
             super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
                 self._extended)
             self._should_use_with_coordinator = True
@@ -293,8 +315,13 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def __init__(self, container_strategy, cluster_resolver, embedding_updates: str,
                  dense_allreduce: bool, placement: placement_lib.PlacementPolicy,
                  collective_timeout_seconds: float, log_placement: bool,
-                 sparse_exchange: str = "ps", pack_on_read_updates: bool = True):
+                 sparse_exchange: str = "ps", pack_on_read_updates: bool = True,
+                 table_partitioner=None):
+        # Stock's own partitioner stays None: the user's `variable_partitioner`
+        # only decides the tables' shard counts (`_create_table`); dense and
+        # other PS variables are never partitioned.
         super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
+        self.table_partitioner = table_partitioner
         self.sparse_exchange = sparse_exchange
         self._gradient_queues = sparse_exchange_lib.PsGradientQueues(self._num_workers)
         self.embedding_updates = embedding_updates
@@ -340,7 +367,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """Stores eligible tables in stacks from now on (see `table_stacking`)."""
         if self.table_stacks is None:
             self.table_stacks = table_stacking.TableStacks(
-                shard_devices=lambda s: f"/job:ps/task:{s}/device:CPU:0")
+                shard_devices=self._table_shard_device)
 
     def create_step_counters(self):
         """Creates the per-worker step counters failover reads (allreduce mode).
@@ -436,10 +463,24 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             self._record(var, kind, devices=var.worker_devices())
         return var
 
+    def _table_shard_device(self, shard: int) -> str:
+        """Shard `shard` of an interleaved table (or stack): round-robin from ps:0.
+
+        Every table with n shards has its shard s on the same PS, which fused
+        lookups, stacks and DynamicEmbedding's admission rely on.
+        """
+        return f"/job:ps/task:{shard % self._num_ps}/device:CPU:0"
+
     def _create_table(self, next_creator, **kwargs):
-        """Creates an embedding table sharded over every PS task."""
+        """Creates an embedding table sharded over the PS tasks.
+
+        One shard per PS task, or as many as `table_partitioner` says
+        (`placement.table_shard_count`).
+        """
         shape, dtype = shard_init.shape_and_dtype(kwargs)
-        num_shards = min(self._num_ps, int(shape[0]))
+        num_shards = placement_lib.table_shard_count(
+            shape, dtype if dtype is not None else tf.float32, self._num_ps,
+            partitioner=self.table_partitioner, name=kwargs.get("name"))
         scheme = self.placement.sharding
         if num_shards < 2:
             var = self._create_variable_round_robin(next_creator, **kwargs)
@@ -462,7 +503,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 var = sharding.create_interleaved(
                     name=kwargs.get("name"), shape=shape, dtype=dtype,
                     initial_value=kwargs.get("initial_value"), num_shards=num_shards,
-                    device_fn=lambda s: f"/job:ps/task:{s}/device:CPU:0",
+                    device_fn=self._table_shard_device,
                     creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
             else:
                 self._variable_partitioner = (
@@ -800,6 +841,21 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             return deps
         with tf.control_dependencies(deps):
             return [self.committed_steps.assign_add(1, read_value=False)]
+
+
+def _check_partitioner(variable_partitioner) -> None:
+    """Raises StrategyError unless `variable_partitioner` is None or a partitioner."""
+    if variable_partitioner is None or callable(variable_partitioner):
+        return
+    hint = ""
+    if isinstance(variable_partitioner, config_lib.ClusterConfig):
+        hint = (" The second positional argument is `variable_partitioner`, as in stock "
+                "ParameterServerStrategy; pass the ClusterConfig as `config=`.")
+    raise StrategyError(
+        f"variable_partitioner={variable_partitioner!r} is not a partitioner.{hint} Fix: pass "
+        "a tf.distribute.experimental.partitioners.Partitioner (e.g. "
+        "MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=num_ps)), any callable "
+        "(shape, dtype) -> [num_shards, 1, ...], or None for one shard per PS task.")
 
 
 class WorkerInputContext(tf.distribute.InputContext):
