@@ -181,6 +181,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self.recovering = False
         # worker index -> (step, monotonic start) of the part it is running.
         self._running: Dict[int, Tuple[_SyncStep, float]] = {}
+        # Workers whose running part still waits for its per-worker input
+        # (an iterator whose dataset function has not returned yet).
+        self._creating_input: set = set()
+        self._finished_steps = 0  # Steps every worker finished (for the watchdog's message).
+        spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
+        self._ps_addresses = list(spec.get("ps", []))
+        self._worker_addresses = list(spec.get("worker", []))
         self.step_timeout_seconds = float(
             getattr(strategy.extended, "step_timeout_seconds", 0.0) or 0.0)
         self._stopped = threading.Event()
@@ -601,8 +608,14 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # As the stock Closure.execute_on: a per-worker input (iterator) whose
         # creation failed is a ClosureInputError wrapping the original error
         # (the user's dataset error, or a dead worker's UnavailableError).
-        error = (cluster_coordinator._get_error_from_remote_values(args)  # pylint: disable=protected-access
-                 or cluster_coordinator._get_error_from_remote_values(kwargs))  # pylint: disable=protected-access
+        with self._lock:
+            self._creating_input.add(worker.worker_index)
+        try:  # Waits for the worker's input iterators to exist.
+            error = (cluster_coordinator._get_error_from_remote_values(args)  # pylint: disable=protected-access
+                     or cluster_coordinator._get_error_from_remote_values(kwargs))  # pylint: disable=protected-access
+        finally:
+            with self._lock:
+                self._creating_input.discard(worker.worker_index)
         if error is not None:
             if not isinstance(error, cluster_coordinator.ClosureInputError):
                 error = cluster_coordinator.ClosureInputError(error)
@@ -638,13 +651,19 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 return None
             _, _, step = min(hung, key=lambda h: (h[0], h[1]))
             workers = sorted(i for i, (s, _) in self._running.items() if s is step)
+            creating = sorted(i for i in workers if i in self._creating_input)
+            first_step = self._finished_steps == 0
+        # Outside the lock: connection probes take up to a second each.
+        why = self._why_no_progress(workers, creating, first_step)
+        with self._lock:
+            if step.timed_out:
+                return None
             step.timed_out = True
             names = ", ".join(f"worker:{i} (/job:worker/replica:0/task:{i})" for i in workers)
             error = tf.errors.DeadlineExceededError(
                 None, None,
                 f"tf_psplugin: step {step.step_id} made no progress for {limit:g} s on {names}: "
-                "a worker is hung or unreachable, or the step is slower than "
-                "collective_timeout_seconds. Fix: check those workers (and the network between "
+                f"{why} Fix: check those workers and their input (and the network between "
                 "them); if steps are legitimately that slow, raise "
                 "HybridParameterServerStrategy(collective_timeout_seconds=...).")
             if step.error is None:
@@ -656,6 +675,37 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if set_remote_error:
             step.remote_value._set_error(error)  # pylint: disable=protected-access
         return error
+
+    def _why_no_progress(self, workers: List[int], creating: List[int], first_step: bool) -> str:
+        """What a stuck step's workers are most likely waiting for, in one sentence or two.
+
+        Tasks that no longer accept connections are down; a worker whose
+        input iterator does not exist yet is still running its dataset
+        function; otherwise, on a job's first step, the likeliest wait is the
+        input's first batch (a slow source, or a filter that keeps nothing).
+        """
+        from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
+
+        down = [f"ps:{i} at {a}" for i, a in enumerate(self._ps_addresses)
+                if not failover_lib.accepts_connections(a)]
+        down += [f"worker:{i} at {self._worker_addresses[i]}" for i in workers
+                 if i < len(self._worker_addresses)
+                 and not failover_lib.accepts_connections(self._worker_addresses[i])]
+        if down:
+            verb = "does" if len(down) == 1 else "do"
+            return f"{', '.join(down)} {verb} not accept connections (down or unreachable)."
+        if creating:
+            return (f"{', '.join(f'worker:{i}' for i in creating)} is still creating its input "
+                    "(its dataset function has not returned: a slow file system, a large "
+                    "in-memory dataset, a blocking generator).")
+        if first_step:
+            return ("no step has finished yet and every PS and worker of the step accepts "
+                    "connections: most likely a worker's input has not produced its first batch "
+                    "(a slow or stalled source, a filter that keeps no element), or a worker is "
+                    "hung (stopped, not answering).")
+        return ("every PS and worker of the step accepts connections: a worker's input is "
+                "stalled, a worker is hung (stopped, not answering), or the step is slower than "
+                "collective_timeout_seconds.")
 
     def _finish_part(self, step, worker_index, outputs, error, cancelled=False):
         with self._lock:
@@ -674,6 +724,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 self._idle.notify_all()
             step.remaining -= 1
             finished = step.remaining == 0
+            if finished and step.error is None:
+                self._finished_steps += 1
             # The user's error (a step or input pipeline that failed on this
             # worker) while peers still run the step: they wait in its
             # collectives for a part that will never come.

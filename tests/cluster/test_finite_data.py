@@ -49,3 +49,13 @@ def test_finite_data(make_cluster):
     cluster.start_servers()
     result = cluster.run_chief([cu.PYTHON, SCRIPT], timeout=500)
     cu.assert_checks_passed(result, CHECKS)
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_input_is_named_by_the_watchdog(make_cluster):
+    """No batch ever comes: one error line says the input has not produced one."""
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "stalled_input.py")
+    result = cluster.run_chief([cu.PYTHON, script], timeout=200)
+    cu.assert_checks_passed(result, ("stalled_input_named",))

@@ -37,7 +37,62 @@ def _bare_coordinator(num_workers=2, timeout=5.0):
     coord._num_workers = num_workers  # pylint: disable=protected-access
     coord.step_timeout_seconds = timeout
     coord.recovering = False
+    coord._creating_input = set()  # pylint: disable=protected-access
+    coord._finished_steps = 0  # pylint: disable=protected-access
+    coord._ps_addresses = []  # pylint: disable=protected-access
+    coord._worker_addresses = []  # pylint: disable=protected-access
     return coord
+
+
+@pytest.fixture
+def listening():
+    """An address that accepts connections, and one that does not (closed right away)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def accept():  # Accept and drop every probe, so the backlog never fills.
+        while True:
+            try:
+                server.accept()[0].close()
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % closed.getsockname()[1]
+    closed.close()
+    yield "127.0.0.1:%d" % server.getsockname()[1], dead
+    server.shutdown(socket.SHUT_RDWR)
+    server.close()
+
+
+def _stuck_step_message(coord, **state):
+    for name, value in state.items():
+        setattr(coord, name, value)
+    step = _step(coord, 3)
+    now = time.monotonic()
+    coord._running = {0: (step, now - 12.0), 1: (step, now - 11.0)}  # pylint: disable=protected-access
+    return coord._fail_hung_step(10.0).message  # pylint: disable=protected-access
+
+
+def test_watchdog_says_what_a_stuck_first_step_waits_for(listening):
+    alive, dead = listening
+    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive, dead],
+                                  _worker_addresses=[alive, alive])
+    assert "ps:1 at %s does not accept connections" % dead in message
+    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
+                                  _worker_addresses=[alive, alive], _creating_input={1})
+    assert "worker:1 is still creating its input" in message
+    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
+                                  _worker_addresses=[alive, alive])
+    assert "no step has finished yet" in message
+    assert "input has not produced its first batch" in message
+    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
+                                  _worker_addresses=[alive, alive], _finished_steps=5)
+    assert "no step has finished yet" not in message, message
+    assert "input is stalled" in message, message
 
 
 def _step(coord, step_id, num_workers=2):
