@@ -18,12 +18,16 @@ tools each get a piece of it wrong:
   PS task's own cwd), and the last one merges the index. Nothing else ever
   writes there: workers and the evaluator never do.
 * A crash in the middle of a save must never leave a checkpoint that a
-  restore would pick. After TF's `CheckpointManager` has written the data,
-  the index and its ``checkpoint`` state file, the chief writes a commit
-  marker ``<prefix>.commit`` (JSON: step, input position, and the size of
-  every file of the checkpoint). Only checkpoints with a marker whose files
-  all exist with those sizes are restored, evaluated or exported; the state
-  file is not trusted (naming and markers: model_dir.py).
+  restore would pick, nor leave none. After TF has written the data and the
+  index, the chief writes a commit marker ``<prefix>.commit`` (JSON: step,
+  input position, and the size of every file of the checkpoint); only then
+  does TF's `CheckpointManager` update its ``checkpoint`` state file and
+  delete checkpoints beyond `max_to_keep` (the marker is written by a write
+  callback, which TF runs before its own), so a failure between the write
+  and the commit leaves the previous checkpoint in place. Only checkpoints
+  with a marker whose files all exist with those sizes are restored,
+  evaluated or exported; the state file is not trusted (naming and markers:
+  model_dir.py).
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
@@ -34,6 +38,7 @@ the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
 number of workers, and plain single-process Keras models (`load_into`).
 """
 
+import copy
 import json
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
@@ -322,7 +327,8 @@ class CheckpointManager:
 
         Waits for in-flight steps, pulls the dense replicas into the chief's
         primaries, writes ``ckpt-<step>`` (the PS tasks write their shards),
-        then the commit marker, then drops markers of deleted checkpoints.
+        then the commit marker; only then lets TF's manager delete checkpoints
+        beyond `max_to_keep`, and drops markers of deleted checkpoints.
         If this manager already saved or restored the checkpoint of `step`,
         nothing is rewritten; any other checkpoint of the same step is
         replaced (its marker is removed first).
@@ -353,15 +359,28 @@ class CheckpointManager:
         self._state.input_position = self.input_position(step)
         prefix = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-{step}")
         remove_commit_marker(prefix)  # Never trust a half-overwritten checkpoint.
+        committed: List[CheckpointInfo] = []
+        position = self._state.input_position
+
+        def commit(save_path):
+            # TF's CheckpointManager.save appends its own callback (state
+            # file, then deletion of checkpoints beyond max_to_keep) after
+            # ours: nothing old is deleted before this one is committed. The
+            # write is synchronous here (the chief's eager executor is sync
+            # under PSS), so the files are complete.
+            committed.append(commit_checkpoint(save_path, step, position))
+
+        options = copy.copy(self._options)
+        options.experimental_write_callbacks = [commit]
         try:
-            path = self._manager.save(checkpoint_number=step, options=self._options)
+            path = self._manager.save(checkpoint_number=step, options=options)
         except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
                 tf.errors.FailedPreconditionError) as e:
             raise CheckpointError(
                 f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
                 "writable by the chief and every PS task, under the same absolute path on a "
                 "shared filesystem (or use write_on_chief=True).") from None
-        info = commit_checkpoint(path, step, self._state.input_position)
+        info = committed[0] if committed else commit_checkpoint(path, step, position)
         self._last_save_step, self._last_save_time = step, self._clock()
         self.latest = info
         self._drop_stale_markers()

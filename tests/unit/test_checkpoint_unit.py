@@ -259,6 +259,34 @@ def test_max_to_keep_removes_files_and_markers(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt-1.")]
 
 
+@pytest.mark.parametrize("max_to_keep", [1, 2])
+def test_failure_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                 max_to_keep):
+    """TF's manager deletes old checkpoints inside `save`: only after our commit."""
+    model = tiny_model()
+    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
+                                         max_to_keep=max_to_keep)
+    for step in range(1, max_to_keep + 1):
+        train(model, 1, offset=step)
+        manager.save(step)
+    expected = values(model)
+
+    def crash(*args, **kwargs):  # The chief dies after the write, before the commit.
+        raise ckpt_lib.CheckpointError("simulated crash between the write and the commit")
+
+    monkeypatch.setattr(ckpt_lib, "commit_checkpoint", crash)
+    train(model, 1, offset=9)
+    with pytest.raises(ckpt_lib.CheckpointError, match="simulated crash"):
+        manager.save(max_to_keep + 1)
+    monkeypatch.undo()
+    assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)] == list(
+        range(1, max_to_keep + 1))
+    assert not (tmp_path / f"ckpt-{max_to_keep + 1}.commit").exists()
+    info, restored = restore_new(tmp_path)
+    assert info.step == max_to_keep
+    assert_same(values(restored), expected)
+
+
 def test_save_schedule_by_steps_and_seconds(tmp_path):
     now = [0.0]
     model = tiny_model()
