@@ -70,6 +70,9 @@ __all__ = [
 ]
 
 _CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
+# ChiefCheckpoint's save interval when none is given (Estimator's RunConfig
+# default, save_checkpoints_secs=600): what a PS failure can cost at most.
+DEFAULT_SAVE_EVERY_SECS = 600.0
 
 
 # --- Distributed state: in-flight steps, replicas, slots ----------------------
@@ -523,7 +526,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     At train begin it restores the latest committed checkpoint in `model_dir`
     (if any; optimizer slots included). It saves every `save_every_steps`
     steps and/or `save_every_secs` seconds (checked once per
-    `steps_per_execution`), and at train end it writes a final checkpoint
+    `steps_per_execution`); with neither given, every 600 seconds
+    (`DEFAULT_SAVE_EVERY_SECS`, Estimator RunConfig's default),
+    so a PS failure loses at most that much training. At train end it writes
+    a final checkpoint
     and, once `final_step` is reached, ``TRAINING_DONE`` (the evaluator's
     signal to stop). Batch hooks never read the step's RemoteValues, so
     saving does not slow down steps between saves.
@@ -544,7 +550,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     Args:
         model_dir: Directory for checkpoints (see `CheckpointManager`).
         save_every_steps: Save every this many steps (None: not by steps).
-        save_every_secs: Save when this many seconds passed (None: not by time).
+        save_every_secs: Save when this many seconds passed (None: not by
+            time, unless `save_every_steps` is None too: then 600). 0 turns
+            periodic saves off (only the final one at train end).
         max_to_keep: Checkpoints kept.
         restore: Restore the latest checkpoint at train begin.
         final_step: ``TRAINING_DONE`` is written at train end when the step
@@ -561,6 +569,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                  clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
+        if save_every_secs is not None and save_every_secs < 0:
+            raise ValueError(f"save_every_secs must be >= 0 or None, got {save_every_secs!r}.")
+        if save_every_steps is None and save_every_secs is None:
+            save_every_secs = DEFAULT_SAVE_EVERY_SECS
+        save_every_secs = save_every_secs or None  # 0: no periodic saves.
         self.model_dir = model_dir_lib.resolve(model_dir)
         self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
                             save_every_secs=save_every_secs, batches_per_step=batches_per_step,
