@@ -118,16 +118,20 @@ class TaskFailedError(FailoverError):
             any surviving worker that was asked to restart with them.
         checkpoint: The checkpoint a restart resumes from, or None (no
             checkpoint yet: a restart starts over).
+        policy: The `FailoverPolicy` of the strategy that raised it (its
+            `recovery_timeout_seconds` and `poll_seconds` are what
+            `tf_psplugin.elastic.run` waits with), or None.
     """
 
     exit_code = RESTART_EXIT_CODE
 
     def __init__(self, message: str, failed_tasks: List[str], addresses: Dict[str, str],
-                 checkpoint: Optional[str]):
+                 checkpoint: Optional[str], policy: Optional["FailoverPolicy"] = None):
         super().__init__(message)
         self.failed_tasks = list(failed_tasks)
         self.addresses = dict(addresses)
         self.checkpoint = checkpoint
+        self.policy = policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +141,10 @@ class FailoverPolicy:
     Attributes:
         enabled: Recover automatically (else failures are raised as errors).
         recovery_timeout_seconds: How long `tf_psplugin.elastic.run` waits
-            for a failed task to come back before stopping with an error.
-        poll_seconds: Probe interval while waiting.
+            for a failed task to come back before stopping with an error
+            (the `TaskFailedError` carries this policy to it; an explicit
+            `elastic.run(recovery_timeout_seconds=...)` wins).
+        poll_seconds: Probe interval while waiting (same rules).
         task_restarts: Whether something restarts a failed worker or PS task
             (the launcher's --restart-failed, a Kubernetes restart policy).
             False: the chief saves what survives and stops at once with an
@@ -385,7 +391,7 @@ class FailoverController:
             failed_tasks=[f"{j}:{i}" for j, i in sorted(failed)],
             addresses={f"{j}:{i}": self._addresses[(j, i)] for j, i in sorted(waiting)
                        if (j, i) in self._addresses},
-            checkpoint=latest) from error
+            checkpoint=latest, policy=self.policy) from error
 
     def _failed_tasks(self, error) -> Set[Tuple[str, int]]:
         """Tasks that are down now, plus PS tasks the error blames.

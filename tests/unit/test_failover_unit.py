@@ -361,6 +361,32 @@ def test_elastic_run_gives_up_when_the_task_never_returns(monkeypatch):
     assert not isinstance(raised.value, failover.TaskFailedError)
 
 
+def test_elastic_run_waits_as_the_strategys_failover_policy_says(monkeypatch):
+    waits = []
+    monkeypatch.setattr(elastic, "_wait_for_tasks", lambda e, t, p: waits.append((t, p)))
+    policy = failover.FailoverPolicy(recovery_timeout_seconds=42.0, poll_seconds=0.25)
+
+    def failing(*errors):
+        pending = list(errors)
+
+        def train():
+            if pending:
+                raise pending.pop(0)
+            return "done"
+
+        return train
+
+    def with_policy():  # What a strategy built with `failover=policy` raises.
+        return failover.TaskFailedError("worker:1 failed", ["worker:1"], {}, None, policy=policy)
+
+    assert elastic.run(failing(with_policy(), _task_failed({}))) == "done"
+    assert waits == [(42.0, 0.25), (300.0, 0.5)]  # The policy's values, else the defaults.
+    waits.clear()
+    assert elastic.run(failing(with_policy()), recovery_timeout_seconds=7.0,
+                       poll_seconds=0.1) == "done"
+    assert waits == [(7.0, 0.1)]  # Explicit arguments win.
+
+
 def test_elastic_run_spends_its_budget_then_stops(monkeypatch):
     monkeypatch.setattr(elastic, "_wait_for_tasks", lambda *a: None)
     calls = []
