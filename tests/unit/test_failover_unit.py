@@ -285,6 +285,54 @@ def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monke
     assert e.__cause__ is error and not execs
 
 
+class _Counters:
+    """Stands for the strategy's per-worker step counters (read by `_read_replica`)."""
+
+    def __init__(self, per_worker):
+        self.per_worker = per_worker  # {worker: (reduced, committed)}, or an error.
+        self.reduced_steps, self.committed_steps = "reduced", "committed"
+
+    def read(self, var, worker):
+        value = self.per_worker[worker]
+        if isinstance(value, Exception):
+            raise value
+        return value[0] if var == "reduced" else value[1]
+
+
+class _Saver:
+    def __init__(self, coordinator):
+        self.coordinator, self.saved_from = coordinator, []
+
+    def save_emergency(self):
+        self.saved_from.append(self.coordinator.preferred_replica)
+        return "/m/ckpt-emergency"
+
+
+@pytest.mark.parametrize("survivors,saved_from", [
+    ({0: (7, 7), 2: (7, 7)}, [0]),  # Consistent: saved, labelled 7.
+    # worker:0 read first looks clean, but worker:2 applied part of step 8
+    # (its table rows are on the PS): a checkpoint labelled 7 would hold them.
+    ({0: (7, 7), 2: (8, 7)}, []),
+    ({0: (8, 8), 2: (7, 7)}, []),  # Survivors one step apart: no single label.
+    ({0: (7, 7), 2: tf.errors.UnavailableError(None, None, "gone")}, []),  # Unknown.
+])
+def test_emergency_checkpoint_needs_every_survivor_at_the_same_committed_step(
+        monkeypatch, survivors, saved_from):
+    spec = {"chief": ["h:0"], "worker": ["h:1", "h:2", "h:3"], "ps": ["h:4"]}
+    strategy = _FakeStrategy(spec)
+    strategy.extended = counters = _Counters(survivors)
+    monkeypatch.setattr(failover, "_read_replica", counters.read)
+    controller = failover.FailoverController(strategy, failover.FailoverPolicy())
+    coordinator = _FakeCoordinator()
+    coordinator.num_workers = 3
+    saver = _Saver(coordinator)
+    monkeypatch.setattr(failover, "_checkpointers", [])
+    failover.register_checkpointer(saver)
+    path = controller._save_what_survives(coordinator, {("worker", 1)})
+    assert saver.saved_from == saved_from
+    assert path == ("/m/ckpt-emergency" if saved_from else None)
+
+
 def _run_python(code, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
