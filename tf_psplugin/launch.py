@@ -535,7 +535,8 @@ class LocalCluster:
             task.finished.set()
             return
         incident = self._open_incident(now)
-        if (task.task_type == "worker" and incident is not None and code == -signal.SIGABRT and task.role not in self._incident_free):
+        if (task.task_type == "worker" and incident is not None
+                and code == -signal.SIGABRT and task.role not in self._incident_free):
             self._incident_free.add(task.role)
             delay = 0.5
             why = (f"{_exit_text(code)}: aborted by the chief's failover after {incident} "
@@ -668,8 +669,8 @@ def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
                                "pid_file": None, "log_dir": None, "grace_period": 5.0,
                                "timeout": None, "verbosity": "warning", "command": command}
     kinds = {"workers": int, "ps": int, "max_restarts": int, "max_total_restarts": int,
-             "grace_period": float, "timeout": float, "servers": str, "host": str, "pid_file": str, "log_dir": str,
-             "verbosity": str}
+             "grace_period": float, "timeout": float, "servers": str, "host": str,
+             "pid_file": str, "log_dir": str, "verbosity": str}
     i = 0
     while i < len(options):
         name, _, value = options[i].partition("=")
