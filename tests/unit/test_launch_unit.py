@@ -340,3 +340,50 @@ def test_parse_max_total_restarts():
     with pytest.raises(ConfigError) as info:
         launch._parse_args(["--max-total-restarts=-1", "--", PY])
     assert info.value.field == "--max-total-restarts"
+
+
+_SLEEPER = ("import resource, time; resource.setrlimit(resource.RLIMIT_CORE, (0, 0));"
+            "time.sleep(120)")
+
+# Plays the chief's failover with real signals: on attempt n < 4 it kills
+# worker n % 2 (SIGKILL), then aborts the other one (SIGABRT, as TF's Abort
+# op does) and exits 138; attempt 4 finishes.
+_CHIEF_THAT_KILLS_WORKERS = '''
+import json, os, signal, sys, time
+n, pid_file = int(os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]), sys.argv[1]
+print("attempt", n, flush=True)
+if n >= 4:
+    sys.exit(0)
+
+def running(role):
+    try:
+        pid = json.load(open(pid_file))["tasks"][role]
+        with open(f"/proc/{pid}/stat") as f:
+            return pid if f.read().rsplit(")", 1)[1].split()[0] not in "ZX" else None
+    except (OSError, KeyError, ValueError):
+        return None
+
+deadline = time.time() + 30
+while not (running("worker:0") and running("worker:1")) and time.time() < deadline:
+    time.sleep(0.05)
+os.kill(running(f"worker:{n % 2}"), signal.SIGKILL)
+time.sleep(1.0)
+os.kill(running(f"worker:{1 - n % 2}"), signal.SIGABRT)
+time.sleep(0.5)
+sys.exit(138)
+'''
+
+
+def test_four_worker_kills_with_budget_two_finish_with_real_processes(tmp_path):
+    pid_file = str(tmp_path / "pids.json")
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(2, 1, servers="command", restart_failed=True, max_restarts=2,
+                          output=devnull, pid_file=pid_file) as cluster:
+            cluster.start_servers([PY, "-c", _SLEEPER])
+            result = cluster.run_chief([PY, "-c", _CHIEF_THAT_KILLS_WORKERS, pid_file],
+                                       timeout=120)
+            failures = {role: task.failures for role, task in cluster._tasks.items()}
+    assert result.returncode == 0, result.stdout
+    assert failures == {"ps:0": 0, "worker:0": 2, "worker:1": 2, "chief": 0}, result.stdout
+    assert result.stdout.count("not counted against the chief's budget") == 4
+    assert "(exit -6: aborted by the chief's failover after worker:" in result.stdout
