@@ -316,7 +316,7 @@ def train(config):
     # tf_psplugin: chief-only checkpoints; restores at train begin, final one at train_steps.
     checkpoints = tf_psplugin.ChiefCheckpoint(
         model_dir, save_every_steps=FLAGS.save_every_steps or None,
-        save_every_secs=FLAGS.save_every_seconds or None, max_to_keep=FLAGS.keep_checkpoints,
+        save_every_secs=FLAGS.save_every_seconds, max_to_keep=FLAGS.keep_checkpoints,
         final_step=FLAGS.train_steps)
     remaining = FLAGS.train_steps - start_step
     workers = config.num_workers

@@ -28,6 +28,7 @@ from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPoli
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.progress import ProgressBar
+from tf_psplugin.connection import TasksUnreachableError
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.summaries import TrainingSummaries
 from tf_psplugin.variables import ReplicatedVariable, current_worker_index
@@ -68,6 +69,7 @@ __all__ = [
     "ReplicatedVariable",
     "StrategyError",
     "TaskFailedError",
+    "TasksUnreachableError",
     "TrainingSummaries",
     "__version__",
     "build_optimizer_slots",

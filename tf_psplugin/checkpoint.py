@@ -18,12 +18,16 @@ tools each get a piece of it wrong:
   PS task's own cwd), and the last one merges the index. Nothing else ever
   writes there: workers and the evaluator never do.
 * A crash in the middle of a save must never leave a checkpoint that a
-  restore would pick. After TF's `CheckpointManager` has written the data,
-  the index and its ``checkpoint`` state file, the chief writes a commit
-  marker ``<prefix>.commit`` (JSON: step, input position, and the size of
-  every file of the checkpoint). Only checkpoints with a marker whose files
-  all exist with those sizes are restored, evaluated or exported; the state
-  file is not trusted (naming and markers: model_dir.py).
+  restore would pick, nor leave none. After TF has written the data and the
+  index, the chief writes a commit marker ``<prefix>.commit`` (JSON: step,
+  input position, and the size of every file of the checkpoint); only then
+  does TF's `CheckpointManager` update its ``checkpoint`` state file and
+  delete checkpoints beyond `max_to_keep` (the marker is written by a write
+  callback, which TF runs before its own), so a failure between the write
+  and the commit leaves the previous checkpoint in place. Only checkpoints
+  with a marker whose files all exist with those sizes are restored,
+  evaluated or exported; the state file is not trusted (naming and markers:
+  model_dir.py).
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
@@ -34,6 +38,7 @@ the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
 number of workers, and plain single-process Keras models (`load_into`).
 """
 
+import copy
 import json
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
@@ -65,6 +70,9 @@ __all__ = [
 ]
 
 _CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
+# ChiefCheckpoint's save interval when none is given (Estimator's RunConfig
+# default, save_checkpoints_secs=600): what a PS failure can cost at most.
+DEFAULT_SAVE_EVERY_SECS = 600.0
 
 
 # --- Distributed state: in-flight steps, replicas, slots ----------------------
@@ -322,7 +330,8 @@ class CheckpointManager:
 
         Waits for in-flight steps, pulls the dense replicas into the chief's
         primaries, writes ``ckpt-<step>`` (the PS tasks write their shards),
-        then the commit marker, then drops markers of deleted checkpoints.
+        then the commit marker; only then lets TF's manager delete checkpoints
+        beyond `max_to_keep`, and drops markers of deleted checkpoints.
         If this manager already saved or restored the checkpoint of `step`,
         nothing is rewritten; any other checkpoint of the same step is
         replaced (its marker is removed first).
@@ -353,15 +362,28 @@ class CheckpointManager:
         self._state.input_position = self.input_position(step)
         prefix = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-{step}")
         remove_commit_marker(prefix)  # Never trust a half-overwritten checkpoint.
+        committed: List[CheckpointInfo] = []
+        position = self._state.input_position
+
+        def commit(save_path):
+            # TF's CheckpointManager.save appends its own callback (state
+            # file, then deletion of checkpoints beyond max_to_keep) after
+            # ours: nothing old is deleted before this one is committed. The
+            # write is synchronous here (the chief's eager executor is sync
+            # under PSS), so the files are complete.
+            committed.append(commit_checkpoint(save_path, step, position))
+
+        options = copy.copy(self._options)
+        options.experimental_write_callbacks = [commit]
         try:
-            path = self._manager.save(checkpoint_number=step, options=self._options)
+            path = self._manager.save(checkpoint_number=step, options=options)
         except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
                 tf.errors.FailedPreconditionError) as e:
             raise CheckpointError(
                 f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
                 "writable by the chief and every PS task, under the same absolute path on a "
                 "shared filesystem (or use write_on_chief=True).") from None
-        info = commit_checkpoint(path, step, self._state.input_position)
+        info = committed[0] if committed else commit_checkpoint(path, step, position)
         self._last_save_step, self._last_save_time = step, self._clock()
         self.latest = info
         self._drop_stale_markers()
@@ -504,7 +526,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     At train begin it restores the latest committed checkpoint in `model_dir`
     (if any; optimizer slots included). It saves every `save_every_steps`
     steps and/or `save_every_secs` seconds (checked once per
-    `steps_per_execution`), and at train end it writes a final checkpoint
+    `steps_per_execution`); with neither given, every 600 seconds
+    (`DEFAULT_SAVE_EVERY_SECS`, Estimator RunConfig's default),
+    so a PS failure loses at most that much training. At train end it writes
+    a final checkpoint
     and, once `final_step` is reached, ``TRAINING_DONE`` (the evaluator's
     signal to stop). Batch hooks never read the step's RemoteValues, so
     saving does not slow down steps between saves.
@@ -525,7 +550,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     Args:
         model_dir: Directory for checkpoints (see `CheckpointManager`).
         save_every_steps: Save every this many steps (None: not by steps).
-        save_every_secs: Save when this many seconds passed (None: not by time).
+        save_every_secs: Save when this many seconds passed (None: not by
+            time, unless `save_every_steps` is None too: then 600). 0 turns
+            periodic saves off (only the final one at train end).
         max_to_keep: Checkpoints kept.
         restore: Restore the latest checkpoint at train begin.
         final_step: ``TRAINING_DONE`` is written at train end when the step
@@ -542,6 +569,11 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                  clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
+        if save_every_secs is not None and save_every_secs < 0:
+            raise ValueError(f"save_every_secs must be >= 0 or None, got {save_every_secs!r}.")
+        if save_every_steps is None and save_every_secs is None:
+            save_every_secs = DEFAULT_SAVE_EVERY_SECS
+        save_every_secs = save_every_secs or None  # 0: no periodic saves.
         self.model_dir = model_dir_lib.resolve(model_dir)
         self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
                             save_every_secs=save_every_secs, batches_per_step=batches_per_step,

@@ -25,6 +25,20 @@ class StrategyError(ValueError):
     """The strategy cannot be built or used as asked; the message names the fix."""
 
 
+class TasksUnreachableError(StrategyError, failover_lib.FailoverError):
+    """Some worker or PS never accepted connections within `connect_timeout_seconds`.
+
+    Usually pods still being scheduled or started, so retrying the chief is
+    the fix: uncaught, it ends the chief with exit status
+    `RESTART_EXIT_CODE` (138) and one line, which the launcher's
+    `--restart-failed` and a TFJob's `restartPolicy: ExitCode` retry (exit
+    1 would be a permanent failure there). Also a `StrategyError`, so code
+    that catches that still does.
+    """
+
+    exit_code = failover_lib.RESTART_EXIT_CODE
+
+
 def connect(cluster_resolver, coordinator_name: str, workers_see_each_other: bool) -> None:
     """Connects this process (the coordinator) to the cluster, like stock PSS.
 
@@ -98,7 +112,8 @@ def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0
         poll_seconds: Interval between attempts.
 
     Raises:
-        StrategyError: naming every task that never answered.
+        TasksUnreachableError: naming every task that never answered
+            (a `StrategyError`; uncaught, exit status 138: retry me).
     """
     addresses = {f"{job}:{index}": address for job in ("worker", "ps")
                  for index, address in enumerate(cluster_spec.as_dict().get(job, []))}
@@ -106,11 +121,14 @@ def wait_for_tasks(cluster_spec, timeout_seconds: float, poll_seconds: float = 0
                                               connect_timeout=2.0)
     if pending:
         missing = ", ".join(f"{role} at {addresses[role]}" for role in pending)
-        raise StrategyError(
-            f"cannot reach {missing} after {timeout_seconds:g} s. Fix: start those tasks "
-            "(they run the same script, which calls tf_psplugin.start_server() first, or "
-            "`python -m tf_psplugin.server`), check their addresses in TF_CONFIG / --worker_hosts "
-            "/ --ps_hosts and the firewall, or raise connect_timeout_seconds.")
+        raise TasksUnreachableError(
+            f"cannot reach {missing} after {timeout_seconds:g} s; the chief exits with status "
+            f"{failover_lib.RESTART_EXIT_CODE} so that a restart policy (TFJob restartPolicy: "
+            "ExitCode, the launcher's --restart-failed) retries it while tasks are still being "
+            "scheduled. Fix: start those tasks (they run the same script, which calls "
+            "tf_psplugin.start_server() first, or `python -m tf_psplugin.server`), check their "
+            "addresses in TF_CONFIG / --worker_hosts / --ps_hosts and the firewall, or raise "
+            "connect_timeout_seconds.")
 
 
 def resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig]):

@@ -40,8 +40,8 @@ from tf_psplugin import failover as failover_lib
 
 
 def run(train_fn: Callable[..., Any], *args, max_restarts: int = 20,
-        recovery_timeout_seconds: float = 300.0, poll_seconds: float = 0.5,
-        **kwargs) -> Any:
+        recovery_timeout_seconds: Optional[float] = None,
+        poll_seconds: Optional[float] = None, **kwargs) -> Any:
     """Calls `train_fn(*args, **kwargs)`, again after each task failure.
 
     Args:
@@ -51,8 +51,11 @@ def run(train_fn: Callable[..., Any], *args, max_restarts: int = 20,
         max_restarts: How many task failures to recover from before the
             last `TaskFailedError` is raised as a `FailoverError`.
         recovery_timeout_seconds: How long to wait for the failed tasks to
-            accept connections again after a failure.
-        poll_seconds: Probe interval while waiting.
+            accept connections again after a failure. None: the
+            `FailoverPolicy.recovery_timeout_seconds` of the strategy that
+            raised the failure (300 s by default).
+        poll_seconds: Probe interval while waiting. None: the policy's
+            `poll_seconds` (0.5 s by default).
         **kwargs: Passed to `train_fn`.
 
     Returns:
@@ -75,7 +78,10 @@ def run(train_fn: Callable[..., Any], *args, max_restarts: int = 20,
                     f"recoveries (max_restarts={max_restarts}); giving up. Fix: look at the "
                     "failed tasks' logs, or raise max_restarts.") from e
             restarts += 1
-            _wait_for_tasks(e, recovery_timeout_seconds, poll_seconds)
+            policy = e.policy if e.policy is not None else failover_lib.FailoverPolicy()
+            _wait_for_tasks(e, policy.recovery_timeout_seconds
+                            if recovery_timeout_seconds is None else recovery_timeout_seconds,
+                            policy.poll_seconds if poll_seconds is None else poll_seconds)
             logging.warning("tf_psplugin elastic: %s back; running training again "
                             "(recovery %d/%d)", ", ".join(sorted(e.addresses)) or "cluster",
                             restarts, max_restarts)

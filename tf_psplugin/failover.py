@@ -13,10 +13,11 @@ processes that did not die. So recovery is:
    read from the errors and confirmed by probing every task's port.
 2. **Save what survives (worker failure).** If the dead task was a worker,
    the tables on the PS tasks and the dense replicas on any surviving worker
-   are intact. Two per-worker counters tell whether the failed step was
-   half-applied on the survivors (gradients reduced but updates not all
-   done). If not, the chief saves an *emergency checkpoint* right now: only
-   the in-flight step is lost. If it was (a kill inside the few milliseconds
+   are intact. Two per-worker counters, read on every survivor, tell whether
+   the failed step was half-applied (gradients reduced but updates not all
+   done) or applied by some survivors only. If neither, the chief saves an
+   *emergency checkpoint* right now: only the in-flight step is lost. If it
+   was (a kill inside the few milliseconds
    between the collectives and the end-of-step barrier), nothing is saved and
    the latest periodic checkpoint is used instead, so no update is ever
    applied twice.
@@ -118,16 +119,20 @@ class TaskFailedError(FailoverError):
             any surviving worker that was asked to restart with them.
         checkpoint: The checkpoint a restart resumes from, or None (no
             checkpoint yet: a restart starts over).
+        policy: The `FailoverPolicy` of the strategy that raised it (its
+            `recovery_timeout_seconds` and `poll_seconds` are what
+            `tf_psplugin.elastic.run` waits with), or None.
     """
 
     exit_code = RESTART_EXIT_CODE
 
     def __init__(self, message: str, failed_tasks: List[str], addresses: Dict[str, str],
-                 checkpoint: Optional[str]):
+                 checkpoint: Optional[str], policy: Optional["FailoverPolicy"] = None):
         super().__init__(message)
         self.failed_tasks = list(failed_tasks)
         self.addresses = dict(addresses)
         self.checkpoint = checkpoint
+        self.policy = policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +142,10 @@ class FailoverPolicy:
     Attributes:
         enabled: Recover automatically (else failures are raised as errors).
         recovery_timeout_seconds: How long `tf_psplugin.elastic.run` waits
-            for a failed task to come back before stopping with an error.
-        poll_seconds: Probe interval while waiting.
+            for a failed task to come back before stopping with an error
+            (the `TaskFailedError` carries this policy to it; an explicit
+            `elastic.run(recovery_timeout_seconds=...)` wins).
+        poll_seconds: Probe interval while waiting (same rules).
         task_restarts: Whether something restarts a failed worker or PS task
             (the launcher's --restart-failed, a Kubernetes restart policy).
             False: the chief saves what survives and stops at once with an
@@ -389,7 +396,7 @@ class FailoverController:
             failed_tasks=[f"{j}:{i}" for j, i in sorted(failed)],
             addresses={f"{j}:{i}": self._addresses[(j, i)] for j, i in sorted(waiting)
                        if (j, i) in self._addresses},
-            checkpoint=latest) from error
+            checkpoint=latest, policy=self.policy) from error
 
     def _failed_tasks(self, error) -> Set[Tuple[str, int]]:
         """Tasks that are down now, plus PS tasks the error blames.
@@ -452,7 +459,16 @@ class FailoverController:
             "itself.") from error
 
     def _save_what_survives(self, coordinator, failed) -> Optional[str]:
-        """Saves the emergency checkpoint if it is safe; returns its path."""
+        """Saves the emergency checkpoint if it is safe; returns its path.
+
+        Safe means every surviving worker is readable and at the same
+        committed step, with no step half-applied. With 3+ workers one
+        survivor may have applied a step another never finished (its part
+        of the collectives ended first); the PS tables then hold some of
+        that step's rows, and a checkpoint from either survivor would label
+        them with a step they do not belong to. Then, as when a survivor
+        cannot be read, the latest periodic checkpoint is used instead.
+        """
         survivors = [i for i in range(coordinator.num_workers) if ("worker", i) not in failed]
         checkpointers = _live_checkpointers()
         if not survivors or not checkpointers:
@@ -460,36 +476,56 @@ class FailoverController:
                 _say("no checkpointer registered: nothing to save (add tf_psplugin's checkpoint "
                      "callback to keep progress across failures)")
             return None
+        counts = self._survivor_counters(survivors)
+        if counts is None:
+            return None
+        half = {i: rc for i, rc in counts.items() if rc[0] != rc[1]}
+        if half:
+            _say("the failed step was half-applied on %s: not saving it; the latest periodic "
+                 "checkpoint will be used so no update is applied twice" % ", ".join(
+                     f"worker:{i} (reduced {r}, committed {c})" for i, (r, c) in
+                     sorted(half.items())))
+            return None
+        committed_steps = {c for _, c in counts.values()}
+        if len(committed_steps) > 1:
+            _say("surviving workers disagree on the last committed step (%s): the tables hold "
+                 "part of a step, so no emergency checkpoint can label them; the latest "
+                 "periodic checkpoint will be used" % ", ".join(
+                     f"worker:{i} at {c}" for i, (_, c) in sorted(counts.items())))
+            return None
+        (committed,) = committed_steps
+        survivor = survivors[0]
+        coordinator.preferred_replica = survivor
+        saved = None
+        for checkpointer in checkpointers:
+            try:
+                path = _call_with_timeout(checkpointer.save_emergency, 120.0)
+            except (tf.errors.OpError, OSError, ValueError, TimeoutError) as e:
+                _say(f"emergency checkpoint failed ({type(e).__name__}: {_first_line(e)}); "
+                     "the latest periodic checkpoint will be used")
+                return None
+            if path:
+                saved = path
+                _say(f"saved emergency checkpoint {path} from worker:{survivor}'s replicas "
+                     f"({committed} committed steps on every surviving worker): only the "
+                     "in-flight step is lost")
+        return saved
+
+    def _survivor_counters(self, survivors) -> Optional[Dict[int, Tuple[int, int]]]:
+        """`{worker: (reduced, committed)}` for every survivor; None if one cannot be read."""
         extended = self._strategy.extended
+        counts = {}
         for survivor in survivors:
             try:
-                reduced, committed = _call_with_timeout(lambda: (
-                    _read_replica(extended.reduced_steps, survivor),
-                    _read_replica(extended.committed_steps, survivor)), 20.0)
+                counts[survivor] = _call_with_timeout(lambda i=survivor: (
+                    _read_replica(extended.reduced_steps, i),
+                    _read_replica(extended.committed_steps, i)), 20.0)
             except (tf.errors.OpError, ValueError, TimeoutError) as e:
-                _say(f"worker:{survivor} cannot be read either ({type(e).__name__}); trying another")
-                continue
-            if reduced != committed:
-                _say(f"the failed step was half-applied on worker:{survivor} (reduced {reduced}, "
-                     f"committed {committed}): not saving it; the latest periodic checkpoint "
-                     "will be used so no update is applied twice")
+                _say(f"worker:{survivor} cannot be read ({type(e).__name__}), so whether it "
+                     "applied a later step is unknown: the latest periodic checkpoint will be "
+                     "used")
                 return None
-            coordinator.preferred_replica = survivor
-            saved = None
-            for checkpointer in checkpointers:
-                try:
-                    path = _call_with_timeout(checkpointer.save_emergency, 120.0)
-                except (tf.errors.OpError, OSError, ValueError, TimeoutError) as e:
-                    _say(f"emergency checkpoint failed ({type(e).__name__}: {_first_line(e)}); "
-                         "the latest periodic checkpoint will be used")
-                    return None
-                if path:
-                    saved = path
-                    _say(f"saved emergency checkpoint {path} from worker:{survivor}'s replicas "
-                         f"({committed} committed steps): only the in-flight step is lost")
-            return saved
-        _say("no surviving worker could be read: the latest periodic checkpoint will be used")
-        return None
+        return counts
 
     def _restart_surviving_workers(self, coordinator, failed) -> Set[Tuple[str, int]]:
         """Makes the surviving workers restart too; returns them.

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Dict, IO, List, Optional, Sequence
+from typing import Dict, IO, List, Optional, Sequence, Set
 
 from tf_psplugin import config as config_lib
 from tf_psplugin import verbosity as verbosity_lib
@@ -62,6 +62,9 @@ _PDEATHSIG_SHIM = (
     "    sys.stderr.write('tf_psplugin.launch: cannot run %r: %s\\n' % (sys.argv[2], e.strerror))\n"
     "    os._exit(127)\n"
 )
+# A recovery the chief never restarted for (elastic.run recovers in-process)
+# stops making SIGABRT exits free after this long.
+_INCIDENT_SECONDS = 300.0
 _ROLE_FLAGS = ("--job_name", "--task_index", "--worker_hosts", "--ps_hosts", "--chief_hosts",
                "--evaluator_hosts")
 
@@ -87,7 +90,8 @@ class _Task:
         self.command = command
         self.proc: Optional[subprocess.Popen] = None
         self.reader: Optional[threading.Thread] = None
-        self.restarts = 0
+        self.restarts = 0  # Every restart, whatever its cause.
+        self.failures = 0  # Restarts after its own failures: what the budget counts.
         self.handled = False  # The current process's exit has been dealt with.
         self.restart_at: Optional[float] = None
         self.finished = threading.Event()  # Exited and will not be restarted.
@@ -117,14 +121,22 @@ class LocalCluster:
         finished, an evaluator that exits nonzero, and a chief that exits
         with `config.RESTART_EXIT_CODE` (138: a task failed, resume from the
         checkpoint) or is killed by SIGKILL, with the same address, command
-        and TF_CONFIG, at most `max_restarts` times per task.
+        and TF_CONFIG, within the budgets below.
       servers: "builtin" (ps/worker run `python -m tf_psplugin.server`) or
         "command" (they run the command given to `start_servers`).
       env: extra environment for every child.
       log_dir: if set, each task's raw output is also appended to
         `<log_dir>/<role>.log` (role with ":" as "-").
       host: loopback host for every task.
-      max_restarts: restart budget per task.
+      max_restarts: restart budget per task: how many of its *own*
+        failures a task is restarted after. Restarts the plugin causes
+        itself are free: after a worker or PS fails, the chief's exit 138
+        and the surviving workers its failover aborts (SIGABRT, collective
+        members restart together) are not counted. A chief exit 138 with no
+        failed task seen counts against the chief.
+      max_total_restarts: budget of own failures summed over every task
+        (None: only the per-task budget), so a job whose tasks keep
+        failing in turn still ends.
       output: stream for role-prefixed lines; default `sys.stdout` (looked
         up at write time).
       grace_period: seconds between SIGTERM and SIGKILL when stopping.
@@ -138,7 +150,8 @@ class LocalCluster:
                  env: Optional[Dict[str, str]] = None, log_dir: Optional[str] = None,
                  host: str = "127.0.0.1", max_restarts: int = 3,
                  output: Optional[IO[str]] = None, grace_period: float = 5.0,
-                 pid_file: Optional[str] = None, config: Optional[ClusterConfig] = None):
+                 pid_file: Optional[str] = None, config: Optional[ClusterConfig] = None,
+                 max_total_restarts: Optional[int] = None):
         if servers not in SERVER_MODES:
             raise ConfigError("servers", f"{servers!r} is not a server mode",
                               f"use one of {', '.join(SERVER_MODES)}")
@@ -146,6 +159,14 @@ class LocalCluster:
         self.servers = servers
         self.restart_failed = restart_failed
         self.max_restarts = max_restarts
+        self.max_total_restarts = max_total_restarts
+        self.total_failures = 0  # Own failures restarted, all tasks.
+        # The task whose failure started the recovery in progress: set by the
+        # first unexpected ps/worker exit, cleared when the chief restarts.
+        self._incident: Optional[str] = None
+        self._incident_start = 0.0
+        self._incident_free: Set[str] = set()  # Workers restarted free in this one.
+        self._clock = time.monotonic  # For restart times and recoveries (tests inject one).
         self.grace_period = grace_period
         self.launch_id = (env or {}).get(LAUNCH_ID_ENV) or os.environ.get(LAUNCH_ID_ENV) or (
             uuid.uuid4().hex)
@@ -347,22 +368,69 @@ class LocalCluster:
         With `restart_failed`, a chief that exits with `RESTART_EXIT_CODE`
         (a worker or PS failed; failover.TaskFailedError) or is killed by
         SIGKILL (the OOM killer, a node agent) is restarted with the same
-        command, within the `max_restarts` budget; it resumes from the latest
-        checkpoint. Any other exit is the job's result.
+        command; it resumes from the latest checkpoint. Exit 138 after a
+        failed task the launcher saw is the plugin's own coordinated restart
+        and is free; exit 138 with no failed task seen, and SIGKILL, count
+        against the chief's budget. The chief is not restarted when a ps or
+        worker task will not come back (its budget is spent). Any other exit
+        is the job's result.
         """
         retryable = code in (config_lib.RESTART_EXIT_CODE, -signal.SIGKILL)
         if not (self.restart_failed and retryable) or self._stopping.is_set():
             return False
-        if task.restarts >= self.max_restarts:
-            self.log(f"chief exited ({_exit_text(code)}); no restarts left "
-                     f"({self.max_restarts} used)")
+        self._reap_exited()  # Survivors the chief aborted before exiting.
+        gone = [t.role for t in self._tasks.values()
+                if t.task_type in ("ps", "worker") and t.finished.is_set()]
+        if gone:
+            self.log(f"chief exited ({_exit_text(code)}); not restarting it: "
+                     f"{', '.join(gone)} will not come back")
             return False
+        incident = self._open_incident(self._clock())
+        if code == config_lib.RESTART_EXIT_CODE and incident is not None:
+            why = f"{incident} failed; not counted against the chief's budget"
+        else:
+            refused = self._charge(task)
+            if refused:
+                self.log(f"chief exited ({_exit_text(code)}); {refused}")
+                return False
+            why = (f"{'a task failed' if code == config_lib.RESTART_EXIT_CODE else 'killed'}, "
+                   f"restart {task.failures}/{self.max_restarts}")
+        self._incident = None  # The restarted chief starts a new recovery cycle.
         task.restarts += 1
-        why = ("a task failed" if code == config_lib.RESTART_EXIT_CODE else "killed")
         self.log(f"restarting chief ({_exit_text(code)}: {why}; it resumes from the latest "
-                 f"checkpoint), restart {task.restarts}/{self.max_restarts}")
+                 "checkpoint)")
         self._spawn(task)
         return True
+
+    def _open_incident(self, now: float) -> Optional[str]:
+        """The task whose failure the current recovery is about, or None. Lock held."""
+        if self._incident is not None and now - self._incident_start > _INCIDENT_SECONDS:
+            self._incident = None  # E.g. elastic.run recovered in-process: no chief restart.
+        return self._incident
+
+    def _charge(self, task: _Task) -> Optional[str]:
+        """Counts one own failure of `task`; returns why it may not restart, or None.
+
+        Lock held.
+        """
+        if task.failures >= self.max_restarts:
+            return f"no restarts left ({self.max_restarts} used)"
+        if self.max_total_restarts is not None and (
+                self.total_failures >= self.max_total_restarts):
+            return (f"the cluster's restart budget is spent ({self.max_total_restarts} task "
+                    "failures restarted)")
+        task.failures += 1
+        self.total_failures += 1
+        return None
+
+    def _reap_exited(self) -> None:
+        """Handles ps/worker exits the monitor has not seen yet. Lock held."""
+        now = self._clock()
+        for other in self._tasks.values():
+            if (other.task_type in ("ps", "worker") and other.proc is not None
+                    and not other.handled and other.restart_at is None
+                    and other.proc.poll() is not None):
+                self._on_exit(other, now)
 
     def run(self, command: Sequence[str], timeout: Optional[float] = None) -> int:
         """The whole CLI flow: servers, evaluator, chief, evaluator's end, stop.
@@ -433,7 +501,7 @@ class LocalCluster:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                now = time.monotonic()
+                now = self._clock()
                 for task in self._tasks.values():
                     if task.task_type == "chief" or task.proc is None:
                         continue
@@ -445,6 +513,15 @@ class LocalCluster:
                     self._on_exit(task, now)
 
     def _on_exit(self, task: _Task, now: float) -> None:
+        """Restarts a ps/worker/evaluator that exited, if wanted and in budget. Lock held.
+
+        A worker that ends with SIGABRT while another task's failure is
+        being recovered was aborted by the chief's failover (collective
+        members restart together, see failover.py): that restart is free,
+        once per task and recovery. Every other exit is the task's own
+        failure and counts against its budget; the first ps/worker failure
+        opens a recovery, which the chief's restart closes.
+        """
         task.handled = True
         code = task.proc.returncode
         _kill_group(task.proc.pid, signal.SIGKILL)  # Its children, if any.
@@ -452,17 +529,32 @@ class LocalCluster:
             wanted = code != 0
         else:
             wanted = not self._chief_done.is_set()
-        if self.restart_failed and wanted and task.restarts < self.max_restarts:
-            task.restarts += 1
-            task.restart_at = now + min(0.5 * 2 ** (task.restarts - 1), 5.0)
-            self.log(f"restarting {task.role} ({_exit_text(code)}), "
-                     f"restart {task.restarts}/{self.max_restarts}")
+        if not (self.restart_failed and wanted):
+            if wanted or task.task_type == "evaluator":
+                self.log(f"{task.role} exited ({_exit_text(code)})")
+            task.finished.set()
             return
-        budget = (f"; no restarts left ({self.max_restarts} used)"
-                  if self.restart_failed and wanted else "")
-        if wanted or task.task_type == "evaluator":
-            self.log(f"{task.role} exited ({_exit_text(code)}){budget}")
-        task.finished.set()
+        incident = self._open_incident(now)
+        if (task.task_type == "worker" and incident is not None
+                and code == -signal.SIGABRT and task.role not in self._incident_free):
+            self._incident_free.add(task.role)
+            delay = 0.5
+            why = (f"{_exit_text(code)}: aborted by the chief's failover after {incident} "
+                   "failed; not counted against its budget)")
+        else:
+            refused = self._charge(task)
+            if refused:
+                self.log(f"{task.role} exited ({_exit_text(code)}); {refused}")
+                task.finished.set()
+                return
+            if task.task_type != "evaluator" and incident is None:
+                self._incident, self._incident_start = task.role, now
+                self._incident_free = set()
+            delay = min(0.5 * 2 ** (task.failures - 1), 5.0)
+            why = f"{_exit_text(code)}), restart {task.failures}/{self.max_restarts}"
+        task.restarts += 1
+        task.restart_at = now + delay
+        self.log(f"restarting {task.role} ({why}")
 
     def stop(self) -> None:
         """Stops every process this cluster started. Idempotent.
@@ -534,7 +626,18 @@ options:
                        138 (a task failed: it resumes from the latest
                        checkpoint) or is killed by SIGKILL; same address,
                        command and TF_CONFIG
-  --max-restarts K     restart budget per task (default 3)
+  --max-restarts K     restart budget per task (default 3): how many times a task
+                       is restarted after failing itself (crash, kill, nonzero
+                       exit; the chief: killed, or 138 with no failed task
+                       seen). Restarts the plugin causes are not counted:
+                       after a worker/PS fails, the chief's exit 138 and the
+                       surviving workers the chief aborts (exit -6) are free,
+                       so a long job survives many failures spread over its
+                       tasks. The chief is not restarted once a ps/worker
+                       has spent its budget.
+  --max-total-restarts T
+                       budget of task failures summed over the whole cluster
+                       (default: no limit beyond --max-restarts per task)
   --host HOST          loopback host (default 127.0.0.1)
   --pid-file PATH      keep {"launcher", "tasks": {role: pid}, "all": [...]} there
   --log-dir DIR        also write each task's output to DIR/<role>.log
@@ -561,12 +664,13 @@ def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
     split = args.index("--")
     options, command = args[:split], args[split + 1:]
     opts: Dict[str, object] = {"workers": 1, "ps": 1, "evaluator": False, "servers": "command",
-                               "restart_failed": False, "max_restarts": 3, "host": "127.0.0.1",
+                               "restart_failed": False, "max_restarts": 3,
+                               "max_total_restarts": None, "host": "127.0.0.1",
                                "pid_file": None, "log_dir": None, "grace_period": 5.0,
                                "timeout": None, "verbosity": "warning", "command": command}
-    kinds = {"workers": int, "ps": int, "max_restarts": int, "grace_period": float,
-             "timeout": float, "servers": str, "host": str, "pid_file": str, "log_dir": str,
-             "verbosity": str}
+    kinds = {"workers": int, "ps": int, "max_restarts": int, "max_total_restarts": int,
+             "grace_period": float, "timeout": float, "servers": str, "host": str,
+             "pid_file": str, "log_dir": str, "verbosity": str}
     i = 0
     while i < len(options):
         name, _, value = options[i].partition("=")
@@ -595,8 +699,8 @@ def _parse_args(argv: Sequence[str]) -> Dict[str, object]:
     if opts["verbosity"] not in verbosity_lib.VERBOSITIES:
         raise ConfigError("--verbosity", f"{opts['verbosity']!r} is not a verbosity",
                           f"use one of {', '.join(verbosity_lib.VERBOSITIES)}")
-    for key in ("max_restarts", "grace_period"):
-        if opts[key] < 0:
+    for key in ("max_restarts", "max_total_restarts", "grace_period"):
+        if opts[key] is not None and opts[key] < 0:
             raise ConfigError("--" + key.replace("_", "-"), "is negative", "pass a value >= 0")
     return opts
 
@@ -615,6 +719,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             opts["workers"], opts["ps"], evaluator=opts["evaluator"],
             restart_failed=opts["restart_failed"], servers=opts["servers"],
             log_dir=opts["log_dir"], host=opts["host"], max_restarts=opts["max_restarts"],
+            max_total_restarts=opts["max_total_restarts"],
             grace_period=opts["grace_period"], pid_file=opts["pid_file"],
             env=_VERBOSITY_ENV[opts["verbosity"]])
     except (ConfigError, OSError) as e:

@@ -132,8 +132,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             forever). Dead peers surface at once through RPC errors. Set it
             above your slowest step (`steps_per_execution` steps).
         connect_timeout_seconds: How long to wait for every worker and PS to
-            accept connections before giving up with an error that names the
-            missing tasks (tasks may start in any order).
+            accept connections before giving up with `TasksUnreachableError`,
+            which names the missing tasks (tasks may start in any order);
+            uncaught, the chief exits with the retryable status 138, so a
+            slowly scheduled cluster is retried by the restart policy.
         failover: A `FailoverPolicy` (default: enabled). On a dead worker or
             PS the chief saves what survives and raises `TaskFailedError`;
             uncaught, it exits with status 138 so that the launcher's
@@ -227,6 +229,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._dense_allreduce = dense_placement == "allreduce"
         self._collective_timeout = float(collective_timeout_seconds)
         # TF logs the session config, PSS's device lists, ... at INFO: hidden by default.
+        # Uncaught, TasksUnreachableError (pods still being scheduled) ends the
+        # chief with the retryable status 138 and one line, not exit 1.
+        failover_lib.install_exit_hook()
         with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
             connection.wait_for_tasks(spec, connect_timeout_seconds)
             # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs

@@ -93,15 +93,27 @@ def _resumed_steps(log):
 
 
 @pytest.mark.timeout(900)
-def test_three_worker_kills_in_one_fit(reference, make_cluster, tmp_path):
-    cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True, max_restarts=6)
+def test_more_worker_kills_than_the_restart_budget_in_one_fit(reference, make_cluster,
+                                                              tmp_path):
+    """4 kills of alternating workers with max_restarts=2: each task's own failures count.
+
+    Every kill also restarts the chief (exit 138) and the surviving worker
+    (aborted by the failover); those restarts are the plugin's own and must
+    not spend the budget, or the third kill would end the job.
+    """
+    cluster = make_cluster(num_workers=2, num_ps=2, restart_failed=True, max_restarts=2)
     report = _run(cluster, tmp_path, "workers",
-                  kills=[("worker", 1, 10), ("worker", 0, 25), ("worker", 1, 40)])
-    assert len(report["killed"]) == 3
+                  kills=[("worker", 1, 10), ("worker", 0, 22), ("worker", 1, 34),
+                         ("worker", 0, 46)])
+    assert len(report["killed"]) == 4
     assert report["iterations"] == TOTAL
-    assert report["restarts"] == 3
+    assert report["restarts"] == 4
+    assert {role: t.failures for role, t in cluster._tasks.items()} == {
+        "ps:0": 0, "ps:1": 0, "worker:0": 2, "worker:1": 2, "chief": 0}, report["log"][-6000:]
+    assert report["log"].count("not counted against the chief's budget") == 4
+    assert "aborted by the chief's failover after worker:" in report["log"]
     resumed = _resumed_steps(report["log"])
-    assert len(resumed) == 3
+    assert len(resumed) == 4
     for (_, _, killed_at), resumed_at in zip(report["killed"], resumed):
         # Emergency checkpoint: only the in-flight step is lost; a half-applied
         # step falls back to the periodic checkpoint (at most EVERY steps).

@@ -259,6 +259,34 @@ def test_max_to_keep_removes_files_and_markers(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ckpt-1.")]
 
 
+@pytest.mark.parametrize("max_to_keep", [1, 2])
+def test_failure_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                 max_to_keep):
+    """TF's manager deletes old checkpoints inside `save`: only after our commit."""
+    model = tiny_model()
+    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
+                                         max_to_keep=max_to_keep)
+    for step in range(1, max_to_keep + 1):
+        train(model, 1, offset=step)
+        manager.save(step)
+    expected = values(model)
+
+    def crash(*args, **kwargs):  # The chief dies after the write, before the commit.
+        raise ckpt_lib.CheckpointError("simulated crash between the write and the commit")
+
+    monkeypatch.setattr(ckpt_lib, "commit_checkpoint", crash)
+    train(model, 1, offset=9)
+    with pytest.raises(ckpt_lib.CheckpointError, match="simulated crash"):
+        manager.save(max_to_keep + 1)
+    monkeypatch.undo()
+    assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)] == list(
+        range(1, max_to_keep + 1))
+    assert not (tmp_path / f"ckpt-{max_to_keep + 1}.commit").exists()
+    info, restored = restore_new(tmp_path)
+    assert info.step == max_to_keep
+    assert_same(values(restored), expected)
+
+
 def test_save_schedule_by_steps_and_seconds(tmp_path):
     now = [0.0]
     model = tiny_model()
@@ -337,3 +365,28 @@ def test_keras_callback_saves_restores_and_marks_done(tmp_path):
     assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)][-2:] == [7, 8]
     assert md.read_training_done(str(tmp_path))["step"] == 8
     assert ckpt_lib.latest_checkpoint(tmp_path).input_position == 8
+
+
+def test_keras_callback_saves_every_600_s_by_default(tmp_path):
+    now = [0.0]
+    model = tiny_model()
+
+    class Clock(tf.keras.callbacks.Callback):  # 250 s per step.
+        def on_train_batch_end(self, batch, logs=None):
+            now[0] += 250.0
+
+    callback = ckpt_lib.ChiefCheckpoint(tmp_path, clock=lambda: now[0])
+    assert ckpt_lib.DEFAULT_SAVE_EVERY_SECS == 600.0
+    train(model, 6, callbacks=[Clock(), callback])
+    # 750 s after step 3, 750 s more after step 6 (also the final save).
+    assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)] == [3, 6]
+    # 0: only the final checkpoint; steps alone: no time-based saves.
+    for kwargs, expected in (({"save_every_secs": 0}, [6]),
+                             ({"save_every_steps": 4}, [4, 6])):
+        now[0] = 0.0
+        model_dir = tmp_path / str(sorted(kwargs))
+        callback = ckpt_lib.ChiefCheckpoint(model_dir, clock=lambda: now[0], **kwargs)
+        train(tiny_model(), 6, callbacks=[Clock(), callback])
+        assert [i.step for i in ckpt_lib.list_checkpoints(model_dir)] == expected, kwargs
+    with pytest.raises(ValueError, match="save_every_secs"):
+        ckpt_lib.ChiefCheckpoint(tmp_path, save_every_secs=-1)

@@ -340,6 +340,54 @@ def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monke
     assert e.__cause__ is error and not execs
 
 
+class _Counters:
+    """Stands for the strategy's per-worker step counters (read by `_read_replica`)."""
+
+    def __init__(self, per_worker):
+        self.per_worker = per_worker  # {worker: (reduced, committed)}, or an error.
+        self.reduced_steps, self.committed_steps = "reduced", "committed"
+
+    def read(self, var, worker):
+        value = self.per_worker[worker]
+        if isinstance(value, Exception):
+            raise value
+        return value[0] if var == "reduced" else value[1]
+
+
+class _Saver:
+    def __init__(self, coordinator):
+        self.coordinator, self.saved_from = coordinator, []
+
+    def save_emergency(self):
+        self.saved_from.append(self.coordinator.preferred_replica)
+        return "/m/ckpt-emergency"
+
+
+@pytest.mark.parametrize("survivors,saved_from", [
+    ({0: (7, 7), 2: (7, 7)}, [0]),  # Consistent: saved, labelled 7.
+    # worker:0 read first looks clean, but worker:2 applied part of step 8
+    # (its table rows are on the PS): a checkpoint labelled 7 would hold them.
+    ({0: (7, 7), 2: (8, 7)}, []),
+    ({0: (8, 8), 2: (7, 7)}, []),  # Survivors one step apart: no single label.
+    ({0: (7, 7), 2: tf.errors.UnavailableError(None, None, "gone")}, []),  # Unknown.
+])
+def test_emergency_checkpoint_needs_every_survivor_at_the_same_committed_step(
+        monkeypatch, survivors, saved_from):
+    spec = {"chief": ["h:0"], "worker": ["h:1", "h:2", "h:3"], "ps": ["h:4"]}
+    strategy = _FakeStrategy(spec)
+    strategy.extended = counters = _Counters(survivors)
+    monkeypatch.setattr(failover, "_read_replica", counters.read)
+    controller = failover.FailoverController(strategy, failover.FailoverPolicy())
+    coordinator = _FakeCoordinator()
+    coordinator.num_workers = 3
+    saver = _Saver(coordinator)
+    monkeypatch.setattr(failover, "_checkpointers", [])
+    failover.register_checkpointer(saver)
+    path = controller._save_what_survives(coordinator, {("worker", 1)})
+    assert saver.saved_from == saved_from
+    assert path == ("/m/ckpt-emergency" if saved_from else None)
+
+
 def _run_python(code, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
@@ -414,6 +462,32 @@ def test_elastic_run_gives_up_when_the_task_never_returns(monkeypatch):
     assert f"worker:1 at {dead} did not come back within 1 s" in message
     assert "resumes from checkpoint /m/ckpt-7" in message and "Fix:" in message
     assert not isinstance(raised.value, failover.TaskFailedError)
+
+
+def test_elastic_run_waits_as_the_strategys_failover_policy_says(monkeypatch):
+    waits = []
+    monkeypatch.setattr(elastic, "_wait_for_tasks", lambda e, t, p: waits.append((t, p)))
+    policy = failover.FailoverPolicy(recovery_timeout_seconds=42.0, poll_seconds=0.25)
+
+    def failing(*errors):
+        pending = list(errors)
+
+        def train():
+            if pending:
+                raise pending.pop(0)
+            return "done"
+
+        return train
+
+    def with_policy():  # What a strategy built with `failover=policy` raises.
+        return failover.TaskFailedError("worker:1 failed", ["worker:1"], {}, None, policy=policy)
+
+    assert elastic.run(failing(with_policy(), _task_failed({}))) == "done"
+    assert waits == [(42.0, 0.25), (300.0, 0.5)]  # The policy's values, else the defaults.
+    waits.clear()
+    assert elastic.run(failing(with_policy()), recovery_timeout_seconds=7.0,
+                       poll_seconds=0.1) == "done"
+    assert waits == [(7.0, 0.1)]  # Explicit arguments win.
 
 
 def test_elastic_run_spends_its_budget_then_stops(monkeypatch):

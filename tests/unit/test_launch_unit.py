@@ -206,3 +206,184 @@ def test_kill_unknown_task():
     with LocalCluster(1, 1) as cluster:
         with pytest.raises(KeyError):
             cluster.kill("worker", 0, signal.SIGTERM)
+
+
+# -- Restart budget accounting (no processes: exits are fed to the launcher) --
+
+
+class _ExitedProc:
+    """What the launcher reads of a task's process once it has exited."""
+
+    def __init__(self, returncode):
+        self.pid = -1
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+class _BudgetCluster:
+    """A LocalCluster whose tasks' exits are injected one at a time."""
+
+    def __init__(self, monkeypatch, max_restarts=2, max_total_restarts=None, workers=2):
+        monkeypatch.setattr(launch, "_kill_group", lambda pid, sig: None)
+        self.cluster = LocalCluster(workers, 1, restart_failed=True, max_restarts=max_restarts,
+                                    max_total_restarts=max_total_restarts,
+                                    output=open(os.devnull, "w"))
+        self.spawned = []
+        monkeypatch.setattr(self.cluster, "_spawn", self._spawn)
+        self.now = 1000.0
+        self.cluster._clock = lambda: self.now
+        roles = [("ps", 0)] + [("worker", i) for i in range(workers)] + [("chief", 0)]
+        for job, index in roles:
+            task = launch._Task(job, index, [PY])
+            self.cluster._tasks[task.role] = task
+
+    def _spawn(self, task):
+        self.spawned.append(task.role)
+        task.proc, task.handled, task.restart_at = None, False, None
+
+    def task(self, role):
+        return self.cluster._tasks[role]
+
+    def exit(self, role, code):
+        """A ps/worker exits with `code`; returns whether the launcher restarts it."""
+        task = self.task(role)
+        task.proc, task.handled = _ExitedProc(code), False
+        self.now += 1.0
+        with self.cluster._lock:
+            self.cluster._on_exit(task, self.now)
+            if task.restart_at is not None:
+                self._spawn(task)
+        return not task.finished.is_set()
+
+    def chief_exit(self, code):
+        """The chief exits with `code`; returns whether the launcher restarts it."""
+        task = self.task("chief")
+        task.proc = _ExitedProc(code)
+        with self.cluster._lock:
+            return self.cluster._restart_chief(task, code)
+
+    def failures(self):
+        return {role: task.failures for role, task in self.cluster._tasks.items()}
+
+    def log(self):
+        return "".join(self.cluster.output())
+
+
+def test_budget_counts_own_failures_not_coordinated_restarts(monkeypatch):
+    """4 worker kills in turn with max_restarts=2: each worker failed twice, all restarted."""
+    c = _BudgetCluster(monkeypatch, max_restarts=2)
+    for n in range(4):
+        dead, survivor = f"worker:{n % 2}", f"worker:{1 - n % 2}"
+        assert c.exit(dead, -signal.SIGKILL)  # Its own failure.
+        assert c.exit(survivor, -signal.SIGABRT)  # Aborted by the chief's failover.
+        assert c.exit(dead, -signal.SIGABRT)  # Its restarted process, aborted too.
+        assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # Coordinated: free.
+    assert c.failures() == {"ps:0": 0, "worker:0": 2, "worker:1": 2, "chief": 0}
+    assert c.cluster.restarts() == {"ps:0": 0, "worker:0": 6, "worker:1": 6, "chief": 4}
+    assert c.cluster.total_failures == 4
+    assert "not counted against its budget" in c.log()
+    assert "worker:1 failed; not counted against the chief's budget" in c.log()
+    # A fifth failure of a worker whose budget is spent ends the job: the
+    # worker stays down and the chief is not restarted to wait for it.
+    assert not c.exit("worker:0", -signal.SIGKILL)
+    assert "worker:0 exited (exit -9); no restarts left (2 used)" in c.log()
+    assert not c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert "not restarting it: worker:0 will not come back" in c.log()
+
+
+def test_a_crash_loop_spends_the_budget_within_one_recovery(monkeypatch):
+    c = _BudgetCluster(monkeypatch, max_restarts=3)
+    assert c.exit("worker:1", -signal.SIGKILL)
+    # Exits other than the chief's abort are the task's own, recovery or not.
+    assert [c.exit("worker:1", 1) for _ in range(3)] == [True, True, False]
+    # The chief's abort is free once per task and recovery: a second SIGABRT
+    # of the same task in the same recovery is its own.
+    assert c.exit("worker:0", -signal.SIGABRT)
+    assert c.task("worker:0").failures == 0
+    assert c.exit("worker:0", -signal.SIGABRT)
+    assert c.task("worker:0").failures == 1
+
+
+def test_sigabrt_with_no_failure_seen_counts(monkeypatch):
+    """E.g. a TF check failure: nothing else failed, so the abort is the task's own."""
+    c = _BudgetCluster(monkeypatch)
+    assert c.exit("worker:0", -signal.SIGABRT)
+    assert c.task("worker:0").failures == 1
+
+
+def test_chief_restarts_count_unless_a_task_failure_caused_them(monkeypatch):
+    c = _BudgetCluster(monkeypatch, max_restarts=2)
+    assert c.chief_exit(-signal.SIGKILL)  # Killed: its own failure.
+    assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # 138 with no failed task seen: counted.
+    assert c.task("chief").failures == 2
+    assert c.exit("ps:0", -signal.SIGKILL)
+    assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # After a PS failure: free.
+    assert not c.chief_exit(cfg.RESTART_EXIT_CODE)  # Nothing failed since: budget spent.
+    assert "chief exited (exit 138); no restarts left (2 used)" in c.log()
+
+
+def test_cluster_wide_budget_ends_failures_spread_over_tasks(monkeypatch):
+    c = _BudgetCluster(monkeypatch, max_restarts=5, max_total_restarts=2, workers=3)
+    assert c.exit("worker:0", -signal.SIGKILL)
+    assert c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert c.exit("worker:1", -signal.SIGKILL)
+    assert c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert not c.exit("worker:2", -signal.SIGKILL)
+    assert "the cluster's restart budget is spent (2 task failures restarted)" in c.log()
+
+
+def test_parse_max_total_restarts():
+    assert launch._parse_args(["--", PY])["max_total_restarts"] is None
+    assert launch._parse_args(["--max-total-restarts", "7", "--", PY])["max_total_restarts"] == 7
+    with pytest.raises(ConfigError) as info:
+        launch._parse_args(["--max-total-restarts=-1", "--", PY])
+    assert info.value.field == "--max-total-restarts"
+
+
+_SLEEPER = ("import resource, time; resource.setrlimit(resource.RLIMIT_CORE, (0, 0));"
+            "time.sleep(120)")
+
+# Plays the chief's failover with real signals: on attempt n < 4 it kills
+# worker n % 2 (SIGKILL), then aborts the other one (SIGABRT, as TF's Abort
+# op does) and exits 138; attempt 4 finishes.
+_CHIEF_THAT_KILLS_WORKERS = '''
+import json, os, signal, sys, time
+n, pid_file = int(os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]), sys.argv[1]
+print("attempt", n, flush=True)
+if n >= 4:
+    sys.exit(0)
+
+def running(role):
+    try:
+        pid = json.load(open(pid_file))["tasks"][role]
+        with open(f"/proc/{pid}/stat") as f:
+            return pid if f.read().rsplit(")", 1)[1].split()[0] not in "ZX" else None
+    except (OSError, KeyError, ValueError):
+        return None
+
+deadline = time.time() + 30
+while not (running("worker:0") and running("worker:1")) and time.time() < deadline:
+    time.sleep(0.05)
+os.kill(running(f"worker:{n % 2}"), signal.SIGKILL)
+time.sleep(1.0)
+os.kill(running(f"worker:{1 - n % 2}"), signal.SIGABRT)
+time.sleep(0.5)
+sys.exit(138)
+'''
+
+
+def test_four_worker_kills_with_budget_two_finish_with_real_processes(tmp_path):
+    pid_file = str(tmp_path / "pids.json")
+    with open(os.devnull, "w") as devnull:
+        with LocalCluster(2, 1, servers="command", restart_failed=True, max_restarts=2,
+                          output=devnull, pid_file=pid_file) as cluster:
+            cluster.start_servers([PY, "-c", _SLEEPER])
+            result = cluster.run_chief([PY, "-c", _CHIEF_THAT_KILLS_WORKERS, pid_file],
+                                       timeout=120)
+            failures = {role: task.failures for role, task in cluster._tasks.items()}
+    assert result.returncode == 0, result.stdout
+    assert failures == {"ps:0": 0, "worker:0": 2, "worker:1": 2, "chief": 0}, result.stdout
+    assert result.stdout.count("not counted against the chief's budget") == 4
+    assert "(exit -6: aborted by the chief's failover after worker:" in result.stdout

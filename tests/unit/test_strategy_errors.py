@@ -4,7 +4,10 @@ Each case must fail before TensorFlow connects anywhere, with one message that
 names what is wrong and the fix.
 """
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +16,9 @@ import tensorflow as tf
 import tf_psplugin
 from tf_psplugin import config as config_lib
 from tf_psplugin import connection
+
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _closed_port():
@@ -102,6 +108,33 @@ def test_unreachable_tasks_named_within_timeout():
     message = str(info.value)
     assert f"worker:0 at {worker}" in message and f"ps:0 at {ps}" in message
     assert "Fix:" in message
+    # Pods still being scheduled: retryable (138), not a permanent exit 1.
+    assert isinstance(info.value, tf_psplugin.TasksUnreachableError)
+    assert info.value.exit_code == tf_psplugin.RESTART_EXIT_CODE == 138
+
+
+def test_unreachable_tasks_uncaught_exit_with_the_retryable_status(tmp_path):
+    script = tmp_path / "chief.py"
+    script.write_text(
+        "import sys, tf_psplugin\n"
+        "import tensorflow as tf\n"
+        "spec = tf.train.ClusterSpec({'chief': [sys.argv[1]], 'worker': [sys.argv[2]],\n"
+        "                             'ps': [sys.argv[3]]})\n"
+        "resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(\n"
+        "    spec, task_type='chief', task_id=0, rpc_layer='grpc')\n"
+        "try:\n"
+        "    tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)\n"
+        "finally:\n"
+        "    print('finally ran', flush=True)\n")
+    path = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, str(script), _addr(), _addr(), _addr()],
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path))
+    assert result.returncode == 138, result.stderr
+    assert "finally ran" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tf_psplugin: cannot reach worker:0 at ") and "status 138" in last
+    assert "Traceback" not in result.stderr
 
 
 def test_no_cluster_configured_at_all(monkeypatch):
