@@ -264,7 +264,7 @@ def run_soak_chief(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         callbacks.append(tf_psplugin.ChiefCheckpoint(
-            job["model_dir"], save_every_secs=job["checkpoint_every_secs"], max_to_keep=3))
+            job["model_dir"], save_every_seconds=job["checkpoint_every_secs"], max_to_keep=3))
     # Far more epochs than the deadline allows: SoakProgress stops the fit. The
     # plugin's setups run with its progress bar, as a user's job does (stock PSS
     # refuses verbose=1).

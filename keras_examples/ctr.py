@@ -236,12 +236,16 @@ def generator():
     return SyntheticCTR(vocab_size=FLAGS.vocab_size, seed=FLAGS.seed)
 
 
-def train_dataset(offset_batches):
-    """Training batches (per worker), starting after `offset_batches` consumed ones."""
+def train_dataset():
+    """Training batches (per worker), from the start of the data.
+
+    A resumed job continues where each worker's input stood: the checkpoint
+    holds it (`save_input_position` below), so the dataset needs no offset.
+    """
     if FLAGS.data == "synthetic":
-        return generator().dataset(FLAGS.batch_size, offset_batches=offset_batches)
+        return generator().dataset(FLAGS.batch_size)
     return criteo_tsv_dataset(FLAGS.data, FLAGS.batch_size, vocab_size=FLAGS.vocab_size,
-                              repeat=True).skip(offset_batches)
+                              repeat=True)
 
 
 def eval_dataset():
@@ -299,12 +303,11 @@ def run_evaluator():
 
 def train(config):
     model_dir = FLAGS.model_dir
-    # tf_psplugin: where a restarted chief resumes: step and input position.
+    # tf_psplugin: where a restarted chief resumes.
     latest = tf_psplugin.latest_checkpoint(model_dir)
     start_step = latest.step if latest else 0
-    offset = (latest.input_position or 0) if latest else 0
     if latest:
-        print(f"ctr: resuming from {latest.path} (step {start_step}, input batch {offset})")
+        print(f"ctr: resuming from {latest.path} (step {start_step})")
 
     strategy = tf_psplugin.HybridParameterServerStrategy(  # tf_psplugin: chief = coordinator.
         embedding_updates=FLAGS.embedding_updates, sharding=FLAGS.sharding)
@@ -314,10 +317,12 @@ def train(config):
         model = compile_ctr_model(model_fn(), learning_rate=FLAGS.learning_rate,
                                   steps_per_execution=FLAGS.steps_per_execution)
     # tf_psplugin: chief-only checkpoints; restores at train begin, final one at train_steps.
+    # Each also holds where every worker's input stands, and a restarted job continues
+    # from there without reading its input again.
     checkpoints = tf_psplugin.ChiefCheckpoint(
         model_dir, save_every_steps=FLAGS.save_every_steps or None,
-        save_every_secs=FLAGS.save_every_seconds, max_to_keep=FLAGS.keep_checkpoints,
-        final_step=FLAGS.train_steps)
+        save_every_seconds=FLAGS.save_every_seconds, max_to_keep=FLAGS.keep_checkpoints,
+        final_step=FLAGS.train_steps, save_input_position=True)
     remaining = FLAGS.train_steps - start_step
     workers = config.num_workers
     examples_per_step = FLAGS.batch_size * workers  # tf_psplugin: one batch per worker per step.
@@ -335,7 +340,7 @@ def train(config):
                                            examples_per_step=examples_per_step)
     # tf_psplugin: the default verbose="auto" shows the plugin's progress bar (lines when
     # stdout is not a terminal, e.g. under the launcher).
-    history = model.fit(train_dataset(offset), epochs=1, steps_per_epoch=remaining,
+    history = model.fit(train_dataset(), epochs=1, steps_per_epoch=remaining,
                         callbacks=[checkpoints, throughput, curves])
     ceiling = generator().expected_auc(num_examples=50_000) if FLAGS.data == "synthetic" else None
     print(f"ctr: final step {int(model.optimizer.iterations.numpy())}  "

@@ -46,7 +46,9 @@ from typing import Any, Callable, List, Mapping, Optional, Union
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import _deprecation
 from tf_psplugin import checkpoint_write
+from tf_psplugin import input_state
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin import sharding
@@ -211,7 +213,7 @@ class CheckpointManager:
         extra: More trackables to save, by name.
         max_to_keep: Checkpoints kept (older ones deleted); None keeps all.
         save_every_steps: `maybe_save` saves when this many steps have passed.
-        save_every_secs: `maybe_save` saves when this many seconds have passed.
+        save_every_seconds: `maybe_save` saves when this many seconds have passed.
         batches_per_step: Batches of the training dataset one step consumes,
             for the input position; default: the number of workers in
             synchronous mode (each reads its own batch), else 1.
@@ -219,7 +221,15 @@ class CheckpointManager:
             there (no shared filesystem needed, but whole tables pass through
             the chief's memory). Default: each PS task writes its shards.
         strategy: The distribution strategy (default: the model's).
-        clock: Seconds clock for `save_every_secs` (injectable for tests).
+        clock: Seconds clock for `save_every_seconds` (injectable for tests).
+        input_iterator: The per-worker iterator the training steps read
+            (``iter(coordinator.create_per_worker_dataset(...))``). Each save
+            then also writes where every worker's input stands, and `restore`
+            moves the iterator there (`tf_psplugin.input_state`): a resumed
+            job continues its input without reading it again. Build the
+            dataset from its start, with no offset. Settable later as the
+            `input_iterator` attribute.
+        save_every_secs: Deprecated name of `save_every_seconds`.
 
     Raises:
         ModelDirError: if the chief cannot write `model_dir`.
@@ -227,12 +237,18 @@ class CheckpointManager:
 
     def __init__(self, model_dir: str, model=None, optimizer=None,
                  extra: Optional[Mapping[str, Any]] = None, max_to_keep: Optional[int] = 5,
-                 save_every_steps: Optional[int] = None, save_every_secs: Optional[float] = None,
+                 save_every_steps: Optional[int] = None,
+                 save_every_seconds: Optional[float] = None,
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
                  strategy=None, clock: Callable[[], float] = time.monotonic,
-                 _root: Optional[tf.train.Checkpoint] = None):
+                 input_iterator=None, _root: Optional[tf.train.Checkpoint] = None,
+                 save_every_secs: Any = _deprecation.UNSET):
+        save_every_seconds = _deprecation.renamed(
+            "CheckpointManager", "save_every_secs", save_every_secs, "save_every_seconds",
+            save_every_seconds, None)
         for name, value in (("save_every_steps", save_every_steps),
-                            ("save_every_secs", save_every_secs), ("max_to_keep", max_to_keep)):
+                            ("save_every_seconds", save_every_seconds),
+                            ("max_to_keep", max_to_keep)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}.")
         self.model_dir = model_dir_lib.resolve(model_dir)
@@ -244,7 +260,8 @@ class CheckpointManager:
         self._strategy = strategy if strategy is not None else getattr(
             model, "distribute_strategy", None)
         self._save_every_steps = save_every_steps
-        self._save_every_secs = save_every_secs
+        self._save_every_seconds = save_every_seconds
+        self.input_iterator = input_iterator
         self._batches_per_step = batches_per_step
         self._clock = clock
         self._state = _TrainingState()
@@ -289,6 +306,14 @@ class CheckpointManager:
         """
         if self._optimizer is None:
             return None
+        if self.input_iterator is not None:
+            # The failed worker's input position died with it: a checkpoint
+            # now would hold a model whose input cannot continue. The job
+            # resumes from the last periodic checkpoint, where both agree.
+            logging.warning("tf_psplugin: no emergency checkpoint: the failed worker's input "
+                            "position is lost, and this job saves its input position with "
+                            "every checkpoint; it resumes from the last periodic one.")
+            return None
         info = self.save(int(self._optimizer.iterations.numpy()))
         return info.path if info is not None else None
 
@@ -312,14 +337,14 @@ class CheckpointManager:
     # -- saving -----------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save_every_steps` or `save_every_secs` says `step` is due."""
+        """Whether `save_every_steps` or `save_every_seconds` says `step` is due."""
         if self._last_save_step is not None and step <= self._last_save_step:
             return False
         last = self._last_save_step if self._last_save_step is not None else self._base_step
         if self._save_every_steps and step - last >= self._save_every_steps:
             return True
-        return bool(self._save_every_secs) and (
-            self._clock() - self._last_save_time >= self._save_every_secs)
+        return bool(self._save_every_seconds) and (
+            self._clock() - self._last_save_time >= self._save_every_seconds)
 
     def maybe_save(self, step: int) -> Optional[CheckpointInfo]:
         """Saves if `should_save(step)`; returns the new checkpoint or None."""
@@ -362,6 +387,11 @@ class CheckpointManager:
         self._state.input_position = self.input_position(step)
         prefix = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-{step}")
         remove_commit_marker(prefix)  # Never trust a half-overwritten checkpoint.
+        if self.input_iterator is not None:
+            # Before the checkpoint's commit: a committed checkpoint's input
+            # state is complete (or absent, after a warning).
+            input_state.remove(prefix)
+            input_state.save(self.input_iterator, prefix)
         committed: List[CheckpointInfo] = []
         position = self._state.input_position
 
@@ -397,6 +427,12 @@ class CheckpointManager:
         for info in list_checkpoints(self.model_dir):
             if info.path not in kept and verify_checkpoint(info) is not None:
                 remove_commit_marker(info.path)
+        # Input states of checkpoints TF's manager deleted.
+        pattern = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-*.input")
+        for directory in tf.io.gfile.glob(pattern):
+            path = directory[:-len(".input")]
+            if path not in kept and not tf.io.gfile.exists(path + ".index"):
+                input_state.remove(path)
 
     # -- restoring --------------------------------------------------------------
 
@@ -440,6 +476,8 @@ class CheckpointManager:
         self._last_save_step, self._last_save_time = self._base_step, self._clock()
         self.latest = info
         logging.info("tf_psplugin: restored %s (step %d)", info.path, info.step)
+        if self.input_iterator is not None:
+            input_state.restore(self.input_iterator, info.path)
         return info
 
     def restore_or_initialize(self) -> Optional[CheckpointInfo]:
@@ -525,7 +563,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     At train begin it restores the latest committed checkpoint in `model_dir`
     (if any; optimizer slots included). It saves every `save_every_steps`
-    steps and/or `save_every_secs` seconds (checked once per
+    steps and/or `save_every_seconds` seconds (checked once per
     `steps_per_execution`); with neither given, every 600 seconds
     (`DEFAULT_SAVE_EVERY_SECS`, Estimator RunConfig's default),
     so a PS failure loses at most that much training. At train end it writes
@@ -534,9 +572,18 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     signal to stop). Batch hooks never read the step's RemoteValues, so
     saving does not slow down steps between saves.
 
-    Each checkpoint records the input position: batches of the dataset
-    given to `fit` consumed so far. To resume the input where it stopped,
-    build the dataset at that offset before `fit`:
+    With ``save_input_position=True`` each checkpoint also holds where
+    every worker's input stands (the tf.data iterators' state, written by
+    each worker: `tf_psplugin.input_state`), and a resumed `fit` continues
+    the input from there: give `fit` the dataset from its start, and the
+    first step comes as soon after a restart at step 50,000 as at step
+    1,000 (no skipping). Off by default, because a program that already
+    builds its dataset at the recorded offset would skip twice.
+
+    Each checkpoint also records the input position as a number: batches of
+    the dataset given to `fit` consumed so far. Without
+    ``save_input_position``, resume the input by building the dataset at
+    that offset before `fit`:
 
     ```python
     info = tf_psplugin.latest_checkpoint(model_dir)
@@ -550,7 +597,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     Args:
         model_dir: Directory for checkpoints (see `CheckpointManager`).
         save_every_steps: Save every this many steps (None: not by steps).
-        save_every_secs: Save when this many seconds passed (None: not by
+        save_every_seconds: Save when this many seconds passed (None: not by
             time, unless `save_every_steps` is None too: then 600). 0 turns
             periodic saves off (only the final one at train end).
         max_to_keep: Checkpoints kept.
@@ -559,28 +606,41 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             reached it; None writes it at every train end.
         batches_per_step: See `CheckpointManager`.
         write_on_chief: See `CheckpointManager`.
+        save_input_position: Also save each worker's input position and
+            continue from it on resume (see above).
         clock: Seconds clock (injectable for tests).
+        save_every_secs: Deprecated name of `save_every_seconds`.
     """
 
     def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
-                 save_every_secs: Optional[float] = None, max_to_keep: Optional[int] = 5,
+                 save_every_seconds: Optional[float] = None, max_to_keep: Optional[int] = 5,
                  restore: bool = True, final_step: Optional[int] = None,
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+                 save_input_position: bool = False,
+                 clock: Callable[[], float] = time.monotonic,
+                 save_every_secs: Any = _deprecation.UNSET):
         super().__init__()
         self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
-        if save_every_secs is not None and save_every_secs < 0:
-            raise ValueError(f"save_every_secs must be >= 0 or None, got {save_every_secs!r}.")
-        if save_every_steps is None and save_every_secs is None:
-            save_every_secs = DEFAULT_SAVE_EVERY_SECS
-        save_every_secs = save_every_secs or None  # 0: no periodic saves.
+        save_every_seconds = _deprecation.renamed(
+            "ChiefCheckpoint", "save_every_secs", save_every_secs, "save_every_seconds",
+            save_every_seconds, None)
+        if save_every_seconds is not None and save_every_seconds < 0:
+            raise ValueError(
+                f"save_every_seconds must be >= 0 or None, got {save_every_seconds!r}.")
+        if save_every_steps is None and save_every_seconds is None:
+            save_every_seconds = DEFAULT_SAVE_EVERY_SECS
+        save_every_seconds = save_every_seconds or None  # 0: no periodic saves.
         self.model_dir = model_dir_lib.resolve(model_dir)
         self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
-                            save_every_secs=save_every_secs, batches_per_step=batches_per_step,
+                            save_every_seconds=save_every_seconds,
+                            batches_per_step=batches_per_step,
                             write_on_chief=write_on_chief, clock=clock)
         self._restore = restore
         self.final_step = final_step
-        self._periodic = bool(save_every_steps or save_every_secs)
+        self.save_input_position = bool(save_input_position)
+        self._original_train_function = None
+        self._input_pending: Optional[CheckpointInfo] = None
+        self._periodic = bool(save_every_steps or save_every_seconds)
         # Created now, typically outside strategy.scope(), so the checkpoint's
         # save counter is a plain chief variable, not a replicated one.
         self._root = checkpoint_write.TracedWriteCheckpoint()
@@ -606,6 +666,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 _root=self._root, **self._kwargs)
             if self._restore:  # Once per model: a second fit() continues in memory.
                 self.restored = self.manager.restore_or_initialize()
+                self._input_pending = self.restored
+        if self.save_input_position:
+            self._watch_input()
         self._step = int(self.model.optimizer.iterations.numpy())
         if self.manager.is_writer and (self.final_step is None or self._step < self.final_step):
             model_dir_lib.clear_training_done(self.model_dir)
@@ -621,7 +684,38 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._save(final=False)
 
     def on_train_end(self, logs=None):
-        self._save(final=True)
+        try:
+            self._save(final=True)
+        finally:
+            if self._original_train_function is not None:
+                self.model.train_function = self._original_train_function
+                self._original_train_function = None
+
+    def _watch_input(self) -> None:
+        """Learns the training iterator from Keras's train function, and restores it.
+
+        Keras builds `model.train_function` before `on_train_begin` and calls
+        it with the epoch's per-worker iterator at every step; there is no
+        callback hook that sees the iterator. The wrapper hands it to the
+        manager (its position is saved with every checkpoint) and, on the
+        first step after a restore, moves it to the restored position. The
+        original function is put back at train end.
+        """
+        original = self.model.train_function
+        if original is None or self._original_train_function is not None:
+            return
+        self._original_train_function = original
+
+        def train_function(iterator):
+            if self.manager.input_iterator is not iterator:
+                self.manager.input_iterator = iterator
+                if self._input_pending is not None:
+                    pending, self._input_pending = self._input_pending, None
+                    _join_steps(self.manager.strategy)
+                    input_state.restore(iterator, pending.path)
+            return original(iterator)
+
+        self.model.train_function = train_function
 
     def _save(self, final: bool) -> None:
         _join_steps(self.manager.strategy)

@@ -443,3 +443,15 @@ def test_export_serves_without_cluster(trained, procs, tmp_path):
     chief = np.load(trained["out"] / "chief_predictions.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "exact.npy"), chief)
     np.testing.assert_allclose(np.load(tmp_path / "default.npy"), chief, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(400)
+def test_resumed_jobs_continue_each_workers_input(make_cluster, tmp_path):
+    """save_input_position / input_iterator: resumed weights equal an uninterrupted run's."""
+    cluster = make_cluster(num_workers=2, num_ps=1)
+    cluster.start_servers()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "input_resume.py")
+    result = cluster.run_chief([cu.PYTHON, script, str(tmp_path)], timeout=300)
+    cu.assert_checks_passed(result, (
+        "fit_resumed_input_continues", "input_state_written_by_each_worker",
+        "fit_resumed_without_it_starts_over", "custom_loop_resumed_input_continues"))

@@ -291,7 +291,7 @@ def test_save_schedule_by_steps_and_seconds(tmp_path):
     now = [0.0]
     model = tiny_model()
     manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
-                                         save_every_steps=3, save_every_secs=60,
+                                         save_every_steps=3, save_every_seconds=60,
                                          clock=lambda: now[0])
     assert [manager.should_save(s) for s in (1, 2, 3)] == [False, False, True]
     manager.save(3)
@@ -381,12 +381,12 @@ def test_keras_callback_saves_every_600_s_by_default(tmp_path):
     # 750 s after step 3, 750 s more after step 6 (also the final save).
     assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)] == [3, 6]
     # 0: only the final checkpoint; steps alone: no time-based saves.
-    for kwargs, expected in (({"save_every_secs": 0}, [6]),
+    for kwargs, expected in (({"save_every_seconds": 0}, [6]),
                              ({"save_every_steps": 4}, [4, 6])):
         now[0] = 0.0
         model_dir = tmp_path / str(sorted(kwargs))
         callback = ckpt_lib.ChiefCheckpoint(model_dir, clock=lambda: now[0], **kwargs)
         train(tiny_model(), 6, callbacks=[Clock(), callback])
         assert [i.step for i in ckpt_lib.list_checkpoints(model_dir)] == expected, kwargs
-    with pytest.raises(ValueError, match="save_every_secs"):
-        ckpt_lib.ChiefCheckpoint(tmp_path, save_every_secs=-1)
+    with pytest.raises(ValueError, match="save_every_seconds"):
+        ckpt_lib.ChiefCheckpoint(tmp_path, save_every_seconds=-1)

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin import _compat
+from tf_psplugin import _deprecation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PUBLIC_MODULES = ("config", "server", "launch", "elastic", "layers", "data")
@@ -234,7 +235,8 @@ def test_the_api_reference_documents_signatures():
 def test_documented_signature_is_the_real_one(where, dotted, obj, call):
     params = {name: p for name, p in _signature(obj).parameters.items()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-              and not name.startswith("_") and name not in UNDOCUMENTED_IN_LISTINGS}
+              and not name.startswith("_") and name not in UNDOCUMENTED_IN_LISTINGS
+              and p.default is not _deprecation.UNSET}  # Former names: in the prose.
     positional = [a.id for a in call.args]
     assert positional == list(params)[:len(positional)], (
         f"{where}: {dotted}: documented positional parameters {positional}, "
