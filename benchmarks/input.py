@@ -222,11 +222,7 @@ def write_chart(records: List[dict], path: str) -> str:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return procs.save_chart(fig, plt, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -234,13 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_input_")
     data = tempfile.mkdtemp(prefix="tf_psplugin_input_data_")
     records = []
-
-    def emit(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.output:
-            with open(args.output, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+    emit = procs.json_lines_emitter(args.output)
 
     try:
         files = write_files(data, args.files, args.records_per_file, args.record_bytes)

@@ -289,3 +289,26 @@ def _run_mwms_once(job: dict, num_workers: int, log_dir: str, timeout: float) ->
     result["timed_cpu_seconds"] = {f"worker:{i}": r["timed_cpu_seconds"]["self"]
                                    for i, r in enumerate(results)}
     return result
+
+
+def json_lines_emitter(output: Optional[str]):
+    """A function that prints a record as one JSON line (and appends it to `output`)."""
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if output:
+            with open(output, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+    return emit
+
+
+def save_chart(fig, plt, path: str) -> str:
+    """Lays out and writes `fig` as a PNG at `path` (parents made), closes it; returns `path`."""
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+

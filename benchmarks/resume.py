@@ -152,11 +152,7 @@ def write_chart(records: List[dict], path: str) -> str:
            title="Resuming the input: 2 workers, Criteo TSV by file")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return procs.save_chart(fig, plt, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -167,13 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     data = tempfile.mkdtemp(prefix="tf_psplugin_resume_data_")
     workers = 2
     records = []
-
-    def emit(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.output:
-            with open(args.output, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+    emit = procs.json_lines_emitter(args.output)
 
     try:
         # Each worker reads files // workers files; enough lines for the

@@ -40,6 +40,23 @@ PROBE = textwrap.dedent("""
 """)
 
 
+# Writes a C++-style INFO line to fd 2 while TensorFlow is being imported
+# (a meta path hook that fires on TF's first submodule: `sitecustomize` is
+# too early). Were fd 2 redirected during the import, it would be held back
+# and filtered.
+WRITE_DURING_TF_IMPORT = textwrap.dedent("""
+        import os, sys
+        class Hook:
+            fired = False
+            def find_spec(self, name, path=None, target=None):
+                if name.startswith("tensorflow.") and not Hook.fired:
+                    Hook.fired = True
+                    os.write(2, b"I0000 00:00:1.0 1 port.cc:1] probe line during TF import\\n")
+                return None
+        sys.meta_path.insert(0, Hook())
+""")
+
+
 def _run(code, env_extra=None):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
@@ -64,16 +81,7 @@ def test_import_leaves_tensorflows_import_output_alone():
     fd 2 redirected during the import, the line would be held back and
     filtered.
     """
-    code = textwrap.dedent("""
-        import os, sys
-        class Hook:
-            fired = False
-            def find_spec(self, name, path=None, target=None):
-                if name.startswith("tensorflow.") and not Hook.fired:
-                    Hook.fired = True
-                    os.write(2, b"I0000 00:00:1.0 1 port.cc:1] probe line during TF import\\n")
-                return None
-        sys.meta_path.insert(0, Hook())
+    code = WRITE_DURING_TF_IMPORT + textwrap.dedent("""
         import tf_psplugin
         assert Hook.fired
     """)
@@ -84,16 +92,7 @@ def test_import_leaves_tensorflows_import_output_alone():
 
 def test_the_plugins_commands_still_drop_tensorflows_import_info_lines():
     # The same INFO line, in `python -m tf_psplugin.config`, is dropped.
-    code = textwrap.dedent("""
-        import os, runpy, sys
-        class Hook:
-            fired = False
-            def find_spec(self, name, path=None, target=None):
-                if name.startswith("tensorflow.") and not Hook.fired:
-                    Hook.fired = True
-                    os.write(2, b"I0000 00:00:1.0 1 port.cc:1] probe line during TF import\\n")
-                return None
-        sys.meta_path.insert(0, Hook())
+    code = WRITE_DURING_TF_IMPORT + textwrap.dedent("""
         sys.orig_argv = [sys.executable, "-m", "tf_psplugin.config", "--help"]
         import tf_psplugin
         assert Hook.fired
