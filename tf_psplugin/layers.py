@@ -11,6 +11,9 @@ admitted key a row of its own, up to ``capacity`` rows in all:
 * when the table is full, ``eviction`` frees the least recently ("lru") or
   least frequently ("lfu") used row that the current step does not use, or
   (None) rejects the new key;
+* with ``expire_after_steps=N``, a row whose key no training step has used
+  for N steps is freed (its key forgotten), whether or not the table is
+  full, so keys that stopped appearing (yesterday's items) do not hold rows;
 * a new row starts from a vector that depends on the key alone.
 
 Where it lives: the rows are an embedding table like any other (sharded over
@@ -52,7 +55,11 @@ from tf_psplugin import table_stacking
 EVICTION_POLICIES = ("lru", "lfu", None)
 # A full shard evicts at least 1/EVICTION_BATCH of its rows at once.
 EVICTION_BATCH = 16
-_STAT_NAMES = ("admitted", "evicted", "rejected")
+_STAT_NAMES = ("admitted", "evicted", "rejected", "expired")
+# With expire_after_steps=N, a shard looks for expired rows every
+# max(1, N // EXPIRY_CHECKS_PER_PERIOD) steps: a scan of its recency table
+# costs O(rows), so not every step; a row is freed at most N / 8 steps late.
+EXPIRY_CHECKS_PER_PERIOD = 8
 
 
 class _Fill:
@@ -196,6 +203,13 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         eviction: "lru" (least recent use), "lfu" (fewest hits), or None
             (a full shard rejects new keys). Rows used in the current step
             are never evicted.
+        expire_after_steps: Free a row once its key has not been used by
+            a training step for this many steps (None: never). Checked on
+            each PS every ``max(1, N // 8)`` steps (the scan reads the
+            shard's recency table), so a row is freed between N and
+            ``N + N // 8`` steps after its last use; deterministic, so a
+            synchronous job frees exactly what one process would. Counted
+            as "expired" in `table_stats()`.
         init_scale: A new row starts uniform in ``[-init_scale,
             init_scale)``, a function of its key (0: zeros).
         default_value: What a key without a row reads (a scalar, every
@@ -213,7 +227,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     def __init__(self, output_dim: int, capacity: int, key_dtype=tf.int64, admit_after: int = 1,
                  eviction: Optional[str] = "lru", init_scale: float = 0.05,
                  default_value: float = 0.0, sketch_width: Optional[int] = None,
-                 sketch_depth: int = 2, **kwargs):
+                 sketch_depth: int = 2, expire_after_steps: Optional[int] = None, **kwargs):
         super().__init__(**kwargs)
         key_dtype = tf.as_dtype(key_dtype)
         if key_dtype == tf.int32:
@@ -228,6 +242,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                  "an int >= 1")
         _require(eviction in EVICTION_POLICIES, "eviction", eviction, '"lru", "lfu" or None')
         _require(init_scale >= 0, "init_scale", init_scale, "a float >= 0")
+        _require(expire_after_steps is None or (isinstance(expire_after_steps, int)
+                                                and expire_after_steps >= 1),
+                 "expire_after_steps", expire_after_steps, "None or an int >= 1")
         _require(isinstance(sketch_depth, int) and sketch_depth >= 1, "sketch_depth",
                  sketch_depth, "an int >= 1")
         if sketch_width is None:
@@ -243,6 +260,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         self.default_value = float(default_value)
         self.sketch_width = sketch_width
         self.sketch_depth = sketch_depth
+        self.expire_after_steps = expire_after_steps
         # Not tracked by Keras (a dict or list attribute would be): the maps
         # are checkpointed through `key_index`, the rest is per process.
         self._shard_states: Tuple[_ShardState, ...] = ()
@@ -308,7 +326,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         return int(sum(int(st.map.size()) for st in self._shard_states))
 
     def table_stats(self) -> List[dict]:
-        """Per shard: size, and keys admitted, evicted and rejected so far.
+        """Per shard: size, and keys admitted, evicted, rejected and expired so far.
 
         The admitted/evicted/rejected counts are this process's (they are
         kept on the PS, not in checkpoints); size is the map's.
@@ -598,10 +616,42 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             with tf.control_dependencies(ops):
                 inserted = tf.group(st.map.insert(admitted, new_rows),
                                     st.rows.insert(new_rows, admitted))
+            with tf.control_dependencies([inserted]):
+                expired, expiry = self._expire(s, now)
             stat_keys = tf.range(len(_STAT_NAMES), dtype=tf.int64)
-            delta = tf.stack([taken, tf.size(victims, out_type=tf.int64), wanted - taken])
-            counted = st.stats.insert(stat_keys, st.stats.lookup(stat_keys) + delta)
+            delta = tf.stack([taken, tf.size(victims, out_type=tf.int64), wanted - taken,
+                              expired])
+            with tf.control_dependencies([expiry]):
+                counted = st.stats.insert(stat_keys, st.stats.lookup(stat_keys) + delta)
             return tf.group(inserted, counted)
+
+    def _expire(self, s: int, now) -> Tuple[tf.Tensor, tf.Operation]:
+        """Frees shard `s`'s rows unused for `expire_after_steps` (on check steps).
+
+        Runs after the step's admissions (rows admitted now are used now, so
+        never expire here). Returns (rows freed, the op freeing them).
+        """
+        if not self.expire_after_steps:
+            return tf.constant(0, tf.int64), tf.no_op()
+        st = self._shard_states[s]
+        n = self.num_shards
+        last_var = _shards(self.row_last_used)[s]
+        hits_var = _shards(self.row_hits)[s]
+        every = max(1, self.expire_after_steps // EXPIRY_CHECKS_PER_PERIOD)
+        limit = now - self.expire_after_steps
+
+        def scan():
+            last = tf.convert_to_tensor(last_var)
+            return tf.reshape(tf.where((last > 0) & (last <= limit)), [-1])
+
+        local = tf.cond(tf.equal(now % every, 0), scan, lambda: tf.zeros([0], tf.int64))
+        rows = local * n + s
+        forgotten = self._forget(_find(st.rows, rows), rows)
+        with tf.control_dependencies([forgotten]):
+            ops = [st.rows.remove(rows)]
+        ops += _scatter(local, [(last_var, tf.zeros_like(local), "update"),
+                                (hits_var, tf.zeros_like(local), "update")])
+        return tf.size(local, out_type=tf.int64), tf.group([o for o in ops if o is not None])
 
     def _victims(self, last, hits_var, now, wanted) -> tf.Tensor:
         """Local rows to evict: up to `wanted` rows not used at `now`, by policy."""
@@ -632,7 +682,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                       key_dtype=self.key_dtype.name, admit_after=self.admit_after,
                       eviction=self.eviction, init_scale=self.init_scale,
                       default_value=self.default_value, sketch_width=self.sketch_width,
-                      sketch_depth=self.sketch_depth)
+                      sketch_depth=self.sketch_depth, expire_after_steps=self.expire_after_steps)
         return config
 
 

@@ -51,6 +51,20 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
+def test_expiring_keys_in_sync_match_one_process(make_cluster, tmp_path):
+    """expire_after_steps=3 (checked every step) over 12 steps: rows freed, still exact."""
+    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_embedding.py",
+                                 ["train", str(tmp_path / "ckpt"), "sync", "64", "int", "3"],
+                                 num_workers=2, num_ps=2)
+    assert sum(s["expired"] for s in report["stats"]) > 0, report["stats"]
+    assert report["size"] == report["ref_size"]
+    assert report["problems"] == []
+    assert report["key_vector_diff"] <= 1e-5, report["key_vector_diff"]
+    assert report["dense_diff"] <= 1e-5, report["dense_diff"]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,keys", [("sync", "string"), ("async", "int")])
 def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, keys):
     capacity = 16

@@ -32,6 +32,7 @@ def step(layer, keys):
     ("eviction", {"eviction": "fifo"}),
     ("init_scale", {"init_scale": -1.0}),
     ("sketch_width", {"admit_after": 2, "sketch_width": 0}),
+    ("expire_after_steps", {"expire_after_steps": 0}),
 ])
 def test_bad_arguments_name_the_field(field, kwargs):
     with pytest.raises(ValueError, match=f"{field}=.*Fix"):
@@ -96,6 +97,39 @@ def test_lfu_evicts_the_least_frequently_used_row():
     step(layer, [2])       # 2 is the most recent, but used least
     step(layer, [3])
     assert stored_keys(layer) == [1, 3]
+
+
+def test_rows_unused_for_expire_after_steps_are_freed_on_the_check_steps():
+    # N = 16: checked every 16 // 8 = 2 steps. The clock starts at 1 and
+    # ticks after each training step; a row used at clock c expires at the
+    # first even clock >= c + 16.
+    layer = make(capacity=8, expire_after_steps=16)
+    step(layer, [1, 2])                 # clock 1: rows for 1 and 2
+    for _ in range(15):                 # clocks 2..16: only key 2 is used
+        step(layer, [2])
+    assert stored_keys(layer) == [1, 2]  # clock 16: 1 unused for 15 steps
+    step(layer, [2])                    # clock 17: odd, no check
+    assert stored_keys(layer) == [1, 2]
+    step(layer, [2])                    # clock 18: check, 1 last used at 1 <= 18 - 16
+    assert stored_keys(layer) == [2]
+    stats = layer.table_stats()[0]
+    assert (stats["size"], stats["expired"], stats["evicted"]) == (1, 1, 0)
+    assert layer.check_consistency() == []
+    # Seen again, the key is new: admitted with its initial row.
+    step(layer, [1])
+    assert stored_keys(layer) == [1, 2]
+    got = layer(tf.constant([1]), training=False).numpy()
+    want = key_hashing.initial_rows(key_hashing.key_hash(tf.constant([1], tf.int64)), 3, 0.05)
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_without_expiry_unused_rows_stay():
+    layer = make(capacity=8)
+    step(layer, [1, 2])
+    for _ in range(40):
+        step(layer, [2])
+    assert stored_keys(layer) == [1, 2]
+    assert layer.table_stats()[0]["expired"] == 0
 
 
 def test_no_eviction_rejects_new_keys_when_full():

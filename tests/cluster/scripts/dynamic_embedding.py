@@ -3,7 +3,7 @@
 Run by tests/cluster/test_dynamic_embedding.py under a LocalCluster.
 argv: OUT (JSON report), PHASE ("train" or "restore"), CKPT (checkpoint
 prefix), MODE ("sync" or "async"), CAPACITY (rows, default 64: no eviction),
-KEYS ("int" or "string").
+KEYS ("int" or "string"), EXPIRE (expire_after_steps, default none).
 
 * train: trains a model with a DynamicEmbedding (raw int64 keys of any
   value, admission after 2 sightings) on 2 workers, trains the same model
@@ -29,6 +29,7 @@ OUT, PHASE, CKPT = sys.argv[1], sys.argv[2], sys.argv[3]
 MODE = sys.argv[4] if len(sys.argv) > 4 else "sync"
 CAPACITY = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 STRING_KEYS = len(sys.argv) > 6 and sys.argv[6] == "string"
+EXPIRE = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "none" else None
 STEPS, BATCH, FEATURES, DIM = 12, 8, 3, 4
 # 40 distinct raw keys: negative, small, above 2^62.
 KEYS = np.array([-(2**63) + 5, -7, 0, 3, 2**62 + 11, 2**63 - 2] +
@@ -42,7 +43,7 @@ KEY_DTYPE = tf.string if STRING_KEYS else tf.int64
 def make_model():
     inp = tf.keras.Input((FEATURES,), dtype=KEY_DTYPE)
     x = layers.DynamicEmbedding(DIM, capacity=CAPACITY, admit_after=2, key_dtype=KEY_DTYPE,
-                                name="dyn")(inp)
+                                expire_after_steps=EXPIRE, name="dyn")(inp)
     x = tf.keras.layers.Flatten()(x)
     x = tf.keras.layers.Dense(8, activation="relu",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
