@@ -49,7 +49,13 @@ def make_model():
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
     out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
     model = tf.keras.Model(inp, out)
-    model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), "mse")
+    # With expiry, freed rows are reused, and a reused row keeps its optimizer
+    # slots (docs/dynamic_embedding.md, Limits): which row a key gets depends
+    # on the PS count, so Adagrad's inherited accumulators would differ from
+    # one process's for a reason other than expiry. SGD has no slots.
+    optimizer = (tf.keras.optimizers.legacy.SGD(0.1) if EXPIRE
+                 else tf.keras.optimizers.legacy.Adagrad(0.1))
+    model.compile(optimizer, "mse")
     return model
 
 
