@@ -312,7 +312,8 @@ class CheckpointManager:
             # resumes from the last periodic checkpoint, where both agree.
             logging.warning("tf_psplugin: no emergency checkpoint: the failed worker's input "
                             "position is lost, and this job saves its input position with "
-                            "every checkpoint; it resumes from the last periodic one.")
+                            "every checkpoint; it resumes from the latest periodic checkpoint, "
+                            "where model and input agree.")
             return None
         info = self.save(int(self._optimizer.iterations.numpy()))
         return info.path if info is not None else None

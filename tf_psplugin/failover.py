@@ -509,6 +509,11 @@ class FailoverController:
                 _say(f"saved emergency checkpoint {path} from worker:{survivor}'s replicas "
                      f"({committed} committed steps on every surviving worker): only the "
                      "in-flight step is lost")
+        if saved is None:
+            # E.g. a checkpointer that saves each worker's input position: the
+            # failed worker's is lost, so model and input would not agree.
+            _say("no emergency checkpoint (the checkpointer declined, see above): the latest "
+                 "periodic checkpoint will be used")
         return saved
 
     def _survivor_counters(self, survivors) -> Optional[Dict[int, Tuple[int, int]]]:

@@ -80,7 +80,11 @@ def test_ctr_demo_trains_checkpoints_evaluates_and_exports(procs, tmp_path):
     assert names - {"checkpoint", "TRAINING_DONE", "eval", "train"} == {
         f"ckpt-{s}.{kind}" for s in (10, 20) for kind in (
             "index", "commit", "data-00000-of-00003", "data-00001-of-00003",
-            "data-00002-of-00003")}, names
+            "data-00002-of-00003", "input")}, names
+    # Each worker's input position (save_input_position=True), written by the worker.
+    assert set(os.listdir(model_dir / "ckpt-20.input")) == {
+        "meta.json", "worker-0.index", "worker-0.data-00000-of-00001", "worker-1.index",
+        "worker-1.data-00000-of-00001"}
     assert not cu.tagged_pids(procs.tag)
 
 
@@ -90,8 +94,10 @@ def test_ctr_demo_resumes_from_its_model_dir(procs, tmp_path):
     model_dir = tmp_path / "model"
     launch(procs, model_dir, 10, evaluator=False)  # Leaves TRAINING_DONE at step 10.
     out = launch(procs, model_dir, 20)
-    assert f"[chief] ctr: resuming from {model_dir}/ckpt-10 (step 10, input batch 20)" in out
+    assert f"[chief] ctr: resuming from {model_dir}/ckpt-10 (step 10)" in out
     assert "[chief] ctr: training steps 10..20" in out
+    # The input continues where each worker's stood (no re-read, no skip).
+    assert f"each worker's input continues where it stood at {model_dir}/ckpt-10" in out
     assert ckpt_lib.latest_checkpoint(model_dir).step == 20
     with open(model_dir / "TRAINING_DONE") as f:
         assert json.load(f)["step"] == 20
