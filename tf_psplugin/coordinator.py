@@ -185,7 +185,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # (an iterator whose dataset function has not returned yet).
         self._creating_input: set = set()
         self._finished_steps = 0  # Steps every worker finished (for the watchdog's message).
-        spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
+        resolver = strategy._cluster_resolver  # pylint: disable=protected-access
+        spec = resolver.cluster_spec().as_dict()
         self._ps_addresses = list(spec.get("ps", []))
         self._worker_addresses = list(spec.get("worker", []))
         self.step_timeout_seconds = float(

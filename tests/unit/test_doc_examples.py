@@ -57,8 +57,10 @@ def _fenced_blocks(text, where, first_line=1):
 
 
 def _markdown_blocks():
-    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-    files += [os.path.join(ROOT, "deploy", "README.md"), os.path.join(ROOT, "benchmarks", "README.md")]
+    files = [os.path.join(ROOT, "README.md")]
+    files += sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    files += [os.path.join(ROOT, "deploy", "README.md"),
+              os.path.join(ROOT, "benchmarks", "README.md")]
     for path in files:
         if not os.path.exists(path):
             continue

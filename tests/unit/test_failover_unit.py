@@ -60,7 +60,8 @@ def _stuck_step_message(coord, **state):
         setattr(coord, name, value)
     step = _step(coord, 3)
     now = time.monotonic()
-    coord._running = {0: (step, now - 12.0), 1: (step, now - 11.0)}  # pylint: disable=protected-access
+    running = {0: (step, now - 12.0), 1: (step, now - 11.0)}
+    coord._running = running  # pylint: disable=protected-access
     return coord._fail_hung_step(10.0).message  # pylint: disable=protected-access
 
 

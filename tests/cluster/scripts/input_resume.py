@@ -48,8 +48,13 @@ def write_files(folder):
 
 
 def dataset(paths):
-    spec = {"x": tf.io.FixedLenFeature([4], tf.float32), "y": tf.io.FixedLenFeature([1], tf.float32)}
-    parse = lambda r: (lambda e: (e["x"], e["y"]))(tf.io.parse_single_example(r, spec))  # noqa: E731
+    spec = {"x": tf.io.FixedLenFeature([4], tf.float32),
+            "y": tf.io.FixedLenFeature([1], tf.float32)}
+
+    def parse(record):
+        example = tf.io.parse_single_example(record, spec)
+        return example["x"], example["y"]
+
     return tf.data.TFRecordDataset(paths).map(parse).batch(BATCH, drop_remainder=True)
 
 
