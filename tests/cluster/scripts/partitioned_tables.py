@@ -21,6 +21,8 @@ import tensorflow as tf
 import tf_psplugin
 from tf_psplugin import ReplicatedVariable
 from tf_psplugin._tf_internal import sharded_variable
+# Every weight, each sharded table as one full array (the project's own helper).
+from tf_psplugin.export import logical_weights
 
 OUT, PARTITIONER, SHARDING = sys.argv[1], sys.argv[2], sys.argv[3]
 STACKED = len(sys.argv) > 4 and sys.argv[4] == "stacked"
@@ -50,16 +52,6 @@ def make_model():
     out = tf.keras.layers.Dense(
         1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
     return tf.keras.Model(inp, out)
-
-
-def logical_weights(model):
-    out = []
-    for layer in model.layers:
-        if isinstance(layer, tf.keras.layers.Embedding):
-            out.append(tf.convert_to_tensor(layer.embeddings).numpy())
-        else:
-            out.extend(w.numpy() for w in layer.weights)
-    return out
 
 
 def shards_of(table):
