@@ -265,13 +265,18 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     all_ids = tf.concat(flat, axis=0)
     table_of = tf.concat(
         [tf.fill([s], tf.constant(t, tf.int32)) for t, s in enumerate(sizes)], axis=0)
-    offsets = [getattr(t, "row_offsets", None) or (0,) * num_shards for t in tables]
-    if any(any(o) for o in offsets):
+    offsets = [getattr(t, "row_offsets", None) for t in tables]
+    if any(o is not None for o in offsets):
         # Stacked tables (table_stacking): every id shifted to its table's
-        # rows in the stack, as `_physical_ids` does, in one gather for all.
+        # rows in the stack, as `_physical_ids` does, in one gather for all
+        # (and, as there, an id outside [0, V) kept out of every shard's range).
+        offsets = [o or (0,) * num_shards for o in offsets]
         flat_offsets = tf.constant([o for row in offsets for o in row], tf.int64)  # [T * n]
         slot = tf.cast(table_of, tf.int64) * num_shards + all_ids % num_shards
-        all_ids = all_ids + num_shards * tf.gather(flat_offsets, slot)
+        num_rows = tf.gather(tf.constant([int(t.shape[0]) for t in tables], tf.int64), table_of)
+        shifted = all_ids + num_shards * tf.gather(flat_offsets, slot)
+        too_big = tf.fill(tf.shape(all_ids), tf.constant(tf.int64.max, tf.int64))
+        all_ids = tf.where(all_ids < 0, all_ids, tf.where(all_ids < num_rows, shifted, too_big))
     shard = tf.cast(all_ids % num_shards, tf.int32)  # Logical row i lives on shard i % n ...
     local = all_ids // num_shards                     # ... at position i // n.
     positions = tf.range(tf.size(all_ids, out_type=tf.int32))

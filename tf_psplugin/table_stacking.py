@@ -175,14 +175,17 @@ class StackedTable(InterleavedShardedVariable):
         """Logical ids -> ids whose "mod" lookup on the stack shards finds this table's rows.
 
         Id ``i`` becomes ``i + n * row_offsets[i % n]``: same shard
-        (``i % n``), row ``i // n + row_offsets[i % n]``.
+        (``i % n``), row ``i // n + row_offsets[i % n]``. Ids outside
+        ``[0, V)`` stay invalid, as they are for an unstacked table: a
+        negative id stays as it is (the safe lookups drop it as "missing",
+        the others fail on it) and an id ``>= V`` becomes the dtype's maximum,
+        a row no stack has, so the shard's gather fails instead of reading
+        (or a scatter writing) the next table's row.
         """
-        if not any(self._row_offsets):
-            return ids
         ids = tf.convert_to_tensor(ids)
-        n = len(self._variables)
-        offsets = tf.constant(self._row_offsets, dtype=ids.dtype)
-        return ids + n * tf.gather(offsets, ids % n)
+        return _shift_valid(ids, ids + len(self._variables) * tf.gather(
+            tf.constant(self._row_offsets, dtype=ids.dtype), ids % len(self._variables)),
+            int(self._shape[0]))
 
     def _shape_only_lookup(self, ids, max_norm=None):
         """Zeros of the rows' shape while Keras infers an output shape before the stack exists.
@@ -223,8 +226,9 @@ class StackedTable(InterleavedShardedVariable):
             self._variables, self._physical_ids(indices), "mod", name=name)
 
     def _decompose_indices(self, indices):
-        local, owner = super()._decompose_indices(indices)
-        return [ids + off for ids, off in zip(local, self._row_offsets)], owner
+        # Shifted first, so that an id outside [0, V) stays out of every
+        # shard's range (a scatter then fails as it does on an unstacked table).
+        return super()._decompose_indices(self._physical_ids(indices))
 
     def _write(self, value, op_name: str, method: str):
         for s, (v, part) in enumerate(zip(self._variables, self._per_shard(value, op_name))):
@@ -347,6 +351,16 @@ class _Stack:
                 self.pending[s] = []
                 self._on_replace(old, new)
         self.materializations += 1
+
+
+def _shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows: int) -> tf.Tensor:
+    """`shifted` where ``0 <= ids < num_rows``; negative ids as they are; the rest out of range.
+
+    Elementwise only (no assertion op), so it costs the step nothing
+    measurable; the shard's gather or scatter raises the error.
+    """
+    too_big = tf.fill(tf.shape(ids), tf.constant(ids.dtype.max, ids.dtype))
+    return tf.where(ids < 0, ids, tf.where(ids < num_rows, shifted, too_big))
 
 
 def _rows_of(old: Optional[tf.Variable], pieces, dtype) -> tf.Tensor:

@@ -177,6 +177,53 @@ def test_writes_touch_only_the_table():
         np.testing.assert_array_equal(tables[n].numpy(), before[n])
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+@pytest.mark.parametrize("bad_id", [VOCAB, VOCAB + 1, 1000, -1, -2])
+def test_an_id_outside_the_table_fails_as_unstacked(stacked, bad_id):
+    """Lookups and writes of an id outside [0, V) fail: never another table's row."""
+    model = _model(TableStacks(lambda s: None) if stacked else None)
+    tables = _tables(model)
+    # emb_0 is the first table of the stack, emb_1 the second: an id past
+    # the end of either would be a row of its neighbour.
+    for name in ("emb_0", "emb_1"):
+        table = tables[name]
+        assert isinstance(table, StackedTable) == stacked
+        before = {n: t.numpy() for n, t in tables.items()}
+        ids = tf.constant([[0, bad_id]], tf.int64)
+        lookups = [
+            lambda: tf.nn.embedding_lookup(table, ids),
+            lambda: tf.compat.v1.nn.embedding_lookup(table, ids),
+            lambda: table.sparse_read([bad_id]),
+            lambda: table_lookups.lookup_tables([tables["emb_0"], tables["emb_1"]], [ids, ids]),
+            lambda: tf.function(lambda: table_lookups.lookup_tables(
+                [tables["emb_0"], tables["emb_1"]], [ids, ids]))(),
+            lambda: table.scatter_update(tf.IndexedSlices(tf.ones([1, 4]),
+                                                          tf.constant([bad_id], tf.int64))),
+        ]
+        for i, lookup in enumerate(lookups):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                lookup()
+                pytest.fail(f"{name}: call {i} with id {bad_id} did not fail")
+        for n, t in tables.items():
+            np.testing.assert_array_equal(t.numpy(), before[n], err_msg=n)
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_safe_lookup_treats_negative_ids_as_missing(stacked):
+    """`safe_embedding_lookup_sparse`'s -1 (feature columns' out-of-vocabulary id) is missing."""
+    tables = _tables(_model(TableStacks(lambda s: None) if stacked else None))
+    table = tables["emb_1"]
+    full = table.numpy()
+    sp = tf.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([-1, 3, -1], tf.int64), [2, 2])
+    for safe in (tf.nn.safe_embedding_lookup_sparse,
+                 tf.compat.v1.nn.safe_embedding_lookup_sparse):
+        out = safe(table, sp, combiner="sum").numpy()
+        np.testing.assert_array_equal(out[0], np.zeros(4, np.float32))
+        np.testing.assert_allclose(out[1], full[3], rtol=1e-6)
+        with_default = safe(table, sp, combiner="sum", default_id=5).numpy()
+        np.testing.assert_allclose(with_default[0], full[5], rtol=1e-6)
+
+
 def _checkpointed(model, optimizer):
     sharding.install_interleaved_slot_lookup(optimizer)
     optimizer._create_all_weights(model.trainable_variables)  # pylint: disable=protected-access

@@ -1,13 +1,17 @@
 """Keras layer arguments and model APIs, as a Keras user writes them, with the default strategy.
 
 Used by tests/cluster/test_conformance.py. Every point here holds in one
-process and under stock ParameterServerStrategy; each check prints
+process and under stock ParameterServerStrategy; with the argument
+``stacked`` the strategy is ``HybridParameterServerStrategy(stack_tables=True)``
+(issue 29: table stacking that Keras cannot tell apart). Each check prints
 `CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
 `DONE`. The tables are small `Embedding` layers of one width (what table
 stacking would put in one variable), in a functional model and in a second
 model built in the same scope, trained with `model.fit`.
 """
 
+
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -46,9 +50,8 @@ def table(model, suffix):
 
 
 def value(layer):
-    """A layer's table as its weights hold it (shard after shard), for comparisons."""
-    return np.concatenate([w for w in layer.get_weights()], axis=0) if len(
-        layer.get_weights()) > 1 else layer.get_weights()[0]
+    """A layer's table, ``[V, D]`` in id order, for comparisons."""
+    return np.asarray(tf.convert_to_tensor(layer.embeddings))
 
 
 def data(n=256, seed=0):
@@ -83,7 +86,8 @@ def constraint_holds(strategy):
 
 def main():
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy()
+    stacked = "stacked" in sys.argv[1:]
+    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=stacked)
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         m1 = build_model("m1")
