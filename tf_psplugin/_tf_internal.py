@@ -102,6 +102,21 @@ from tensorflow.python.data.ops import iterator_ops  # noqa: F401
 # path in TF 2.15.1 and 2.21.0.
 from tensorflow.python.saved_model import save_context  # noqa: F401
 
+# tape.variable_accessed: a stacked table's per-table views (table_stacking.
+# TableView) are read through a custom-gradient gather of their stack; the
+# tape must watch the view (as a variable's own read op makes it do), and
+# there is no public call that tells the active tapes "this variable was
+# read". Same module path in TF 2.15.1 and 2.21.0.
+from tensorflow.python.eager import tape as tape_lib  # noqa: F401
+
+# dispatch.register_dispatchable_type: TF's type-based dispatch only looks at
+# arguments of registered types (CompositeTensors register themselves). A
+# stacked table's views are plain `tf.Variable` subclasses; TF's sparse and
+# safe lookups call `embedding_lookup` with the list of them, which must reach
+# the plugin's lookup instead of TF's (which would read every view densely).
+# Same module path in TF 2.15.1 and 2.21.0.
+from tensorflow.python.util import dispatch as tf_dispatch  # noqa: F401
+
 # Estimator path (TF 2.15 only; tf.estimator is gone after it): the TF1
 # strategies' Extended classes, which the public tf.compat.v1 strategies do not
 # let us replace. collective_all_reduce_strategy: our hybrid Extended extends
@@ -221,6 +236,9 @@ PRIVATE_ATTRIBUTES = {
     # registers a sharded variable's (one per shard, so it knows one table).
     "_saving_variable": "sharded_variable.ShardedVariableMixin",
     "_serialize": "sharded_variable.ShardedVariableSpec",
+    # A stacked table's components, to tf.nest and Keras's `_track_variables`
+    # (which lists them as the layer's weights), are its own views.
+    "_to_components": "sharded_variable.ShardedVariableSpec",
     "_variable_specs": "sharded_variable.ShardedVariableSpec",
     "_assign_func": "ps_values.AggregatingVariable",
     "_aggregating_container": "ps_values.AggregatingVariable",
@@ -267,6 +285,10 @@ PRIVATE_ATTRIBUTES = {
     # checkpoint.py: slots exist before the first restore (legacy optimizers
     # create them lazily in the first apply_gradients otherwise).
     "_create_all_weights": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- stacked_updates.py: a stacked table's views' gradients become one
+    # apply per stack shard, after Keras's per-variable clipping and decay.
+    "_distributed_apply": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    "_distributed_apply_gradients_fn": "keras:optimizers.optimizer.Optimizer",
     # -- sparse_exchange.py: Keras's optimizer sums duplicate sparse rows
     # outside extended.update; for a gradient summed on a PS, that sum runs there.
     "_deduplicate_sparse_grad": "keras:optimizers.optimizer.Optimizer",

@@ -52,6 +52,7 @@ from tf_psplugin import input_state
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin import sharding
+from tf_psplugin import stacked_updates
 from tf_psplugin._compat import keras
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, CheckpointError, CheckpointInfo, commit_checkpoint,
@@ -150,7 +151,8 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
     if create is None:
         build = getattr(optimizer, "build", None)
         if build is not None:
-            build(model.trainable_variables)  # Idempotent.
+            # Idempotent. A stacked table's slots are its stack shards'.
+            build(stacked_updates.substitute(model.trainable_variables))
         return
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:

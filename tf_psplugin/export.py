@@ -51,12 +51,11 @@ def logical_weights(model) -> List[np.ndarray]:
     Returns:
         One numpy array per logical weight.
     """
-    if any(_stacked_table_over(weight) for weight in model.weights):
-        return [_logical_value(w) for w in _weights_with_stacked_tables(model)]
     values, seen = [], set()
     for weight in model.weights:
         # TF sets `_sharded_container` (a weakref) on every shard of a
         # ShardedVariable (2.15-2.21); Keras lists the shards, not the table.
+        # (A stacked table sets it on its views, which Keras lists.)
         container = getattr(weight, "_sharded_container", None)
         container = container() if callable(container) else None
         if container is not None:
@@ -67,61 +66,6 @@ def logical_weights(model) -> List[np.ndarray]:
         else:
             values.append(weight.numpy())
     return values
-
-
-def _stacked_table_over(weight):
-    """The `StackedTable` TF last registered over `weight`, if `weight` is a stack shard."""
-    from tf_psplugin.table_stacking import StackedTable  # pylint: disable=g-import-not-at-top
-
-    container = getattr(weight, "_sharded_container", None)
-    container = container() if callable(container) else None
-    return container if isinstance(container, StackedTable) else None
-
-
-def _logical_value(weight) -> np.ndarray:
-    if isinstance(weight, sharded_variable.ShardedVariable):
-        return tf.convert_to_tensor(weight).numpy()
-    return weight.numpy()
-
-
-def _weights_with_stacked_tables(model) -> list:
-    """`model.weights` in Keras's order, each table as one object, for a model with stacks.
-
-    Every layer over a stack lists the stack's shards as its weights, so
-    `model.weights` (de-duplicated by Keras) keeps them at the first such
-    layer only. Here each layer's weights are walked in Keras's order
-    (its sub-layers' first, then its own), and a layer's shards are
-    replaced by the tables the layer holds over them.
-    """
-    from tf_psplugin.table_stacking import StackedTable  # pylint: disable=g-import-not-at-top
-
-    out, seen = [], set()
-
-    def emit(obj):
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            out.append(obj)
-
-    def walk(layer):
-        if isinstance(layer, tf.keras.Model):
-            for sub in layer.layers:
-                walk(sub)
-        tables = [v for v in vars(layer).values() if isinstance(v, StackedTable)]
-        for weight in layer.weights:
-            own = [t for t in tables if any(weight is v for v in t.variables)]
-            if own:
-                for table in own:
-                    emit(table)
-                continue
-            container = getattr(weight, "_sharded_container", None)
-            container = container() if callable(container) else None
-            if container is not None and not isinstance(container, StackedTable):
-                emit(container)
-            elif container is None:
-                emit(weight)
-
-    walk(model)
-    return out
 
 
 def _copy_weights(source, target) -> None:

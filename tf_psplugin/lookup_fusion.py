@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from tf_psplugin import _tf_internal
+from tf_psplugin import table_stacking
 from tf_psplugin._compat import keras
 from tf_psplugin.sharding import InterleavedShardedVariable
 from tf_psplugin.table_lookups import lookup_tables
@@ -183,6 +184,10 @@ def install() -> None:
         def _run_internal_graph(self, inputs, training=None, mask=None):
             if not (enabled() and tf.inside_function()):
                 return run_graph(self, inputs, training=training, mask=mask)
+            if _stacking():
+                # Before anything reads its stacks: its tables in stacks of
+                # their own (not another model's, not its frozen tables').
+                table_stacking.separate_by_model(self)
             runs = _runs()
             runs.append(_Run(self))
             try:

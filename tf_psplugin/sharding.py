@@ -199,13 +199,6 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         del ids, max_norm
         return None
 
-    def _physical_ids(self, ids):
-        """Logical ids as the "mod" lookup on `variables` takes them (the same here).
-
-        A `table_stacking.StackedTable` shifts them to its rows in the stack.
-        """
-        return ids
-
     def sparse_read(self, indices, name=None):
         """Gathers logical rows ``indices`` (any shape); gradients are IndexedSlices."""
         return tf.compat.v1.nn.embedding_lookup(self.variables, indices, "mod", name=name)

@@ -35,6 +35,7 @@ With ``dense_placement="ps"`` the strategy is stock asynchronous PSS (plus
 the plugin's table sharding), for comparison and for fully-async users.
 """
 
+import dataclasses
 import functools
 import random
 from typing import List, NamedTuple, Optional
@@ -53,6 +54,7 @@ from tf_psplugin import progress as progress_lib
 from tf_psplugin import shard_init
 from tf_psplugin import sharding
 from tf_psplugin import sparse_exchange as sparse_exchange_lib
+from tf_psplugin import stacked_updates
 from tf_psplugin import table_stacking
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
@@ -372,7 +374,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """Stores eligible tables in stacks from now on (see `table_stacking`)."""
         if self.table_stacks is None:
             self.table_stacks = table_stacking.TableStacks(
-                shard_devices=self._table_shard_device)
+                shard_devices=self._table_shard_device, on_restack=self._restacked)
+            # Each table's gradient (Keras sees its own rows) merged into one
+            # apply per stack shard.
+            stacked_updates.install()
+
+    def _restacked(self, table, stack_name: str) -> None:
+        """A table moved to another stack before it was made (`TableStacks.separate`)."""
+        index = getattr(table, "_tf_psplugin_record", None)
+        if index is not None:
+            record = self.placement_records[index]
+            self.placement_records[index] = dataclasses.replace(record, stack=stack_name)
 
     def create_step_counters(self):
         """Creates the per-worker step counters failover reads (allreduce mode).
@@ -524,15 +536,22 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             # `_replace_table_shard`.)
             for shard in var.variables:
                 self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
+        else:
+            # Its views: what Keras lists, reduces and (weight decay) updates.
+            for view in var.views:
+                self._table_shard_owner[id(view)] = self._table_shard_owner_of(view)
         self._record(var, "table", devices=[v.device for v in var.variables],
                      stack=getattr(getattr(var, "stack", None), "name", ""))
+        if isinstance(var, table_stacking.StackedTable):
+            var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
         return var
 
     def _replace_table_shard(self, old, new) -> None:
         """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
         if old is not None:
             self._table_shard_owner.pop(id(old), None)
-        self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
+        if new is not None:  # (None: the stack was split and its variable freed.)
+            self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
 
     def _table_shard_owner_of(self, var) -> int:
         """The worker that applies sync updates to a table shard: its PS index mod workers.
@@ -758,6 +777,15 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     # -- updates ------------------------------------------------------------------
 
     def _update(self, var, fn, args, kwargs, group):
+        if isinstance(var, table_stacking.TableView) and (args or kwargs):
+            # An optimizer applying a gradient to a view itself would write
+            # the view's rows at the wrong place of the stack shard (its
+            # kernels take the shard's handle); Keras's are merged first.
+            raise stacked_updates.StackingError(
+                f"stack_tables=True: {getattr(fn, '__qualname__', fn)} updates "
+                f"{var.name}, a stacked table's rows, with a gradient directly; only Keras 2 "
+                "optimizers (tf.keras.optimizers, .legacy) update stacked tables. Fix: "
+                "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
         if isinstance(var, variables_lib.ReplicatedVariable):
             with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
                 result = fn(var, *self._select_single_value(args),

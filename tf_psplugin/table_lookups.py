@@ -39,21 +39,15 @@ def _table_of(params) -> InterleavedShardedVariable:
     return params
 
 
-def _physical_sparse_ids(table, sp_ids):
-    """`sp_ids` with its values shifted to the table's rows in a stack (`_physical_ids`)."""
-    shifted = table._physical_ids(sp_ids.values)  # pylint: disable=protected-access
-    if shifted is sp_ids.values:
-        return sp_ids
-    return tf.SparseTensor(sp_ids.indices, shifted, sp_ids.dense_shape)
+def _shards(table):
+    """What TF's v1 "mod" lookups gather from, with the table's own logical ids.
 
-
-def _physical_default_id(table, default_id: int) -> int:
-    """A Python int `default_id`, shifted like `_physical_ids` (TF uses it as a Python value)."""
-    offsets = getattr(table, "row_offsets", None)
-    if not offsets:
-        return default_id
-    n = len(offsets)
-    return int(default_id) + n * offsets[int(default_id) % n]
+    An interleaved table's shard variables; a stacked table's per-shard views
+    (`table_stacking.TableView`: its own rows of each stack shard, whose
+    gradients are its own).
+    """
+    views = getattr(table, "views", None)
+    return views if views else table.variables
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
@@ -68,8 +62,7 @@ def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
         rows = lookup_fusion.take(params, ids)
         if rows is not None:
             return rows
-    return tf.compat.v1.nn.embedding_lookup(params.variables, params._physical_ids(ids), "mod",
-                                            name, max_norm=max_norm)
+    return tf.compat.v1.nn.embedding_lookup(_shards(params), ids, "mod", name, max_norm=max_norm)
 
 
 @tf.experimental.dispatch_for_api(
@@ -83,7 +76,7 @@ def _embedding_lookup_v1(
     del partition_strategy
     table = _table_of(params)
     return tf.compat.v1.nn.embedding_lookup(
-        table.variables, table._physical_ids(ids), "mod", name, validate_indices, max_norm
+        _shards(table), ids, "mod", name, validate_indices, max_norm
     )
 
 
@@ -94,8 +87,7 @@ def _embedding_lookup_sparse_v2(
     params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
 ):
     return tf.compat.v1.nn.embedding_lookup_sparse(
-        params.variables, _physical_sparse_ids(params, sp_ids), sp_weights, "mod", name, combiner,
-        max_norm, allow_fast_lookup
+        _shards(params), sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
     )
 
 
@@ -115,8 +107,7 @@ def _embedding_lookup_sparse_v1(
     del partition_strategy  # Always the table's own "mod" layout.
     table = _table_of(params)
     return tf.compat.v1.nn.embedding_lookup_sparse(
-        table.variables, _physical_sparse_ids(table, sp_ids), sp_weights, "mod", name, combiner,
-        max_norm, allow_fast_lookup
+        _shards(table), sp_ids, sp_weights, "mod", name, combiner, max_norm, allow_fast_lookup
     )
 
 
@@ -159,13 +150,12 @@ def _safe_embedding_lookup_sparse_v1(
     allow_fast_lookup=False,
 ):
     """TF's ShardedVariable dispatcher for v1 safe lookups, plus "mod" for ours."""
+    shards = embedding_weights.variables
     if isinstance(embedding_weights, InterleavedShardedVariable):
         partition_strategy = "mod"
-        sparse_ids = _physical_sparse_ids(embedding_weights, sparse_ids)
-        if default_id is not None:
-            default_id = _physical_default_id(embedding_weights, default_id)
+        shards = _shards(embedding_weights)
     return tf.compat.v1.nn.safe_embedding_lookup_sparse(
-        embedding_weights.variables,
+        shards,
         sparse_ids,
         sparse_weights=sparse_weights,
         combiner=combiner,
@@ -265,18 +255,6 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     all_ids = tf.concat(flat, axis=0)
     table_of = tf.concat(
         [tf.fill([s], tf.constant(t, tf.int32)) for t, s in enumerate(sizes)], axis=0)
-    offsets = [getattr(t, "row_offsets", None) for t in tables]
-    if any(o is not None for o in offsets):
-        # Stacked tables (table_stacking): every id shifted to its table's
-        # rows in the stack, as `_physical_ids` does, in one gather for all
-        # (and, as there, an id outside [0, V) kept out of every shard's range).
-        offsets = [o or (0,) * num_shards for o in offsets]
-        flat_offsets = tf.constant([o for row in offsets for o in row], tf.int64)  # [T * n]
-        slot = tf.cast(table_of, tf.int64) * num_shards + all_ids % num_shards
-        num_rows = tf.gather(tf.constant([int(t.shape[0]) for t in tables], tf.int64), table_of)
-        shifted = all_ids + num_shards * tf.gather(flat_offsets, slot)
-        too_big = tf.fill(tf.shape(all_ids), tf.constant(tf.int64.max, tf.int64))
-        all_ids = tf.where(all_ids < 0, all_ids, tf.where(all_ids < num_rows, shifted, too_big))
     shard = tf.cast(all_ids % num_shards, tf.int32)  # Logical row i lives on shard i % n ...
     local = all_ids // num_shards                     # ... at position i // n.
     positions = tf.range(tf.size(all_ids, out_type=tf.int32))
@@ -285,23 +263,70 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     position_parts = tf.dynamic_partition(positions, shard, num_shards)
     rows = []
     for p in range(num_shards):
-        shard_vars = [t.variables[p] for t in tables]
-        if all(v is shard_vars[0] for v in shard_vars):
+        # What each table gathers from on shard p: its shard variable, or, for
+        # a stacked table, its view of the stack shard (own rows, own gradient).
+        shards = [_shards(t)[p] for t in tables]
+        stack_shard = _one_stack_shard(tables, p)
+        if stack_shard is not None:
             # One stack holds them all (table_stacking): one gather per PS.
-            with tf.device(shard_vars[0].device):
-                rows.append(tf.gather(shard_vars[0], local_parts[p]))
+            rows.append(_stacked_gather(tables, shards, stack_shard, local_parts[p],
+                                        table_parts[p]))
             continue
         # The concatenation is table-major and dynamic_partition keeps order,
         # so shard p's ids are grouped by table, in table order.
         counts = tf.math.bincount(table_parts[p], minlength=len(tables),
                                   maxlength=len(tables), dtype=tf.int32)
-        with tf.device(shard_vars[0].device):
+        with tf.device(shards[0].device):
             pieces = tf.split(local_parts[p], counts, num=len(tables))
             rows.append(tf.concat(
-                [tf.gather(v, piece) for v, piece in zip(shard_vars, pieces)], axis=0))
+                [tf.gather(v, piece) for v, piece in zip(shards, pieces)], axis=0))
     stitched = tf.dynamic_stitch(position_parts, rows)
     width = int(tables[0].shape[-1])
     out = []
     for i, part in zip(ids_list, tf.split(stitched, tf.stack(sizes), num=len(tables))):
         out.append(tf.reshape(part, tf.concat([tf.shape(i, out_type=tf.int64), [width]], 0)))
     return out
+
+
+def _one_stack_shard(tables, p):
+    """Shard p of the stack that holds every one of `tables` (table_stacking), or None."""
+    if not all(getattr(t, "views", None) for t in tables):
+        return None
+    first = tables[0].variables[p]
+    return first if all(t.variables[p] is first for t in tables[1:]) else None
+
+
+def _stacked_gather(tables, views, stack_shard, local, table_of):
+    """One gather of a stack shard for the ids of several of its tables.
+
+    `local` holds each id's row within its table's shard, `table_of` the
+    table. The rows come from one gather of the stack shard; the gradient is
+    split back into one `IndexedSlices` per table's view (its own rows), as
+    each table's own lookup would give it (`TableView._read`).
+    """
+    from tf_psplugin import table_stacking  # pylint: disable=g-import-not-at-top  (a cycle)
+
+    inner = stack_shard._v  # pylint: disable=protected-access
+    offsets = tf.constant([v.offset for v in views], tf.int64)
+    num_rows = tf.constant([v.num_rows for v in views], tf.int64)
+    physical = table_stacking.shift_valid_per_id(
+        local, local + tf.gather(offsets, table_of), tf.gather(num_rows, table_of))
+    shapes = [tf.constant(v.shape.as_list(), tf.int32) for v in views]
+    for view in views:
+        table_stacking.watch(view)
+    dtype = tables[0].dtype
+
+    @tf.custom_gradient
+    def gather(*handles):
+        del handles  # Only the gradient's inputs: the rows come from the stack.
+        rows = tf.raw_ops.ResourceGather(resource=inner.handle, indices=physical, dtype=dtype)
+
+        def grad(dy):
+            values = tf.dynamic_partition(dy, table_of, len(views))
+            ids = tf.dynamic_partition(local, table_of, len(views))
+            return [tf.IndexedSlices(v, i, shape) for v, i, shape in zip(values, ids, shapes)]
+
+        return rows, grad
+
+    with tf.device(inner.device):
+        return gather(*[v.handle for v in views])

@@ -53,19 +53,23 @@ later or replaced.
 """
 
 import functools
+import itertools
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
 from tf_psplugin._scopes import ThreadScope
-from tf_psplugin._tf_internal import ps_values, resource_variable_ops, sharded_variable
+from tf_psplugin._tf_internal import (
+    ps_values, resource_variable_ops, sharded_variable, tape_lib, tf_dispatch)
 from tf_psplugin import table_lookups
+from tf_psplugin import variables as variables_lib
 from tf_psplugin.placement import SHARDING_INTERLEAVED
 from tf_psplugin.sharding import InterleavedShardedVariable, _LogicalTableSaveable
 from tf_psplugin.table_layout import _interleave, _range_plan, shard_rows
 
-__all__ = ["StackedTable", "TableStacks", "MAX_TABLE_BYTES", "MAX_STACK_BYTES", "unstacked"]
+__all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
+           "unstacked"]
 
 # A table larger than this is not stacked: its own ops are a small share of a
 # step next to its rows, and its initial rows would be held twice on its PS
@@ -119,6 +123,18 @@ class StackedTable(InterleavedShardedVariable):
                              f"{n} shards; pass one per shard.")
         self._shape = tf.TensorShape([int(num_rows)] + self._variables[0].shape[1:].as_list())
         self._stack = stack
+        # What Keras lists as the layer's weights (`__iter__`): this table's
+        # own rows of each stack shard, one `TableView` per shard. A copy
+        # (e.g. a slot's view of the stack's slots) has none.
+        self._views = None
+        if stack is not None:
+            # Named as the shards of an unstacked table made here would be
+            # ("<layer>/embeddings/part_<s>"): the variable name in the
+            # current name scope.
+            self._view_prefix = _scoped_name(name)
+            self._views = [TableView(self, s) for s in range(n)]
+            for view in self._views:
+                view._sharded_container = weakref.ref(self)  # pylint: disable=protected-access
         # ShardedVariable made a saving placeholder of the stack's shape; the
         # table saves (tf.saved_model.save) as its own [V, D].
         self._saving_variable = resource_variable_ops.UninitializedVariable(
@@ -135,6 +151,31 @@ class StackedTable(InterleavedShardedVariable):
     def stack(self):
         """The stack this table is in (None for a copy, e.g. a slot's view)."""
         return self._stack
+
+    @property
+    def display_name(self) -> str:
+        """The table's name with its layer's scope ("item/embeddings"), for messages."""
+        return getattr(self, "_view_prefix", None) or self.name
+
+    @property
+    def views(self) -> Optional[List["TableView"]]:
+        """This table's rows of each stack shard, as Keras lists them (None for a copy)."""
+        return self._views
+
+    def _rebind(self, stack, row_offsets) -> None:
+        """Moves this table into `stack` at `row_offsets` (`TableStacks.separate`)."""
+        self._variables = list(stack.shards)
+        for shard in self._variables:
+            shard._sharded_container = weakref.ref(self)  # pylint: disable=protected-access
+        self._row_offsets = tuple(int(o) for o in row_offsets)
+        self._stack = stack
+        stack.tables.add(self)
+
+    def __iter__(self):
+        # Keras lists a sharded variable's weights by iterating it (`Layer.
+        # add_weight`, its regularizers): this table's own `[rows, D]` views,
+        # never the stack's shards, which hold other tables' rows too.
+        return iter(self._views if self._views is not None else self._variables)
 
     @property
     def row_offsets(self) -> tuple:
@@ -195,11 +236,13 @@ class StackedTable(InterleavedShardedVariable):
         tf-keras 2.21, `Layer._infer_output_signature` and the functional
         construction call) whose values are never run: a real lookup there
         would make the stack's variables before the next table joins, and
-        appending that table would then copy them. Anywhere else, None.
+        appending that table would then copy them (and it would count as a
+        traced use, after which the stack is never split: `TableStacks.
+        separate`). Anywhere else, None.
         """
         del max_norm
         stack = self._stack
-        if stack is None or not any(stack.pending):
+        if stack is None:
             return None
         graph = tf.compat.v1.get_default_graph()
         if tf.executing_eagerly() or not graph.name.endswith("_scratch_graph"):
@@ -222,8 +265,10 @@ class StackedTable(InterleavedShardedVariable):
         return _interleave(pieces, [count for _, _, count in plan], end - begin)
 
     def sparse_read(self, indices, name=None):
-        return tf.compat.v1.nn.embedding_lookup(
-            self._variables, self._physical_ids(indices), "mod", name=name)
+        if self._views is None:
+            return tf.compat.v1.nn.embedding_lookup(
+                self._variables, self._physical_ids(indices), "mod", name=name)
+        return tf.compat.v1.nn.embedding_lookup(self._views, indices, "mod", name=name)
 
     def _decompose_indices(self, indices):
         # Shifted first, so that an id outside [0, V) stays out of every
@@ -262,6 +307,327 @@ class StackedTable(InterleavedShardedVariable):
         return {trackable_base.VARIABLE_VALUE_KEY: _saveable_factory}
 
 
+def _scoped_name(name: str) -> str:
+    """`name` in the current name scope, as a variable made here would be named."""
+    base = (name or "table").split(":")[0]
+    try:
+        with tf.name_scope(base) as scope:
+            return scope.rstrip("/") or base
+    except ValueError:  # Not a valid scope name: the name as it is.
+        return base
+
+
+_VIEW_IDS = itertools.count()
+_VIEW_HANDLES_ATTR = "_tf_psplugin_table_view_handles"
+
+
+class TableView(tf.Variable):
+    """One stacked table's rows of one stack shard, as Keras and the tape see them.
+
+    It is what an unstacked interleaved table's shard ``s`` would be -- a
+    ``[rows, D]`` variable named ``<table>/part_<s>``, holding logical rows
+    ``s, s + n, ...`` -- but its storage is rows ``[offset, offset + rows)``
+    of the stack's shard ``s``. Keras lists it as the layer's weight, so
+    `layer.weights`, `get_weights`/`set_weights`, `count_params`,
+    `trainable_variables`, regularizers and `trainable=False` see the table
+    alone.
+
+    Reads are gathers of the stack shard whose gradient the tape gives to
+    the view: each view has its own handle tensor (an identity of the
+    stack shard's handle, one per traced function), which the read's custom
+    gradient takes as input and the tape watches. The gradient is an
+    `IndexedSlices` over the view's own rows, exactly what an unstacked
+    shard gets. Writes scatter into the view's rows. Optimizers never apply
+    to a view: `stacked_updates` merges the views' gradients into one apply
+    per stack shard.
+
+    Args:
+        table: The `StackedTable`.
+        index: The stack shard.
+    """
+
+    # pylint: disable=super-init-not-called,missing-function-docstring
+    def __init__(self, table: "StackedTable", index: int):
+        # Not tf.Variable.__init__: there is no storage of its own.
+        self._table = table
+        self._index = index
+        self._id = next(_VIEW_IDS)
+        self._eager_handle = (None, None)  # (stack variable, its identity)
+
+    # -- what it is ------------------------------------------------------------
+
+    @property
+    def table(self) -> "StackedTable":
+        return self._table
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def stack(self) -> "_Stack":
+        """The stack the view's table is in."""
+        return self._table.stack
+
+    @property
+    def stack_shard(self):
+        """The stack's shard variable whose rows this view is."""
+        return self._table._variables[self._index]  # pylint: disable=protected-access
+
+    @property
+    def offset(self) -> int:
+        return self._table.row_offsets[self._index]
+
+    @property
+    def num_rows(self) -> int:
+        return self._table._shard_counts[self._index]  # pylint: disable=protected-access
+
+    def _should_act_as_resource_variable(self):
+        """Passes `resource_variable_ops.is_resource_variable` (the tape asks)."""
+
+    @property
+    def name(self):
+        return f"{self._shared_name}:0"
+
+    @property
+    def _shared_name(self):
+        return f"{self._table._view_prefix}/part_{self._index}"  # pylint: disable=protected-access
+
+    @property
+    def _unique_id(self):
+        return f"tf_psplugin_table_view_{self._id}"
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self.num_rows]).concatenate(self._table.shape[1:])
+
+    def get_shape(self):
+        return self.shape
+
+    @property
+    def dtype(self):
+        return self._table.dtype
+
+    @property
+    def device(self):
+        return self.stack_shard.device
+
+    @property
+    def trainable(self):
+        return True
+
+    @property
+    def synchronization(self):
+        return tf.VariableSynchronization.AUTO
+
+    @property
+    def aggregation(self):
+        return tf.VariableAggregation.NONE
+
+    @property
+    def constraint(self):
+        return None  # A table with a constraint is never stacked (`TableStacks.eligible`).
+
+    @property
+    def _distribute_strategy(self):
+        return getattr(self.stack_shard, "_distribute_strategy", None)
+
+    @property
+    def graph(self):
+        return self.stack_shard._v.graph  # pylint: disable=protected-access
+
+    @property
+    def _in_graph_mode(self):
+        return False
+
+    def __repr__(self):
+        return (f"<TableView {self._shared_name!r} shape={self.shape} dtype={self.dtype.name} "
+                f"rows {self.offset}.. of {self.stack_shard.name}>")
+
+    # -- the handle the tape watches -------------------------------------------
+
+    @property
+    def handle(self):
+        """This view's own handle tensor: an identity of the stack shard's handle.
+
+        The tape keys gradients by tensor, so each view needs its own; it is
+        never read as a variable (a read of it would return the whole stack
+        shard). Eagerly one per stack variable; in a traced function one per
+        outermost function graph (nested graphs capture it), made on the
+        stack shard's device so that passing it costs no transfer.
+        """
+        inner = self.stack_shard._v  # pylint: disable=protected-access
+        if tf.executing_eagerly():
+            var, handle = self._eager_handle
+            if var is not inner:
+                with tf.device(inner.device):
+                    handle = tf.identity(inner.handle)
+                self._eager_handle = (inner, handle)
+            return handle
+        graph = tf.compat.v1.get_default_graph()
+        outer = variables_lib.outermost_function_graph(graph)
+        cache = getattr(outer, _VIEW_HANDLES_ATTR, None)
+        if cache is None:
+            cache = {}
+            setattr(outer, _VIEW_HANDLES_ATTR, cache)
+        entry = cache.get(self._id)
+        if entry is None or entry[0] is not inner:
+            with outer.as_default(), tf.control_dependencies(None), tf.device(inner.device):
+                entry = (inner, tf.identity(inner.handle, name="table_view_handle"))
+            cache[self._id] = entry
+        if graph is outer:
+            return entry[1]
+        return graph.capture(entry[1])
+
+    # -- reads -----------------------------------------------------------------
+
+    def _read(self, local_ids: tf.Tensor) -> tf.Tensor:
+        """Rows `local_ids` (1-D, of this view) of the stack shard; gradient to this view."""
+        watch(self)  # Every active tape now watches `self.handle`.
+        inner = self.stack_shard._v  # pylint: disable=protected-access
+        local_ids = tf.convert_to_tensor(local_ids)
+        if not local_ids.dtype.is_integer:
+            local_ids = tf.cast(local_ids, tf.int64)
+        physical = _shift_valid(local_ids, local_ids + tf.cast(self.offset, local_ids.dtype),
+                                self.num_rows)
+        dense_shape = tf.constant(self.shape.as_list(), tf.int32)
+        dtype = self.dtype
+
+        @tf.custom_gradient
+        def read(handle):
+            del handle  # Only the gradient's input: the rows come from the stack.
+            rows = tf.raw_ops.ResourceGather(resource=inner.handle, indices=physical,
+                                             dtype=dtype)
+
+            def grad(dy):
+                return tf.IndexedSlices(dy, local_ids, dense_shape)
+
+            return rows, grad
+
+        with tf.device(inner.device):
+            return read(self.handle)
+
+    def sparse_read(self, indices, name=None):
+        del name
+        indices = tf.convert_to_tensor(indices)
+        flat = tf.reshape(indices, [-1])
+        rows = self._read(flat)
+        return tf.reshape(rows, tf.concat([tf.shape(indices), tf.shape(rows)[1:]], axis=0))
+
+    def value(self):
+        return self._read(tf.range(self.num_rows, dtype=tf.int64))
+
+    def read_value(self):
+        return self.value()
+
+    def value_as(self, dtype=None) -> tf.Tensor:
+        """The view's rows as a tensor (cast to `dtype` if given): what conversion gives."""
+        value = self.value()
+        return value if dtype is None or dtype == value.dtype else tf.cast(value, dtype)
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        del name, as_ref
+        return self.value_as(dtype)
+
+    def numpy(self):
+        if not tf.executing_eagerly():
+            raise NotImplementedError("numpy() is only available when eager execution is enabled.")
+        return self.value().numpy()
+
+    def __array__(self, dtype=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+    def gather_nd(self, indices, name=None):
+        raise NotImplementedError(
+            f"{self._shared_name} is a stacked table's rows: gather_nd is not supported. "
+            "Use sparse_read / tf.gather, or stack_tables=False.")
+
+    # -- writes ----------------------------------------------------------------
+
+    def _rows_range(self):
+        return tf.range(self.num_rows, dtype=tf.int64)
+
+    def _scatter(self, method: str, indices, values):
+        """Writes `values` at this view's rows `indices` (local; outside it: an error)."""
+        indices = tf.convert_to_tensor(indices)
+        if not indices.dtype.is_integer:
+            indices = tf.cast(indices, tf.int64)
+        physical = _shift_valid(indices, indices + tf.cast(self.offset, indices.dtype),
+                                self.num_rows)
+        values = tf.convert_to_tensor(values, dtype=self.dtype)
+        getattr(self.stack_shard, method)(tf.IndexedSlices(values, physical))
+        return self
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._scatter("scatter_update", self._rows_range(), value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._scatter("scatter_add", self._rows_range(), delta)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._scatter("scatter_sub", self._rows_range(), delta)
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_update", sparse_delta.indices, sparse_delta.values)
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_add", sparse_delta.indices, sparse_delta.values)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_sub", sparse_delta.indices, sparse_delta.values)
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def _gather_saveables_for_checkpoint(self):
+        # The table saves its rows (under its own key); a view alone has none.
+        return {}
+
+    def _serialize_to_tensors(self):
+        return {}
+
+
+def _view_to_tensor(view, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    return view.value_as(dtype)
+
+
+tf.register_tensor_conversion_function(TableView, _view_to_tensor)
+# TF's type-based dispatch ignores unregistered types (see _tf_internal).
+tf_dispatch.register_dispatchable_type(TableView)
+
+
+@tf.experimental.dispatch_for_api(
+    tf.compat.v1.nn.embedding_lookup, {"params": List[TableView]})
+def _embedding_lookup_views(params, ids, partition_strategy="mod", name=None,
+                            validate_indices=True, max_norm=None):
+    """A "mod" lookup over a stacked table's views (TF's, which would read them densely).
+
+    TF's v1 lookup converts a list of params to dense tensors unless one of
+    them is a `BaseResourceVariable`, and its sparse and safe lookups call it
+    with the list they are given: this is its "mod" path, gathering from
+    each view (`TableView.sparse_read`: one gather of the stack shard, the
+    gradient to the view).
+    """
+    del partition_strategy, validate_indices  # Always the table's own "mod" layout.
+    views = list(params)
+    with tf.name_scope(name or "embedding_lookup"):
+        ids = tf.convert_to_tensor(ids)
+        flat = tf.reshape(ids, [-1])
+        n = len(views)
+        shard = tf.cast(flat % n, tf.int32)
+        local = tf.dynamic_partition(flat // n, shard, n)
+        positions = tf.dynamic_partition(tf.range(tf.size(flat)), shard, n)
+        rows = []
+        for view, part in zip(views, local):
+            got = view.sparse_read(part)
+            if max_norm is not None:
+                got = tf.clip_by_norm(got, max_norm, axes=[1])
+            rows.append(got)
+        out = tf.dynamic_stitch(positions, rows)
+        return tf.reshape(out, tf.concat([tf.shape(ids), tf.shape(out)[1:]], axis=0))
+
+
 class StackedTableSpec(sharded_variable.ShardedVariableSpec):
     """TypeSpec that rebuilds a `StackedTable` with its offsets."""
 
@@ -278,9 +644,39 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
     def _serialize(self):
         return (self._row_offsets, self._num_rows, self._table_name) + self._variable_specs
 
+    def _to_components(self, value):
+        # What `tf.nest` (expand_composites) and Keras (`Layer._track_variables`,
+        # when a layer sets `self.embeddings = table`) see inside a table: its
+        # own views, not the stack's shards (other tables' rows).
+        views = getattr(value, "views", None)
+        return list(views) if views else super()._to_components(value)
+
     def _from_components(self, variables):
-        return StackedTable(list(variables), self._row_offsets, self._num_rows,
+        variables = list(variables)
+        if variables and all(isinstance(v, TableView) for v in variables):
+            return variables[0].table
+        return StackedTable(variables, self._row_offsets, self._num_rows,
                             name=self._table_name)
+
+
+class _TableSet:
+    """The live tables of a stack, by identity (a WeakSet would compare tables with ==)."""
+
+    def __init__(self):
+        self._refs: Dict[int, "weakref.ref[StackedTable]"] = {}
+
+    def add(self, table) -> None:
+        self._refs[id(table)] = weakref.ref(table, lambda _, key=id(table): self._refs.pop(key,
+                                                                                         None))
+
+    def discard(self, table) -> None:
+        self._refs.pop(id(table), None)
+
+    def __iter__(self):
+        return iter([t for t in (ref() for ref in list(self._refs.values())) if t is not None])
+
+    def __len__(self):
+        return len(list(iter(self)))
 
 
 class _Stack:
@@ -308,8 +704,12 @@ class _Stack:
         self._creator = creator
         self._on_replace = on_replace
         self.sealed = False
+        self.traced = False  # A traced function has used its variables (set by its shards).
         self.materializations = 0
-        self.tables: "weakref.WeakSet[StackedTable]" = weakref.WeakSet()
+        self.tables = _TableSet()
+        # The tables whose rows are in `pending`, in order (one piece each per shard).
+        self.pending_tables: List["weakref.ref[StackedTable]"] = []
+        self.owner: Optional["weakref.ref[TableStacks]"] = None  # Set by TableStacks.
 
     @property
     def num_bytes(self) -> int:
@@ -350,17 +750,91 @@ class _Stack:
                 new._aggregating_container = weakref.ref(shard)  # pylint: disable=protected-access
                 self.pending[s] = []
                 self._on_replace(old, new)
+        self.pending_tables = []
         self.materializations += 1
 
+    def never_made(self) -> bool:
+        """Whether no shard has its variable yet (nothing can have read the stack)."""
+        return all(shard._inner is None for shard in self.shards)  # pylint: disable=protected-access
 
-def _shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows: int) -> tf.Tensor:
+    def like(self, name: str) -> "_Stack":
+        """A new, empty stack of the same row width, dtype, shards and creator."""
+        stack = _Stack(name, len(self.shards), self.width, self.dtype, lambda s: None,
+                       self._creator, self._on_replace)
+        for mine, theirs in zip(stack.shards, self.shards):
+            mine._device = theirs._device  # pylint: disable=protected-access
+            mine._distribute_strategy = theirs._distribute_strategy  # pylint: disable=protected-access
+        stack.owner = self.owner
+        return stack
+
+
+def _shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows) -> tf.Tensor:
     """`shifted` where ``0 <= ids < num_rows``; negative ids as they are; the rest out of range.
 
     Elementwise only (no assertion op), so it costs the step nothing
-    measurable; the shard's gather or scatter raises the error.
+    measurable; the shard's gather or scatter raises the error, as it does
+    for an unstacked table.
     """
     too_big = tf.fill(tf.shape(ids), tf.constant(ids.dtype.max, ids.dtype))
     return tf.where(ids < 0, ids, tf.where(ids < num_rows, shifted, too_big))
+
+
+def shift_valid_per_id(ids: tf.Tensor, shifted: tf.Tensor, num_rows: tf.Tensor) -> tf.Tensor:
+    """`_shift_valid` with a row count per id (ids of several tables at once)."""
+    return _shift_valid(ids, shifted, num_rows)
+
+
+def separate_by_model(model) -> None:
+    """Gives a model's stacked tables stacks of their own before its first traced call.
+
+    A stack is filled as layers are built, before any model exists; two
+    models built in one scope (a target network, a teacher) and the frozen
+    tables of a model would share it. Before any traced function uses a
+    stack, its tables are split by who trains them: `model`'s trainable
+    tables, its frozen ones, and the rest (whose own model sorts them out
+    when it runs).
+    Then an optimizer's one apply per stack updates exactly the tables it
+    is given (`stacked_updates`), whatever kind of optimizer it is.
+    """
+    mine, trainable = {}, set()
+    for view in model.weights:
+        if isinstance(view, TableView):
+            mine[id(view.table)] = view.table
+    if not mine:
+        return
+    for view in model.trainable_variables:
+        if isinstance(view, TableView):
+            trainable.add(id(view.table))
+    stacks = {}
+    for table in mine.values():
+        if table.stack is not None and not (table.stack.sealed or table.stack.traced):
+            stacks[id(table.stack)] = table.stack
+    if not stacks:
+        return
+
+    def group_of(table):
+        if id(table) not in mine:
+            return "other"
+        return "trainable" if id(table) in trainable else "frozen"
+
+    with tf.init_scope():  # Bookkeeping of eager objects, also while a step is traced.
+        for stack in stacks.values():
+            owner = stack.owner() if stack.owner is not None else None
+            if owner is not None:
+                owner.separate(stack, group_of)
+
+
+def watch(view: "TableView") -> None:
+    """Makes every active tape watch `view`, as reading a variable does."""
+    tape_lib.variable_accessed(view)
+
+
+def _current_rows(variable, table, s: int) -> tf.Tensor:
+    """`table`'s rows of stack shard `s`, read from the shard's `variable` (on its PS)."""
+    start = table.row_offsets[s]
+    count = table._shard_counts[s]  # pylint: disable=protected-access
+    with tf.device(variable.device):
+        return tf.identity(variable.sparse_read(tf.range(start, start + count, dtype=tf.int64)))
 
 
 def _rows_of(old: Optional[tf.Variable], pieces, dtype) -> tf.Tensor:
@@ -399,6 +873,9 @@ class _StackShard(ps_values.AggregatingVariable):
     def _v(self):
         if self._inner is None or self._stack.pending[self._index]:
             self._stack.materialize()
+        if not tf.executing_eagerly():
+            # A traced function may now hold this variable: never split the stack.
+            self._stack.traced = True
         return self._inner
 
     @property
@@ -452,8 +929,10 @@ class TableStacks:
         shard_devices: Maps a shard index to its PS device.
     """
 
-    def __init__(self, shard_devices: Callable[[int], str]):
+    def __init__(self, shard_devices: Callable[[int], str],
+                 on_restack: Callable[["StackedTable", str], None] = lambda table, name: None):
         self._device_of = shard_devices
+        self._on_restack = on_restack
         self._open: Dict[tuple, "weakref.ref[_Stack]"] = {}
         self._all: List["weakref.ref[_Stack]"] = []
         self._count = 0
@@ -505,6 +984,7 @@ class TableStacks:
             name_ = f"stacked_tables_{width}_{dtype.name}_{self._count}"
             self._count += 1
             stack = _Stack(name_, num_shards, width, dtype, self._device_of, creator, on_replace)
+            stack.owner = weakref.ref(self)
             # Weak: a stack lives as long as a table in it (tables hold it).
             self._open[key] = weakref.ref(stack)
             self._all.append(weakref.ref(stack))
@@ -512,10 +992,74 @@ class TableStacks:
                                shard_rows(int(shape[0]), num_shards, SHARDING_INTERLEAVED))
         table = StackedTable(stack.shards, offsets, int(shape[0]), name=name, stack=stack)
         stack.tables.add(table)
+        stack.pending_tables.append(weakref.ref(table))
         return table
 
+    def separate(self, stack: _Stack, group_of: Callable[["StackedTable"], object]) -> None:
+        """Splits a stack no traced function uses yet into one stack per group of its tables.
+
+        `group_of(table)` names each table's group; the first group stays in
+        `stack`. If the stack's variables exist (an eager read or a restore
+        made them), each table's rows are read out of them and the variables
+        are made anew per group, else only the pending rows move. Every
+        moved table is re-pointed at its new stack's shards. Nothing happens
+        once a slot exists or a traced function used the stack
+        (`separate_by_model` runs this when a model starts a traced call).
+        """
+        if stack.sealed or stack.traced:
+            return  # Slots exist, or a traced function holds its variables.
+        n = len(stack.shards)
+        if stack.never_made():
+            members = [(ref(), [stack.pending[s][k] for s in range(n)])
+                       for k, ref in enumerate(stack.pending_tables)]
+            dead = any(t is None for t, _ in members)
+            members = [(t, pieces) for t, pieces in members if t is not None]
+        else:
+            # Made (an eager read, a restore), but no function holds it: each
+            # table's current rows are read out, and the old variables freed.
+            members = [(t, None) for t in sorted(stack.tables, key=lambda t: t.row_offsets)]
+            dead = False
+        groups: Dict[object, list] = {}
+        for table, pieces in members:
+            groups.setdefault(group_of(table), []).append((table, pieces))
+        if len(groups) < 2 and not dead:
+            return
+        if not stack.never_made():
+            stack.materialize()  # Tables appended since: their rows into the variables.
+            members = [(t, [_current_rows(stack.shards[s]._inner, t, s)  # pylint: disable=protected-access
+                            for s in range(n)]) for t, _ in members]
+            groups = {}
+            for table, pieces in members:
+                groups.setdefault(group_of(table), []).append((table, pieces))
+            for shard in stack.shards:
+                stack._on_replace(shard._inner, None)  # pylint: disable=protected-access
+                shard._inner = None  # pylint: disable=protected-access
+        for i, items in enumerate(groups.values()):
+            if i == 0:
+                target = stack
+            else:
+                target = stack.like(f"stacked_tables_{stack.width}_{stack.dtype.name}_"
+                                    f"{self._count}")
+                self._count += 1
+                self._all.append(weakref.ref(target))
+            target.rows = [0] * len(target.shards)
+            target.pending = [[] for _ in target.shards]
+            target.pending_tables = []
+            for table, pieces in items:
+                offsets = list(target.rows)
+                for s, piece in enumerate(pieces):
+                    target.pending[s].append(piece)
+                    target.rows[s] += table._shard_counts[s]  # pylint: disable=protected-access
+                target.pending_tables.append(weakref.ref(table))
+                if target is not stack:
+                    stack.tables.discard(table)
+                table._rebind(target, offsets)  # pylint: disable=protected-access
+                self._on_restack(table, target.name)
+
     def stack_of(self, var) -> Optional[_Stack]:
-        """The stack whose shard `var` is (the wrapper or its current variable), or None."""
+        """The stack whose shard `var` is (the wrapper, its variable or a view), or None."""
+        if isinstance(var, TableView):
+            var = var.stack_shard
         for stack in self.stacks():
             for shard in stack.shards:
                 if var is shard or var is shard._inner:  # pylint: disable=protected-access

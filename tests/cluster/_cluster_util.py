@@ -118,17 +118,15 @@ def result_line(output: str, marker: str = "RESULT") -> Optional[str]:
     return found
 
 
-def assert_checks_passed(result, checks, known_failures=()) -> None:
+def assert_checks_passed(result, checks) -> None:
     """Asserts a chief script's `CHECK <name> ok|FAIL <why>` lines: each in `checks`
-    present, none failed (but those named in `known_failures`, which the
-    caller reports), and the script ended with `DONE` and exit 0."""
+    present, none failed, and the script ended with `DONE` and exit 0."""
     verdicts = {}
     for line in result.stdout.splitlines():
         if "CHECK " in line:
             name, verdict = (line.split("CHECK ", 1)[1].split(" ", 1) + [""])[:2]
             verdicts.setdefault(name, []).append(verdict)
-    failed = {name: v for name, v in verdicts.items()
-              if any(x != "ok" for x in v) and name not in known_failures}
+    failed = {name: v for name, v in verdicts.items() if any(x != "ok" for x in v)}
     assert not failed, failed
     missing = [name for name in checks if name not in verdicts]
     assert not missing, (missing, result.stdout[-6000:])

@@ -19,9 +19,8 @@ else changed:
 Each check is asserted here by name, so a failure names what broke.
 
 The layer checks also run with ``stack_tables=True`` (opt-in table
-stacking, issue 29). There the checks that need each table to be its own
-variable to Keras (`STACKING_GAPS`) still fail: that test asserts every
-other check and reports the gaps as an expected failure, naming them.
+stacking, issue 29), where each table must still look like its own
+variable to every Keras API.
 """
 
 import os
@@ -65,19 +64,9 @@ KERAS_LAYER_CHECKS = (
     "out_of_range_id_fails",
     "safe_lookup_missing_id_is_zeros",
     "constraint_holds",
-)
-
-# What stacking still changes (issue 29): Keras lists a stack's shard
-# variables as every member layer's weights, so the layer's own weights,
-# trainability, regularizer and the other model's tables are the stack's.
-STACKING_GAPS = (
-    "layer_weights_are_own_table",
-    "count_params_is_own_table",
-    "trainable_variables_name_tables",
-    "regularizer_covers_own_table",
-    "frozen_table_does_not_train",
-    "other_model_untouched",
-    "set_weights_copies_tables",
+    "adam_frozen_table_does_not_train",
+    "adam_other_model_untouched",
+    "adam_trainable_table_trains",
 )
 
 pytestmark = [pytest.mark.cluster]
@@ -114,18 +103,9 @@ def test_keras_layer_arguments(make_cluster):
 
 @pytest.mark.timeout(420)
 def test_keras_layer_arguments_with_stacked_tables(make_cluster):
-    """stack_tables=True: ids outside a table fail and the safe lookups' -1 is missing.
-
-    The checks in `STACKING_GAPS` are reported as an expected failure (not
-    a pass) while they fail; a gap that starts to hold fails this test, so
-    that the list is kept true.
-    """
+    """stack_tables=True: every point holds as without stacking (issue 29)."""
     cluster = make_cluster(num_workers=2, num_ps=2)
     cluster.start_servers()
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_keras_layers.py"),
                                 "stacked"], timeout=360)
-    cu.assert_checks_passed(result, KERAS_LAYER_CHECKS, known_failures=STACKING_GAPS)
-    holding = [c for c in STACKING_GAPS if f"CHECK {c} ok" in result.stdout]
-    assert not holding, (f"{holding} now hold with stack_tables=True: remove them from "
-                         "STACKING_GAPS.")
-    pytest.xfail(f"issue 29, with stack_tables=True: {', '.join(STACKING_GAPS)} still fail")
+    cu.assert_checks_passed(result, KERAS_LAYER_CHECKS)

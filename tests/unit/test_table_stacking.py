@@ -14,12 +14,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import export, lookup_fusion, shard_init, sharding, table_lookups
+from tf_psplugin import (export, lookup_fusion, shard_init, sharding, stacked_updates,
+                         table_lookups)
 from tf_psplugin.placement import base_name
 from tf_psplugin.sharding import InterleavedShardedVariable
-from tf_psplugin.table_stacking import StackedTable, TableStacks
+from tf_psplugin.table_stacking import StackedTable, TableStacks, TableView
 
 FEATURES, VOCAB, SHARDS = 4, 23, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stacked_updates():
+    # What a strategy with stack_tables=True installs: the views' gradients
+    # merged into one apply per stack shard.
+    stacked_updates.install()
 
 
 def _table_creator(stacks, num_shards=SHARDS):
@@ -91,8 +99,18 @@ def test_tables_of_one_width_share_one_variable_per_shard():
     for s in range(SHARDS):
         assert all(t.variables[s] is narrow[0].variables[s] for t in narrow)
     assert tables["emb_3"].variables[0] is not narrow[0].variables[0]
-    # Keras lists each stack shard once: 2 stacks x 2 shards + 2 dense layers x 2.
-    assert len(model.trainable_variables) == 2 * SHARDS + 4
+    # Keras lists each table's own rows of each stack shard (its views), named
+    # and shaped as an unstacked table's shards, never the stack's shards.
+    listed = model.trainable_variables
+    assert len(listed) == FEATURES * SHARDS + 4
+    for f in range(FEATURES):
+        layer = model.get_layer(f"emb_{f}")
+        assert [w.name for w in layer.weights] == [
+            f"emb_{f}/embeddings/part_{s}:0" for s in range(SHARDS)]
+        rows = VOCAB + 8 if f == 2 else VOCAB
+        assert [w.shape.as_list()[0] for w in layer.weights] == [(rows + 1) // 2, rows // 2]
+        assert layer.count_params() == rows * (8 if f == 3 else 4)
+    assert not any(w is s for w in listed for t in narrow for s in t.variables)
     assert [t.shape.as_list() for t in narrow] == [[VOCAB, 4], [VOCAB, 4], [VOCAB + 8, 4]]
     assert narrow[0].variables[0].shape.as_list() == [12 + 12 + 16, 4]
     assert [t.row_offsets for t in narrow] == [(0, 0), (12, 11), (24, 22)]
@@ -122,9 +140,14 @@ def test_each_stack_shard_is_allocated_once():
     assert [s.materializations for s in stacks.stacks()] == [1, 1]
 
 
-def test_one_gather_and_one_apply_per_stack_shard():
+def test_one_gather_and_one_apply_per_stack_shard(monkeypatch):
     model = _model(TableStacks(lambda s: None))
     optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+
+    def dense_read(view):
+        raise AssertionError(f"{view.name} read densely in a step that only looks rows up")
+
+    monkeypatch.setattr(TableView, "value", dense_read)
     step = _train(model, optimizer, _batches(1))
     graph = step.get_concrete_function(*_batches(1)[0]).graph
     applies = [op for op in graph.get_operations()
@@ -161,6 +184,106 @@ def test_lookups_see_one_table():
     graph = tf.function(lambda: table_lookups.lookup_tables(tables, ids_list)) \
         .get_concrete_function().graph
     assert sum(op.type == "ResourceGather" for op in graph.get_operations()) == SHARDS
+
+
+def test_views_read_and_write_only_their_rows():
+    """What Keras does with a layer's weights: read, set_weights, assign_*, scatter_*."""
+    model = _model(TableStacks(lambda s: None))
+    tables = _tables(model)
+    before = {n: t.numpy() for n, t in tables.items()}
+    layer = model.get_layer("emb_1")
+    weights = layer.get_weights()
+    full = before["emb_1"]
+    for s, w in enumerate(weights):  # Shard s holds logical rows s, s + 2, ...
+        np.testing.assert_array_equal(w, full[s::SHARDS])
+    layer.set_weights([w + 1.0 for w in weights])
+    np.testing.assert_array_equal(tables["emb_1"].numpy(), full + 1.0)
+    view = layer.weights[1]
+    view.assign_sub(tf.ones(view.shape))
+    view.scatter_add(tf.IndexedSlices(tf.fill([1, 4], 5.0), tf.constant([2], tf.int64)))
+    expect = full + 1.0
+    expect[1::SHARDS] -= 1.0
+    expect[1 + 2 * SHARDS] += 5.0
+    np.testing.assert_array_equal(tables["emb_1"].numpy(), expect)
+    np.testing.assert_array_equal(np.asarray(view), expect[1::SHARDS])
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        view.scatter_update(tf.IndexedSlices(tf.ones([1, 4]), tf.constant([11], tf.int64)))
+    for n in ("emb_0", "emb_2", "emb_3"):
+        np.testing.assert_array_equal(tables[n].numpy(), before[n])
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["pending", "made"])
+def test_models_and_frozen_tables_get_stacks_of_their_own(monkeypatch, read_first):
+    """Two models in one scope and a frozen table, trained with Adam (not row-local).
+
+    The tables of both models fill one stack as they are built; when the
+    first model starts a traced call, its trainable tables, its frozen one
+    and the other model's are split into three stacks, so that Adam's one
+    apply per stack shard moves exactly the tables it trains.
+    """
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    lookup_fusion.install()
+    stacks = TableStacks(lambda s: None)
+    first, second = _model(stacks), _model(stacks, seed=3)
+    narrow = lambda m: [_tables(m)[f"emb_{f}"] for f in range(3)]  # noqa: E731
+    assert len({id(t.stack) for t in narrow(first) + narrow(second)}) == 1
+    first.get_layer("emb_1").trainable = False
+    plain = _model(None)
+    plain.get_layer("emb_1").trainable = False
+    if read_first:  # An eager read makes the stack's variables; the split copies them.
+        first.get_weights()
+        assert not narrow(first)[0].stack.never_made()
+    _train(first, tf.keras.optimizers.Adam(0.05), _batches())
+    _train(plain, tf.keras.optimizers.Adam(0.05), _batches())
+    trained = narrow(first)
+    assert trained[0].stack is trained[2].stack
+    assert trained[1].stack is not trained[0].stack
+    assert all(t.stack is not trained[0].stack and t.stack is not trained[1].stack
+               for t in narrow(second))
+    np.testing.assert_array_equal(_tables(first)["emb_1"].numpy(),
+                                  _tables(_model(None))["emb_1"].numpy())  # Initial values.
+    for a, b in zip(export.logical_weights(second), export.logical_weights(_model(None, seed=3))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(export.logical_weights(first), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_row_local_optimizer_refuses_a_partly_trained_stack():
+    """Adam on a stack some of whose tables get no gradient: an error naming the fix."""
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    model.get_layer("emb_1").trainable = False  # Not split: no traced model call.
+    for stack in stacks.stacks():
+        stack.traced = True  # As once a traced function has used it: never split.
+    optimizer = tf.keras.optimizers.Adam(0.05)
+    x, y = _batches(1)[0]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    grads = tape.gradient(loss, model.trainable_variables)
+    with pytest.raises(stacked_updates.StackingError, match="stack_tables=False"):
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    # A row-local optimizer updates only the rows it is given: no error.
+    tables = _tables(model)
+    frozen = tables["emb_1"].numpy()
+    tf.keras.optimizers.legacy.Adagrad(0.3).apply_gradients(
+        zip(grads, model.trainable_variables))
+    np.testing.assert_array_equal(tables["emb_1"].numpy(), frozen)
+
+
+@pytest.mark.parametrize("late", ["clipnorm", "weight_decay", "none"])
+def test_per_variable_clipping_and_decay_stay_per_table(late):
+    """clipnorm and weight decay act on each table's own gradient and rows, as unstacked."""
+    kwargs = {"clipnorm": {"clipnorm": 0.01}, "weight_decay": {"weight_decay": 0.1},
+              "none": {}}[late]
+    stacked, plain = _model(TableStacks(lambda s: None)), _model(None)
+    for model in (stacked, plain):
+        optimizer = tf.keras.optimizers.AdamW(0.05, **kwargs) if late == "weight_decay" \
+            else tf.keras.optimizers.SGD(0.5, **kwargs)
+        if late == "weight_decay":
+            optimizer.exclude_from_weight_decay(var_names=["emb_2"])
+        _train(model, optimizer, _batches(3))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_writes_touch_only_the_table():
@@ -362,8 +485,10 @@ _FEATURE_COLUMNS = r'''
 import functools, sys
 import numpy as np
 import tensorflow as tf
-from tf_psplugin import shard_init, sharding
+from tf_psplugin import shard_init, sharding, stacked_updates
 from tf_psplugin.table_stacking import TableStacks
+
+stacked_updates.install()  # What a strategy with stack_tables=True installs.
 
 def creator_for(stacks):
     def creator(next_creator, **kwargs):
