@@ -10,32 +10,45 @@ tables of one row width, dtype and PS count as ONE variable per PS (a
 "stack"); each table keeps its own logical object, a `StackedTable`, which is
 its rows inside the stack.
 
-How it stays transparent:
+How no Keras or TF API can tell (issue 29):
 
-* **Keras sees the stack's shard variables** (Keras lists a sharded table's
-  shards as the layer's weights): every stacked layer lists the same two
-  shards, and Keras de-duplicates weights by identity, so `model.
-  trainable_variables` holds each stack shard once. One gradient per stack
-  shard and step (the tape sums the tables' gathers of it), one optimizer
-  apply, one set of slots: the per-table costs disappear without touching the
-  model or the optimizer.
+* **Keras sees each table's own rows** (`TableView`): a stacked table
+  lists, as its weights, one view per stack shard -- named, shaped and
+  holding the rows an unstacked table's shard would (``<layer>/embeddings/
+  part_<s>``, ``[rows, D]``). `layer.weights`, `get_weights`/`set_weights`,
+  `count_params`, `trainable_variables`, `trainable=False`, regularizers
+  and `tf.nest` see the table alone; the stack's shards appear nowhere.
+* **Each table gets its own gradient**: a view's reads are gathers of the
+  stack shard through a custom gradient whose input is the view's own
+  handle tensor, so the tape gives each view an `IndexedSlices` of its own
+  rows. A functional model's lookups of one stack are still one gather per
+  PS (`table_lookups.lookup_tables`), with the gradient split per view.
+* **One apply per stack shard** (`stacked_updates`): the views' gradients
+  are merged into one gradient of the stack shard, with one set of slots;
+  it refuses, with an error naming the fix, where one apply would not
+  equal per-table applies.
+* **Stacks per model**: a model's first traced call splits the stacks it
+  uses -- not yet used by any traced function nor given slots -- into its
+  trainable tables, its frozen ones and everything else
+  (`separate_by_model`), so a second model built in the same scope (a
+  target network, a teacher) or a frozen table never shares a stack with
+  the tables an optimizer trains.
 * **Everything that names a table sees the `StackedTable`**: lookups
   (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
   reads, `assign`, checkpoints (each table saved under its own key, in
   logical row order: it restores into unstacked tables, any PS count and a
-  single process), the placement report and export.
+  single process), the placement report and export. An id outside
+  ``[0, V)`` fails as on an unstacked table.
 * **Growth, not planning**: a layer builds its table alone, before the next
   layer exists. The first table of a group opens a stack; each later one is
-  appended to it. The stack's shards (forwarding variables that Keras and
-  every table hold) get their variables, of the full size, when first
-  needed (a lookup, a read, a slot, a checkpoint), so each PS allocates a
-  stack once. A stack is sealed once an optimizer slot is made for it: a
-  table created after that starts a new stack.
+  appended to it. The stack's shards get their variables, of the full
+  size, when first needed (a lookup, a read, a slot, a checkpoint), so
+  each PS allocates a stack once. A table made after a slot exists for a
+  stack or a traced function used it starts a new stack.
 
-Off by default (the strategy's ``stack_tables=False``): every member layer
-reports the stack's shards as its own weights, so Keras's per-layer view
-(`weights`, `trainable`, regularizers, two models in one scope) covers the
-whole stack; docs/api.md lists the differences.
+Off by default (the strategy's ``stack_tables=False``): docs/api.md lists
+what a program can still tell (optimizers other than Keras's known ones
+are refused, a stack's slots are the optimizer's variables).
 
 Which tables stack (`eligible`): 2-D float tables of a strategy with
 ``stack_tables=True``, made eagerly (Keras builds layers eagerly),
@@ -198,8 +211,10 @@ class StackedTable(InterleavedShardedVariable):
         """For async checkpointing: a `StackedTable` over copies of the stack shards."""
         copies = []
         for v in self._variables:
-            if v not in object_map:
-                v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+            # Every time, as TF's ShardedVariable does: a copy made by an
+            # earlier save must get this save's values (shared shards are
+            # copied once per table of the stack; correctness first).
+            v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
             copies.append(object_map[v])
         if self not in object_map:
             object_map[self] = StackedTable(copies, self._row_offsets, int(self._shape[0]),
@@ -978,7 +993,9 @@ class TableStacks:
         key = (width, dtype.name, num_shards)
         stack = self._open[key]() if key in self._open else None
         table_bytes = shape.num_elements() * dtype.size
-        if stack is not None and (stack.sealed or stack.num_bytes + table_bytes > MAX_STACK_BYTES):
+        if stack is not None and (stack.sealed or stack.traced
+                                  or stack.num_bytes + table_bytes > MAX_STACK_BYTES):
+            # (Traced: a function holds its variables, which a join would replace.)
             stack = None
         if stack is None:
             name_ = f"stacked_tables_{width}_{dtype.name}_{self._count}"

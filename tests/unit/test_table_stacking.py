@@ -413,6 +413,32 @@ def test_a_table_made_after_slots_starts_a_new_stack():
     assert len(stacks.stacks()) == 4
 
 
+def test_a_table_made_after_a_traced_use_starts_a_new_stack():
+    """A traced function holds the stack's variables: a join would replace them under it."""
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    _train(model, tf.keras.optimizers.legacy.SGD(0.1), _batches(1))  # No slots: not sealed.
+    assert all(s.traced for s in stacks.stacks())
+    late = _model(stacks, seed=3)
+    assert _tables(late)["emb_0"].stack is not _tables(model)["emb_0"].stack
+
+
+def test_async_checkpoints_save_each_saves_values(tmp_path):
+    """An async checkpoint's CPU copies are refreshed at every save, not only the first."""
+    model = _model(TableStacks(lambda s: None))
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.3)
+    checkpoint = _checkpointed(model, optimizer)
+    options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    checkpoint.write(str(tmp_path / "first"), options=options)
+    _train(model, optimizer, _batches(2))
+    second = checkpoint.write(str(tmp_path / "second"), options=options)
+    checkpoint.sync()
+    other = _model(None, seed=5)
+    tf.train.Checkpoint(model=other).read(second).expect_partial()
+    for a, b in zip(export.logical_weights(other), export.logical_weights(model)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_not_stacked():
     stacks = TableStacks(lambda s: None)
     shape = tf.TensorShape([100, 4])
