@@ -74,9 +74,8 @@ import tensorflow as tf
 
 from tf_psplugin._scopes import ThreadScope
 from tf_psplugin._tf_internal import (
-    ps_values, resource_variable_ops, sharded_variable, tape_lib, tf_dispatch)
+    ps_values, resource_variable_ops, save_context, sharded_variable, tape_lib, tf_dispatch)
 from tf_psplugin import table_lookups
-from tf_psplugin import variables as variables_lib
 from tf_psplugin.placement import SHARDING_INTERLEAVED
 from tf_psplugin.sharding import InterleavedShardedVariable, _LogicalTableSaveable
 from tf_psplugin.table_layout import _interleave, _range_plan, shard_rows
@@ -468,8 +467,8 @@ class TableView(tf.Variable):
         The tape keys gradients by tensor, so each view needs its own; it is
         never read as a variable (a read of it would return the whole stack
         shard). Eagerly one per stack variable; in a traced function one per
-        outermost function graph (nested graphs capture it), made on the
-        stack shard's device so that passing it costs no transfer.
+        graph, made on the stack shard's device so that passing it costs no
+        transfer.
         """
         inner = self.stack_shard._v  # pylint: disable=protected-access
         if tf.executing_eagerly():
@@ -480,24 +479,31 @@ class TableView(tf.Variable):
                 self._eager_handle = (inner, handle)
             return handle
         graph = tf.compat.v1.get_default_graph()
-        outer = variables_lib.outermost_function_graph(graph)
-        cache = getattr(outer, _VIEW_HANDLES_ATTR, None)
+        cache = getattr(graph, _VIEW_HANDLES_ATTR, None)
         if cache is None:
             cache = {}
-            setattr(outer, _VIEW_HANDLES_ATTR, cache)
+            setattr(graph, _VIEW_HANDLES_ATTR, cache)
         entry = cache.get(self._id)
         if entry is None or entry[0] is not inner:
-            with outer.as_default(), tf.control_dependencies(None), tf.device(inner.device):
+            # In this graph itself (a nested graph captures the stack's
+            # variable, as for any variable, never another graph's tensor:
+            # tf.saved_model.save refuses those).
+            with tf.control_dependencies(None), tf.device(inner.device):
                 entry = (inner, tf.identity(inner.handle, name="table_view_handle"))
             cache[self._id] = entry
-        if graph is outer:
-            return entry[1]
-        return graph.capture(entry[1])
+        return entry[1]
 
     # -- reads -----------------------------------------------------------------
 
     def _read(self, local_ids: tf.Tensor) -> tf.Tensor:
         """Rows `local_ids` (1-D, of this view) of the stack shard; gradient to this view."""
+        if save_context.in_save_context():
+            # tf.saved_model.save: the table is saved as its one [V, D]
+            # saving variable (as TF saves any ShardedVariable), restored from
+            # the table's checkpoint value on load; the stack is not saved.
+            table = self._table
+            logical = tf.cast(local_ids, tf.int64) * len(table._variables) + self._index  # pylint: disable=protected-access
+            return tf.gather(table._saving_variable, logical)  # pylint: disable=protected-access
         watch(self)  # Every active tape now watches `self.handle`.
         inner = self.stack_shard._v  # pylint: disable=protected-access
         local_ids = tf.convert_to_tensor(local_ids)

@@ -486,6 +486,18 @@ def test_export_copies_each_table(tmp_path):
     assert isinstance(_tables(model)["emb_0"], InterleavedShardedVariable)
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_saved_model_of_the_model_itself(tmp_path, stacked):
+    """tf.saved_model.save of a stacked model (no copy) serves what the model computes."""
+    model = _model(TableStacks(lambda s: None) if stacked else None)
+    _train(model, tf.keras.optimizers.legacy.Adagrad(0.3), _batches(2))
+    x, _ = _batches(1, seed=7)[0]
+    tf.saved_model.save(model, str(tmp_path / "model"))
+    loaded = tf.saved_model.load(str(tmp_path / "model"))
+    np.testing.assert_allclose(loaded.signatures["serving_default"](
+        **{model.input_names[0]: x})[model.output_names[0]], model(x), rtol=1e-5)
+
+
 def test_new_optimizer_slots_restore_into_the_same_stacking(tmp_path):
     """Keras's new optimizers save slots by position: per stack, into the same stacking."""
     model = _model(TableStacks(lambda s: None))
