@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from tf_psplugin._compat import keras
+from tf_psplugin import table_stacking
 from tf_psplugin.table_stacking import TableView
 
 __all__ = ["StackingError", "install", "merge", "substitute"]
@@ -159,6 +160,11 @@ def merge(optimizer, grads_and_vars) -> list:
 
 
 def _merged_slices(shard, members) -> tf.IndexedSlices:
+    # The usual case in a functional model: the views' gradients are the
+    # pieces of one fused gather's gradient, unchanged; that gradient as is.
+    whole = table_stacking.whole_gradient([g for g, _ in members])
+    if whole is not None:
+        return whole
     values, indices = [], []
     for grad, view in members:
         if isinstance(grad, tf.IndexedSlices):

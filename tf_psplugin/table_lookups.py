@@ -18,7 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_psplugin._tf_internal import sharded_variable
+from tf_psplugin.placement import SHARDING_INTERLEAVED
 from tf_psplugin.sharding import InterleavedShardedVariable
+from tf_psplugin.table_layout import shard_rows
 
 
 # `ids` types the v1 lookups claim. Ragged ids are left to TF's ragged
@@ -261,6 +263,22 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     local_parts = tf.dynamic_partition(local, shard, num_shards)
     table_parts = tf.dynamic_partition(table_of, shard, num_shards)
     position_parts = tf.dynamic_partition(positions, shard, num_shards)
+    physical_parts = None
+    if any(getattr(t, "views", None) for t in tables):
+        # Stacked tables: each id's row in its stack shard, for all at once
+        # (an id outside its table stays out of every shard's range).
+        slot = tf.cast(table_of, tf.int64) * num_shards + tf.cast(shard, tf.int64)
+        offsets = tf.constant([o for t in tables
+                               for o in (getattr(t, "row_offsets", None) or (0,) * num_shards)],
+                              tf.int64)
+        counts = tf.constant([c for t in tables
+                              for c in shard_rows(int(t.shape[0]), num_shards,
+                                                  SHARDING_INTERLEAVED)], tf.int64)
+        from tf_psplugin import table_stacking  # pylint: disable=g-import-not-at-top  (a cycle)
+
+        physical = table_stacking.shift_valid_per_id(
+            local, local + tf.gather(offsets, slot), tf.gather(counts, slot))
+        physical_parts = tf.dynamic_partition(physical, shard, num_shards)
     rows = []
     for p in range(num_shards):
         # What each table gathers from on shard p: its shard variable, or, for
@@ -270,7 +288,7 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
         if stack_shard is not None:
             # One stack holds them all (table_stacking): one gather per PS.
             rows.append(_stacked_gather(tables, shards, stack_shard, local_parts[p],
-                                        table_parts[p]))
+                                        physical_parts[p], table_parts[p]))
             continue
         # The concatenation is table-major and dynamic_partition keeps order,
         # so shard p's ids are grouped by table, in table order.
@@ -296,22 +314,22 @@ def _one_stack_shard(tables, p):
     return first if all(t.variables[p] is first for t in tables[1:]) else None
 
 
-def _stacked_gather(tables, views, stack_shard, local, table_of):
+def _stacked_gather(tables, views, stack_shard, local, physical, table_of):
     """One gather of a stack shard for the ids of several of its tables.
 
-    `local` holds each id's row within its table's shard, `table_of` the
-    table. The rows come from one gather of the stack shard; the gradient is
-    split back into one `IndexedSlices` per table's view (its own rows), as
-    each table's own lookup would give it (`TableView._read`).
+    `local` holds each id's row within its table's shard, `physical` its row
+    in the stack shard, `table_of` the table. The rows come from one gather
+    of the stack shard; the gradient is split back into one `IndexedSlices`
+    per table's view (its own rows), as each table's own lookup would give
+    it (`TableView._read`), and the whole stack shard's gradient is noted
+    beside them, so that an optimizer given all of them unchanged applies it
+    without putting them back together (`table_stacking.whole_gradient`).
     """
     from tf_psplugin import table_stacking  # pylint: disable=g-import-not-at-top  (a cycle)
 
     inner = stack_shard._v  # pylint: disable=protected-access
-    offsets = tf.constant([v.offset for v in views], tf.int64)
-    num_rows = tf.constant([v.num_rows for v in views], tf.int64)
-    physical = table_stacking.shift_valid_per_id(
-        local, local + tf.gather(offsets, table_of), tf.gather(num_rows, table_of))
     shapes = [tf.constant(v.shape.as_list(), tf.int32) for v in views]
+    whole_shape = tf.constant(inner.shape.as_list(), tf.int32)
     for view in views:
         table_stacking.watch(view)
     dtype = tables[0].dtype
@@ -324,7 +342,9 @@ def _stacked_gather(tables, views, stack_shard, local, table_of):
         def grad(dy):
             values = tf.dynamic_partition(dy, table_of, len(views))
             ids = tf.dynamic_partition(local, table_of, len(views))
-            return [tf.IndexedSlices(v, i, shape) for v, i, shape in zip(values, ids, shapes)]
+            split = [tf.IndexedSlices(v, i, shape) for v, i, shape in zip(values, ids, shapes)]
+            table_stacking.note_split(split, tf.IndexedSlices(dy, physical, whole_shape))
+            return split
 
         return rows, grad
 

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_psplugin import (export, lookup_fusion, shard_init, sharding, stacked_updates,
-                         table_lookups)
+                         table_lookups, table_stacking)
 from tf_psplugin.placement import base_name
 from tf_psplugin.sharding import InterleavedShardedVariable
 from tf_psplugin.table_stacking import StackedTable, TableStacks, TableView
@@ -467,6 +467,28 @@ def test_fused_lookups_of_a_stack_are_one_gather_per_shard(monkeypatch):
                if op.type == "ResourceGather" and "fused_lookups" in op.name]
     assert len(gathers) == SHARDS  # The 4-wide stack; the 8-wide table is alone.
     np.testing.assert_allclose(tf.function(model)(x), _plain_forward(model, x), rtol=1e-6)
+
+
+def test_fused_lookups_apply_the_whole_stack_gradient(monkeypatch):
+    """The views' gradients of one fused gather go to the optimizer as that gather's gradient."""
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    lookup_fusion.install()
+    wholes = []
+    whole_gradient = table_stacking.whole_gradient
+
+    def spy(grads):
+        wholes.append(whole_gradient(grads))
+        return wholes[-1]
+
+    monkeypatch.setattr(table_stacking, "whole_gradient", spy)
+    stacked, plain = _model(TableStacks(lambda s: None)), _model(None)
+    _train(stacked, tf.keras.optimizers.legacy.Adagrad(0.3), _batches())
+    _train(plain, tf.keras.optimizers.legacy.Adagrad(0.3), _batches())
+    # Per trace: the 4-wide stack's two shards do; the 8-wide table, alone,
+    # has no fused gather (its views' gradients are put together).
+    assert wholes and sum(w is not None for w in wholes) * 2 == len(wholes)
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _plain_forward(model, x):
