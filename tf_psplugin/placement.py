@@ -222,6 +222,8 @@ class PlacementRecord:
         devices: Devices holding it (shards or replicas).
         stack: For a table stored in a stack (``stack_tables=True``), the
             stack's name; else empty.
+        unstacked: With ``stack_tables=True``, why this table is not in a
+            stack (e.g. "has a constraint"); else empty.
     """
 
     name: str
@@ -231,6 +233,7 @@ class PlacementRecord:
     num_bytes: int
     devices: Tuple[str, ...]
     stack: str = ""
+    unstacked: str = ""
 
     def to_dict(self) -> dict:
         """Returns a JSON-friendly dict."""
@@ -260,7 +263,9 @@ def format_report(records: Sequence[PlacementRecord]) -> str:
 
 
 def _stacked_in(record: PlacementRecord) -> str:
-    return f" (stacked in {record.stack})" if record.stack else ""
+    if record.stack:
+        return f" (stacked in {record.stack})"
+    return f" (not stacked: {record.unstacked})" if record.unstacked else ""
 
 
 def _short_device(device: str) -> str:

@@ -499,10 +499,18 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             shape, dtype if dtype is not None else tf.float32, self._num_ps,
             partitioner=self.table_partitioner, name=kwargs.get("name"))
         scheme = self.placement.sharding
+        unstacked = ""
+        if self.table_stacks is not None:
+            if scheme != placement_lib.SHARDING_INTERLEAVED:
+                unstacked = f"{scheme} sharding"
+            elif kwargs.get("initial_value") is None:
+                unstacked = "no initial value"
+            else:
+                unstacked = self.table_stacks.why_not(shape, dtype, num_shards, kwargs) or ""
         if num_shards < 2:
             var = self._create_variable_round_robin(next_creator, **kwargs)
             self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
-            self._record(var, "table")
+            self._record(var, "table", unstacked=unstacked)
             return var
         self._creating_table = True
         try:
@@ -541,7 +549,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             for view in var.views:
                 self._table_shard_owner[id(view)] = self._table_shard_owner_of(view)
         self._record(var, "table", devices=[v.device for v in var.variables],
-                     stack=getattr(getattr(var, "stack", None), "name", ""))
+                     stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
         if isinstance(var, table_stacking.StackedTable):
             var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
         return var
@@ -594,7 +602,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """True while a sync step is traced whose table updates run `run_after_update` hooks."""
         return self._in_sync_step() and self._sync_embeddings
 
-    def _record(self, var, kind: str, devices=None, stack: str = ""):
+    def _record(self, var, kind: str, devices=None, stack: str = "", unstacked: str = ""):
         try:
             shape = tuple(int(d) if d is not None else -1 for d in var.shape.as_list())
         except (ValueError, AttributeError):
@@ -606,7 +614,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.placement_records.append(placement_lib.PlacementRecord(
             name=getattr(var, "name", "?"), kind=kind, shape=shape, dtype=dtype.name,
             num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")]),
-            stack=stack))
+            stack=stack, unstacked="" if stack else unstacked))
 
     # -- datasets ----------------------------------------------------------------
 

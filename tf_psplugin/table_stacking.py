@@ -1004,19 +1004,35 @@ class TableStacks:
     def eligible(self, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
                  kwargs: dict) -> bool:
         """Whether a table with these creation arguments is stacked (see the module doc)."""
-        if _UNSTACKED.active() or not tf.executing_eagerly() or num_shards < 2:
-            return False
+        return self.why_not(shape, dtype, num_shards, kwargs) is None
+
+    def why_not(self, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
+                kwargs: dict) -> Optional[str]:
+        """Why a table with these creation arguments is not stacked, or None if it is.
+
+        The placement report shows the reason beside the table.
+        """
+        if _UNSTACKED.active():
+            return "its layer addresses its own rows (DynamicEmbedding)"
+        if not tf.executing_eagerly():
+            return "made in graph mode"
+        if num_shards < 2:
+            return "one shard"
         if shape.rank != 2 or not shape.is_fully_defined() or not dtype.is_floating:
-            return False
-        if not kwargs.get("trainable", True) or kwargs.get("constraint") is not None:
-            return False
+            return "not a 2-D float table of known shape"
+        if not kwargs.get("trainable", True):
+            return "not trainable"
+        if kwargs.get("constraint") is not None:
+            return "has a constraint (applied to the whole variable)"
         sync = kwargs.get("synchronization", tf.VariableSynchronization.AUTO)
         aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
         if sync not in (tf.VariableSynchronization.AUTO, tf.VariableSynchronization.ON_WRITE):
-            return False
+            return f"synchronization {sync.name}"
         if aggregation not in (tf.VariableAggregation.NONE, None):
-            return False
-        return shape.num_elements() * dtype.size <= MAX_TABLE_BYTES
+            return f"aggregation {aggregation.name}"
+        if shape.num_elements() * dtype.size > MAX_TABLE_BYTES:
+            return f"larger than {MAX_TABLE_BYTES >> 20} MiB (its own ops are a small part of its cost)"
+        return None
 
     def add(self, name: str, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
             shard_values: Callable[[int], Callable[[], tf.Tensor]],

@@ -1,5 +1,7 @@
 """The placement summary the chief logs: tables in full, everything else grouped."""
 
+import tensorflow as tf
+
 from tf_psplugin import placement
 
 PS = ("/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0")
@@ -51,8 +53,21 @@ def test_stacked_tables_name_their_stack():
                                          1000 * 16 * 4, PS, stack="stacked_tables_16_float32_0")
                for i in range(2)]
     records.append(placement.PlacementRecord("big/embeddings:0", "table", (10**6, 16), "float32",
-                                             10**6 * 16 * 4, PS))
+                                             10**6 * 16 * 4, PS, unstacked="larger than 32 MiB"))
     for text in (placement.format_summary(records), placement.format_report(records)):
         lines = [line for line in text.splitlines() if "embeddings" in line]
         assert [line.endswith("(stacked in stacked_tables_16_float32_0)") for line in lines] == [
             True, True, False]
+        assert lines[2].endswith("(not stacked: larger than 32 MiB)")
+
+
+def test_why_a_table_is_not_stacked():
+    from tf_psplugin.table_stacking import TableStacks  # pylint: disable=g-import-not-at-top
+
+    stacks = TableStacks(lambda s: None)
+    shape = tf.TensorShape([100, 4])
+    assert stacks.why_not(shape, tf.float32, 2, {}) is None
+    assert "constraint" in stacks.why_not(shape, tf.float32, 2,
+                                          {"constraint": tf.keras.constraints.NonNeg()})
+    assert "larger than" in stacks.why_not(tf.TensorShape([1 << 25, 4]), tf.float32, 2, {})
+    assert "one shard" in stacks.why_not(shape, tf.float32, 1, {})
