@@ -65,7 +65,7 @@ from tf_psplugin._compat import keras
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
     checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
-    list_deltas, remove_commit_marker, resolve_checkpoint, verify_checkpoint)
+    remove_commit_marker, resolve_checkpoint, verify_checkpoint)
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -469,7 +469,8 @@ class CheckpointManager:
             if self.input_iterator is not None:
                 input_state.remove(prefix)
                 input_state.save(self.input_iterator, prefix)
-            manifest = self._incremental.write_delta(prefix, self.model_dir)
+            manifest = self._incremental.write_delta(
+                prefix, self.model_dir, io_device=self._options.experimental_io_device)
             info = model_dir_lib.commit_delta(prefix, step, position, base=base, parent=parent,
                                               manifest=manifest)
         except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
@@ -489,12 +490,10 @@ class CheckpointManager:
 
     def _drop_stale_markers(self) -> None:
         kept = set(self._manager.checkpoints)
-        kept_names = {os.path.basename(path) for path in kept}
-        for delta in list_deltas(self.model_dir):
-            # A delta is useless without its base: deleted with it, never before.
-            if delta.base not in kept_names:
-                model_dir_lib.remove_delta(delta.path)
-                input_state.remove(delta.path)
+        # A delta is useless without its base: deleted with it, never before.
+        for path in model_dir_lib.drop_orphan_deltas(
+                self.model_dir, {os.path.basename(path) for path in kept}):
+            input_state.remove(path)
         for info in list_checkpoints(self.model_dir):
             if info.path not in kept and verify_checkpoint(info) is not None:
                 remove_commit_marker(info.path)

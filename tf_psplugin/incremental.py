@@ -81,7 +81,6 @@ DELTA_SUFFIX = "/.DELTA/"
 DENSE_FILE = "dense"
 # Legacy Keras optimizers whose sparse apply changes only the gradient's rows.
 ROW_WISE_OPTIMIZERS = ("SGD", "Adagrad", "Ftrl")
-_CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
 
 
 # --- Which key is which object ------------------------------------------------
@@ -328,10 +327,17 @@ class IncrementalSaver:
                 "Fix: drop full_every for this model.")
         self._checked_against = full_checkpoint
 
-    def write_delta(self, prefix: str, model_dir: str) -> Dict[str, Any]:
+    def write_delta(self, prefix: str, model_dir: str,
+                    io_device: Optional[str] = None) -> Dict[str, Any]:
         """Writes the delta files under `prefix` (a directory); returns its manifest.
 
         Call with no step in flight and the dense replicas pulled.
+
+        Args:
+            prefix: ``<model_dir>/delta-<step>``.
+            model_dir: The model directory (paths in the manifest are relative to it).
+            io_device: Write every file on this device (``write_on_chief``);
+                default: each PS task writes its own rows.
         """
         since = self.advance()
         variables, slots, _ = object_keys(self._root)
@@ -371,7 +377,8 @@ class IncrementalSaver:
                 for name, parts in pieces.items():
                     names.append(name)
                     tensors.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
-                file_prefix = model_dir_lib.join(prefix, task)
+            file_prefix = model_dir_lib.join(prefix, task)
+            with tf.device(io_device or device):
                 tf.raw_ops.SaveV2(prefix=file_prefix, tensor_names=names,
                                   shape_and_slices=[""] * len(names), tensors=tensors)
             row_files.append(file_prefix)
@@ -384,8 +391,9 @@ class IncrementalSaver:
             dense_names.append(key)
             dense_values.append(tf.identity(var))
         dense_prefix = model_dir_lib.join(prefix, DENSE_FILE)
-        tf.raw_ops.SaveV2(prefix=dense_prefix, tensor_names=dense_names,
-                          shape_and_slices=[""] * len(dense_names), tensors=dense_values)
+        with tf.device(io_device):  # None: this process (the chief).
+            tf.raw_ops.SaveV2(prefix=dense_prefix, tensor_names=dense_names,
+                              shape_and_slices=[""] * len(dense_names), tensors=dense_values)
 
         def rel(path):
             return path[len(model_dir.rstrip("/")) + 1:]

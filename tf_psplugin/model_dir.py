@@ -57,6 +57,7 @@ __all__ = [
     "checkpoint_chain",
     "clear_training_done",
     "commit_delta",
+    "drop_orphan_deltas",
     "list_deltas",
     "ensure_writable",
     "is_chief_task",
@@ -519,6 +520,26 @@ def commit_delta(prefix: str, step: int, input_position: Optional[int], base: st
         "wall_time": info.wall_time, "files": dict(files), "checkpoint": info.name,
         "base": base, "parent": parent, "manifest": dict(manifest)})
     return info
+
+
+def drop_orphan_deltas(model_dir: str, kept_full_names) -> List[str]:
+    """Deletes the deltas whose base full checkpoint is not among `kept_full_names`.
+
+    A delta holds only rows changed since its parent, so it is useless
+    without its base; and a base is never deleted for a delta's sake here
+    (TF's manager decides which full checkpoints to keep: `max_to_keep`
+    counts chains).
+
+    Returns:
+        The paths of the deltas deleted.
+    """
+    kept = set(kept_full_names)
+    dropped = []
+    for delta in list_deltas(model_dir):
+        if delta.base not in kept:
+            remove_delta(delta.path)
+            dropped.append(delta.path)
+    return dropped
 
 
 def remove_delta(prefix: str) -> None:
