@@ -588,8 +588,9 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         Must be called before any step that updates the shard is traced.
 
         Raises:
-            StrategyError: `shard` is not a table shard, or a step updating it
-                was already traced (its updates would go unrecorded).
+            StrategyError: `shard` is not a table shard, is tracked already, or
+                a step updating it was already traced (its updates would go
+                unrecorded).
         """
         key = id(_unwrap(shard))
         if key not in self._table_shard_owner:
@@ -601,6 +602,11 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                 "before row tracking was set up, so its updates would be missing from deltas. "
                 "Fix: create the CheckpointManager (or pass ChiefCheckpoint to the first fit) "
                 "before the first training step.")
+        if self._row_stamps.get(key, stamps) is not stamps:
+            raise StrategyError(
+                f"incremental checkpoints: {shard.name!r} is already tracked for another "
+                "CheckpointManager(full_every=...); steps traced for that one would not update "
+                "this one's record. Fix: one incremental manager per model.")
         self._row_stamps[key] = stamps
 
     def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
