@@ -12,7 +12,9 @@ For each fraction of rows touched (default 1% and 10%), with
 ``full_every=2`` and ``max_to_keep=1``: a full save (timed), one training
 step whose gradient touches exactly that fraction of the rows (evenly
 spread ids, so every PS has its share), a delta save (timed), then a second
-model on the same cluster restores the chain (full + delta) and is compared
+model on the same cluster (built for the check and dropped after it, so it
+never coexists with a full save's buffers) restores the chain (full +
+delta) and is compared
 with the trained one on the PS tasks, shard by shard (table, accumulator)
 and every dense variable (`restore_exact`: all bitwise equal).
 
@@ -43,7 +45,7 @@ TARGET_BYTES_RATIO = 0.05
 TARGET_SECONDS_RATIO = 0.10
 
 CHIEF = r'''
-import json, os, sys, time
+import gc, json, os, sys, time
 import tensorflow as tf
 import tf_psplugin
 from benchmarks.procs import peak_rss_mb
@@ -116,7 +118,6 @@ def equal_on_ps(a, b):
 
 
 assert rows % STRIDE, "rows must not be a multiple of 7919"
-other = None
 for n, fraction in enumerate(fractions):
     # Before the full save (so not in the delta): the first one traces the
     # step and creates the slots.
@@ -136,8 +137,7 @@ for n, fraction in enumerate(fractions):
         for name, shape in tf.train.load_checkpoint(
             os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
         if name.endswith("/.DELTA/ids"))
-    if other is None:
-        other = build(2)
+    other = build(2)  # Dropped after the check: it never coexists with a full save.
     restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
     start = time.perf_counter()
     restored = restorer.restore()
@@ -158,6 +158,8 @@ for n, fraction in enumerate(fractions):
         "restore_seconds": round(restore_seconds, 3), "restore_exact": bool(exact),
         "peak_rss_mb": {"chief": round(peak_rss_mb(), 1)},
         "serving_freshness_seconds": None, "serving_loader": "not implemented"}), flush=True)
+    del other, restorer, restored, other_table
+    gc.collect()
 '''
 
 
