@@ -476,10 +476,15 @@ class CheckpointManager:
         except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
                 tf.errors.FailedPreconditionError) as e:
             model_dir_lib.remove_delta(prefix)
+            input_state.remove(prefix)
             raise CheckpointError(
                 f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
                 "writable by the chief and every PS task, under the same absolute path on a "
                 "shared filesystem.") from None
+        except BaseException:
+            model_dir_lib.remove_delta(prefix)  # No marker was written: never restored.
+            input_state.remove(prefix)
+            raise
         self._chain = (base, info.name, count + 1)
         self._last_save_step, self._last_save_time = step, self._clock()
         self.latest = info
