@@ -23,7 +23,7 @@ JSON lines (kind ``incremental``): ``rows``, ``dim``, ``touched_fraction``,
 file of each, markers excluded), ``full_seconds``, ``delta_seconds`` (the
 `save` call: join, pull, write, commit), ``restore_seconds`` (full + delta
 into the second model), ``restore_exact``, ``peak_rss_mb`` (every process,
-at the end of the run; the second model doubles what the PS tasks hold), ``serving_freshness_seconds``
+at the end of the run), ``serving_freshness_seconds``
 (null: no serving-side loader exists yet, ``serving_loader``: "not
 implemented"). A summary line checks the targets at 1%: delta bytes <= 5%
 and delta seconds <= 10% of the full save's, restore exact. ``--chart``

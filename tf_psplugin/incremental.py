@@ -183,10 +183,10 @@ class _Table:
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
         """Logical row ids of `local` rows of shard `shard_index`."""
-        from tf_psplugin.sharding import InterleavedShardedVariable  # pylint: disable=g-import-not-at-top
+        from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
 
         n = len(self.shards)
-        if isinstance(self.container, InterleavedShardedVariable):
+        if isinstance(self.container, sharding.InterleavedShardedVariable):
             return local * n + shard_index
         offset = sum(int(s.shape[0]) for s in self.shards[:shard_index])
         return local + offset
@@ -219,11 +219,10 @@ class IncrementalSaver:
         self._root = root
         self._extended = extended
         self._optimizer = optimizer
-        self._skip_paths = set()
         self._python_state = list(python_state)
         self._check_optimizer(optimizer)
-        variables, _, paths = object_keys(root)
-        self._check_layers(paths, root)
+        variables, _, _ = object_keys(root)
+        self._check_layers(root)
         self.tables = self._find_tables(variables)
         if not self.tables:
             raise CheckpointError("incremental checkpoints (full_every): the model has no "
@@ -258,7 +257,7 @@ class IncrementalSaver:
                 "full_every.")
 
     @staticmethod
-    def _check_layers(paths, root) -> None:
+    def _check_layers(root) -> None:
         from tf_psplugin.layers import DynamicEmbedding  # pylint: disable=g-import-not-at-top
 
         for obj in tf.train.TrackableView(root).descendants():
@@ -267,7 +266,6 @@ class IncrementalSaver:
                     f"incremental checkpoints (full_every) do not support DynamicEmbedding "
                     f"({obj.name}): its key -> row maps and admission state are not row "
                     "tables a delta can patch. Fix: drop full_every for this model.")
-        del paths
 
     def _find_tables(self, variables: Mapping[str, Any]) -> List[_Table]:
         from tf_psplugin import table_stacking  # pylint: disable=g-import-not-at-top
@@ -318,7 +316,8 @@ class IncrementalSaver:
         handled = set(variables) | set(slots)
         skip = [paths[id(obj)] + "/" for obj in self._python_state if id(obj) in paths]
         names = tf.train.load_checkpoint(full_checkpoint).get_variable_to_shape_map()
-        missing = sorted(k for k in names if k not in handled and k != "_CHECKPOINTABLE_OBJECT_GRAPH"
+        missing = sorted(k for k in names
+                         if k not in handled and k != "_CHECKPOINTABLE_OBJECT_GRAPH"
                          and not any(k.startswith(prefix) for prefix in skip))
         if missing:
             raise CheckpointError(

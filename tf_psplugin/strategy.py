@@ -610,7 +610,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self._row_stamps[key] = stamps
 
     def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
-        """A plain variable on `device`, even inside this strategy's scope (no table, no replica)."""
+        """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
         self._creating_plain = True
         try:
             with tf.device(device):

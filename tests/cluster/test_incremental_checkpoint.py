@@ -15,7 +15,6 @@ step of the full save, and that the deltas hold only the touched rows.
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
