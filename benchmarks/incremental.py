@@ -28,6 +28,11 @@ at the end of the run), ``serving_freshness_seconds``
 implemented"). A summary line checks the targets at 1%: delta bytes <= 5%
 and delta seconds <= 10% of the full save's, restore exact. ``--chart``
 draws bytes and seconds.
+
+``--saves N`` instead runs N delta saves (each after a step) of a 200k x
+16 table and reports every process's RSS growth per 100 saves: a save
+path that leaves state behind on the PS tasks shows up there (see
+`tf_psplugin.checkpoint_write` for the leak full saves once had).
 """
 
 import argparse
@@ -163,6 +168,115 @@ for n, fraction in enumerate(fractions):
 '''
 
 
+SAVES_CHIEF = r'''
+import json, os, sys, time
+import tensorflow as tf
+import tf_psplugin
+from benchmarks.procs import current_rss_mb
+
+saves, model_dir, rows = int(sys.argv[1]), sys.argv[2], 200_000
+tf_psplugin.start_server()
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.layers.Embedding(rows, 16), tf.keras.layers.Dense(1)])
+    model.build((None, None))
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
+manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
+                                        full_every=10 ** 9, max_to_keep=1)
+
+
+@tf.function
+def train_step(start):
+    def replica_fn(start):
+        ids = (start + tf.range(2000, dtype=tf.int64) * 7919) % rows
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids[None, :]) - 1.0))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    strategy.run(replica_fn, args=(start,))
+
+
+def step_and_save(i):
+    coordinator.schedule(train_step, args=(tf.constant(i, tf.int64),))
+    coordinator.join()
+    return manager.save(int(optimizer.iterations.numpy()))
+
+
+for i in range(30):  # Warm-up: one full save, then deltas.
+    step_and_save(i)
+print("SAVES_MARK " + json.dumps({"at": "warm", "time": time.time(),
+                                  "chief_rss_mb": current_rss_mb(os.getpid())}), flush=True)
+start = time.perf_counter()
+for i in range(30, 30 + saves):
+    info = step_and_save(i)
+print("SAVES_MARK " + json.dumps({"at": "done", "time": time.time(),
+                                  "chief_rss_mb": current_rss_mb(os.getpid()),
+                                  "seconds_per_step_and_save": (time.perf_counter() - start) / saves,
+                                  "kind": info.kind}), flush=True)
+'''
+
+
+def run_saves(saves: int, log_dir: str) -> dict:
+    """`--saves N`: RSS of every process over N delta saves of a 200k x 16 table (leaks)."""
+    import threading  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+
+    from tf_psplugin.launch import LocalCluster  # pylint: disable=g-import-not-at-top
+
+    script = os.path.join(log_dir, "incremental_saves_chief.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(SAVES_CHIEF)
+    log = os.path.join(log_dir, "incremental_saves.log")
+    model_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_saves_")
+    samples, done = [], threading.Event()
+    try:
+        with open(log, "w", encoding="utf-8") as out:
+            with LocalCluster(num_workers=1, num_ps=2, servers="builtin",
+                              env=procs.child_env(), output=out, grace_period=2.0) as cluster:
+                cluster.start_servers()
+                procs.wait_until_serving(cluster, 3, log)
+                servers = {r: p for r, p in cluster.pids().items() if r != "chief"}
+
+                def poll():
+                    while not done.is_set():
+                        samples.append((time.time(), {r: procs.current_rss_mb(p)
+                                                      for r, p in servers.items()}))
+                        time.sleep(0.25)
+
+                thread = threading.Thread(target=poll, daemon=True)
+                thread.start()
+                try:
+                    result = cluster.run_chief([sys.executable, script, str(saves), model_dir],
+                                               timeout=1800)
+                finally:
+                    done.set()
+                    thread.join()
+                text = "".join(cluster.output("chief"))
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    marks = {}
+    for line in text.splitlines():
+        if "SAVES_MARK " in line:
+            mark = json.loads(line.split("SAVES_MARK ", 1)[1])
+            marks[mark["at"]] = mark
+    if result.returncode != 0 or set(marks) != {"warm", "done"}:
+        raise procs.BenchmarkProcessError(f"chief exited {result.returncode}; log {log}")
+
+    def rss_at(when):
+        return min(samples, key=lambda s: abs(s[0] - when))[1]
+
+    before, after = rss_at(marks["warm"]["time"]), rss_at(marks["done"]["time"])
+    before["chief"], after["chief"] = marks["warm"]["chief_rss_mb"], marks["done"]["chief_rss_mb"]
+    return {"kind": "incremental_saves", "saves": saves, "rows": 200_000, "dim": 16,
+            "last_kind": marks["done"]["kind"],
+            "seconds_per_step_and_save": round(marks["done"]["seconds_per_step_and_save"], 4),
+            "rss_mb_after_warmup": {r: round(v, 1) for r, v in sorted(before.items())},
+            "rss_mb_per_100_saves": {r: round((after[r] - before[r]) * 100 / saves, 2)
+                                     for r in sorted(before)}}
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.incremental",
                                 description=__doc__.split("\n\n")[0])
@@ -176,6 +290,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--chart", default="", help="PNG of bytes and seconds, full vs delta")
     p.add_argument("--log_dir", default=None)
     p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--saves", type=int, default=0,
+                   help="instead: RSS of every process over this many delta saves (leaks)")
     args = p.parse_args(argv)
     args.fraction_list = [float(x) for x in args.fractions.split(",") if x]
     if not args.fraction_list or not all(0 < f <= 1 for f in args.fraction_list):
@@ -229,6 +345,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_incremental_")
     os.makedirs(log_dir, exist_ok=True)
+    if args.saves:
+        procs.json_lines_emitter(args.output)(run_saves(args.saves, log_dir))
+        return 0
     model_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_ckpt_")
     emit = procs.json_lines_emitter(args.output)
     records = []

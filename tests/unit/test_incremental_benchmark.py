@@ -61,3 +61,16 @@ def test_real_mini_run(tmp_path):
     assert runs[0.01]["serving_loader"] == "not implemented"
     summary = [r for r in lines if r["kind"] == "incremental_summary"][0]
     assert summary["restore_exact"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.tf215_only
+@pytest.mark.timeout(300)
+def test_real_saves_run(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.incremental", "--saves", "20",
+           "--log_dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=290)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert line["kind"] == "incremental_saves" and line["last_kind"] == "delta"
+    assert set(line["rss_mb_per_100_saves"]) == {"chief", "ps:0", "ps:1", "worker:0"}
