@@ -211,9 +211,10 @@ print("SAVES_MARK " + json.dumps({"at": "warm", "time": time.time(),
 start = time.perf_counter()
 for i in range(30, 30 + saves):
     info = step_and_save(i)
+seconds = (time.perf_counter() - start) / saves
 print("SAVES_MARK " + json.dumps({"at": "done", "time": time.time(),
                                   "chief_rss_mb": current_rss_mb(os.getpid()),
-                                  "seconds_per_step_and_save": (time.perf_counter() - start) / saves,
+                                  "seconds_per_step_and_save": seconds,
                                   "kind": info.kind}), flush=True)
 '''
 

@@ -68,6 +68,23 @@ report["replicas"] = replicas_match_primaries(restored)
 # Training goes on; the first save after a restore is full.
 restored.fit(gen.dataset(B, offset_batches=12), epochs=1, steps_per_epoch=1, verbose=0)
 report["after_restore_save"] = manager.save(7).kind
+
+# Guards: a second incremental manager for the same model, and tracking set
+# up after a step was traced, would both miss updates: refused.
+def refusal(make):
+    try:
+        make()
+    except Exception as e:  # StrategyError
+        return str(e)
+    return None
+
+
+report["second_manager"] = refusal(lambda: ckpt_lib.CheckpointManager(
+    copy_dir + "_2", model=restored, optimizer=restored.optimizer, full_every=3))
+late = new_model(strategy)
+late.fit(gen.dataset(B), epochs=1, steps_per_epoch=1, verbose=0)
+report["after_a_step"] = refusal(lambda: ckpt_lib.CheckpointManager(
+    copy_dir + "_3", model=late, optimizer=late.optimizer, full_every=3))
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 print("RESULT ok")
@@ -122,6 +139,9 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     assert report["restored"] == ["delta-6", 6, "delta"]
     assert report["replicas"] is True
     assert report["after_restore_save"] == "full"
+    assert "already tracked" in (report["second_manager"] or ""), report["second_manager"]
+    late = report["after_a_step"] or ""
+    assert "was traced before row tracking" in late, late
     _assert_same(out / "restored.npz", out / "live6.npz")
     # The reference full save and the chain load identically into one process.
     for name, path in (("plain_incr", incr_dir), ("plain_full", full_dir)):
