@@ -1,7 +1,7 @@
 """Incremental checkpoints on a real cluster: full + 2 deltas restore bit-exact.
 
-A chief + 2 workers + 2 PS (and, in a second run, 1 PS: the table is then
-one variable) train keras_examples/ctr.py's tiny model with
+A chief + 2 workers + 2 PS (and, in other runs, 1 PS: the table is then
+one variable; 2 PS with contiguous sharding: TF's row-range layout) train keras_examples/ctr.py's tiny model with
 `ChiefCheckpoint(full_every=3, save_every_steps=2)`: ckpt-2 (full), then
 delta-4 and delta-6. The same model is then saved in full at step 6 into
 another directory (the reference). The test checks that
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.cluster
 
 TRAIN = COMMON + """
 config = tf_psplugin.start_server()
-incr_dir, full_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+incr_dir, full_dir, out, sharding = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False, sharding=sharding)
 gen = SyntheticCTR(vocab_size=V, seed=5)
 report = {{}}
 model = new_model(strategy)
@@ -91,12 +91,15 @@ print("RESULT ok")
 """
 
 PLAIN = COMMON + """
-out, model_dir, name = sys.argv[1], sys.argv[2], sys.argv[3]
+out = sys.argv[1]
 assert "TF_CONFIG" not in os.environ
-model = new_model()
-info = ckpt_lib.load_into(model, model_dir, include_optimizer=True)
-np.savez(os.path.join(out, name + ".npz"), **state(model))
-print("RESULT", json.dumps({{"step": info.step, "kind": info.kind}}))
+result = {{}}
+for name, model_dir in zip(sys.argv[2::2], sys.argv[3::2]):
+    model = new_model()
+    info = ckpt_lib.load_into(model, model_dir, include_optimizer=True)
+    np.savez(os.path.join(out, name + ".npz"), **state(model))
+    result[name] = [info.step, info.kind]
+print("RESULT", json.dumps(result))
 """
 
 
@@ -112,14 +115,16 @@ def _assert_same(a_path, b_path):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("num_ps", [2, 1])
-def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluster, procs, num_ps):
+@pytest.mark.parametrize("num_ps,sharding", [(2, "interleaved"), (1, "interleaved"),
+                                             (2, "contiguous")])
+def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluster, procs, num_ps,
+                                                           sharding):
     incr_dir, full_dir, out = tmp_path / "incr", tmp_path / "full", tmp_path / "out"
     out.mkdir()
     cluster = make_cluster(num_workers=2, num_ps=num_ps)
     cluster.start_servers()
     result = cluster.run_chief([cu.PYTHON, _script(tmp_path, TRAIN, "train.py"), str(incr_dir),
-                                str(full_dir), str(out)], timeout=200)
+                                str(full_dir), str(out), sharding], timeout=200)
     assert result.returncode == 0, result.stdout[-8000:]
     cluster.stop()
     with open(out / "report.json") as f:
@@ -144,9 +149,10 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     assert "was traced before row tracking" in late, late
     _assert_same(out / "restored.npz", out / "live6.npz")
     # The reference full save and the chain load identically into one process.
-    for name, path in (("plain_incr", incr_dir), ("plain_full", full_dir)):
-        res = procs.run([cu.PYTHON, _script(tmp_path, PLAIN, f"{name}.py"), str(out), str(path),
-                         name], timeout=120)
-        assert res.returncode == 0, res.stdout[-6000:]
+    res = procs.run([cu.PYTHON, _script(tmp_path, PLAIN, "plain.py"), str(out),
+                     "plain_incr", str(incr_dir), "plain_full", str(full_dir)], timeout=120)
+    assert res.returncode == 0, res.stdout[-6000:]
+    assert json.loads(cu.result_line(res.stdout)) == {"plain_incr": [6, "delta"],
+                                                      "plain_full": [6, "full"]}
     _assert_same(out / "plain_full.npz", out / "live6.npz")
     _assert_same(out / "plain_incr.npz", out / "plain_full.npz")
