@@ -219,3 +219,29 @@ def test_dynamic_embedding_is_refused_with_the_reason():
     with pytest.raises(ckpt_lib.CheckpointError, match="DynamicEmbedding .*dyn"):
         check(tf.train.Checkpoint(model=model))
     check(tf.train.Checkpoint(model=tiny_model()))  # A plain Embedding is fine.
+
+
+def test_row_stamps_never_lose_a_row_updated_between_saves():
+    shard = tf.Variable(tf.zeros([10, 2]))
+    generation = tf.Variable(1, dtype=tf.int32)
+    stamps = incremental.RowStamps(shard, generation, tf.Variable(tf.zeros([10], tf.int32)))
+    saver = object.__new__(incremental.IncrementalSaver)  # Only its generation bookkeeping.
+    saver._generations, saver._since = {"ps-0": generation}, {"ps-0": 1}
+
+    def rows(since):
+        return sorted(stamps.dirty_rows(since["ps-0"]).numpy().tolist())
+
+    def mark(ids):
+        stamps.mark(tf.IndexedSlices(tf.ones([len(ids), 2]), tf.constant(ids, tf.int64)))
+
+    mark([2, 5])
+    saver.advance()  # A full save: what was updated before it is in it.
+    mark([7])
+    since = saver.advance()  # Delta 1 starts: rows stamped since the full save.
+    mark([3])  # Updated while delta 1 is being gathered...
+    assert rows(since) == [3, 7]
+    since = saver.advance()  # ...so delta 2 has it too.
+    assert rows(since) == [3]
+    assert rows(saver.advance()) == []  # Nothing updated since delta 2.
+    stamps.mark(tf.ones([10, 2]))  # A dense gradient (e.g. a regularizer): every row.
+    assert rows(saver.advance()) == list(range(10))
