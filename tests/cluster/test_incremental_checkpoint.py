@@ -60,7 +60,7 @@ copy_dir = incr_dir + "_copy"
 shutil.copytree(incr_dir, copy_dir)
 restored = new_model(strategy)
 manager = ckpt_lib.CheckpointManager(copy_dir, model=restored, optimizer=restored.optimizer,
-                                     full_every=3)
+                                     full_every=3, max_to_keep=1)
 info = manager.restore_or_initialize()
 report["restored"] = [info.path.rsplit("/", 1)[-1], info.step, info.kind]
 np.savez(os.path.join(out, "restored.npz"), **state(restored))
@@ -68,6 +68,9 @@ report["replicas"] = replicas_match_primaries(restored)
 # Training goes on; the first save after a restore is full.
 restored.fit(gen.dataset(B, offset_batches=12), epochs=1, steps_per_epoch=1, verbose=0)
 report["after_restore_save"] = manager.save(7).kind
+# max_to_keep=1 counts chains: ckpt-2 went, and its deltas with it.
+report["copy_after_save"] = sorted(n for n in os.listdir(copy_dir)
+                                   if n.startswith(("ckpt-", "delta-")))
 
 # Guards: a second incremental manager for the same model, and tracking set
 # up after a step was traced, would both miss updates: refused.
@@ -144,6 +147,7 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     assert report["restored"] == ["delta-6", 6, "delta"]
     assert report["replicas"] is True
     assert report["after_restore_save"] == "full"
+    assert [n for n in report["copy_after_save"] if not n.startswith("ckpt-7")] == [], report
     assert "already tracked" in (report["second_manager"] or ""), report["second_manager"]
     late = report["after_a_step"] or ""
     assert "was traced before row tracking" in late, late
