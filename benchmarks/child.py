@@ -160,9 +160,10 @@ def _build_ps_chief(job):
 
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
+        scratch = tempfile.TemporaryDirectory(prefix="tf_psplugin_track_rows_")  # Removed at exit.
+        _KEEP.append(scratch)
         _KEEP.append(tf_psplugin.CheckpointManager(
-            tempfile.mkdtemp(prefix="tf_psplugin_track_rows_"), model=model,
-            optimizer=model.optimizer, full_every=1000))
+            scratch.name, model=model, optimizer=model.optimizer, full_every=1000))
     # epoch_pass (soak): one pass over the pool per epoch, so Keras makes
     # new per-worker iterators every epoch.
     ds = model_lib.make_dataset(spec, per_step_batch, pool, repeat=not job.get("epoch_pass"))
