@@ -41,6 +41,9 @@ from benchmarks.procs import (  # noqa: E402
     RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb)
 
 
+_KEEP = []  # Objects that must live as long as the process (row tracking).
+
+
 class EpochTimer(tf.keras.callbacks.Callback):
     """Wall time and CPU time of the setup's processes at every epoch boundary.
 
@@ -150,6 +153,17 @@ def _build_ps_chief(job):
     with strategy.scope():
         model = model_lib.build_model(spec)
         model_lib.compile_model(model, spec, job["steps_per_execution"])
+    if job.get("track_rows") and setup != "stock_pss":
+        # Incremental checkpoints' row tracking (one scatter per table shard
+        # per step), as CheckpointManager(full_every=...) installs it; no saves.
+        import tempfile  # pylint: disable=g-import-not-at-top
+
+        import tf_psplugin  # pylint: disable=g-import-not-at-top
+
+        scratch = tempfile.TemporaryDirectory(prefix="tf_psplugin_track_rows_")  # Removed at exit.
+        _KEEP.append(scratch)
+        _KEEP.append(tf_psplugin.CheckpointManager(
+            scratch.name, model=model, optimizer=model.optimizer, full_every=1000))
     # epoch_pass (soak): one pass over the pool per epoch, so Keras makes
     # new per-worker iterators every epoch.
     ds = model_lib.make_dataset(spec, per_step_batch, pool, repeat=not job.get("epoch_pass"))

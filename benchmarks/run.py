@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed",
                             "dynamic"),
                    help="model variant (see benchmarks/model.py)")
+    p.add_argument("--track_rows", action="store_true",
+                   help="hybrid setups track updated table rows for incremental checkpoints "
+                        "(CheckpointManager(full_every=...)), to measure its step-time cost")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1,
@@ -173,7 +176,7 @@ def knobs(args) -> Dict[str, object]:
             "variant": args.variant, "vocab_size": args.vocab_size,
             "embedding_dim": args.embedding_dim, "mlp": [512, 256, 128, 1],
             "num_tables": 26, "input": "SyntheticCTR pool, cached, repeated",
-            "threads": "TF defaults"}
+            "threads": "TF defaults", "track_rows": bool(getattr(args, "track_rows", False))}
 
 
 def model_dict(args, vocab_size: Optional[int] = None, variant: Optional[str] = None) -> dict:
@@ -196,6 +199,7 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "timed_epochs": steps // warmup, "pool_batches": pool or args.pool_batches,
         "embedding_updates": "async" if setup == "hybrid_async" else "sync",
         "stack_tables": setup != "hybrid_sync_unstacked",
+        "track_rows": bool(getattr(args, "track_rows", False)),
         "partition_min_bytes": 1 << 20,
     }
 

@@ -128,6 +128,16 @@ from tensorflow.python.distribute import parameter_server_strategy  # noqa: F401
 # expects a partitioned table in; it is not exported.
 from tensorflow.python.ops import variables as tf_variables  # noqa: F401
 
+# Incremental checkpoints (incremental.py) name each table, slot and dense
+# variable by the key a full checkpoint stores it under, so that a delta's
+# rows go back into the same objects in any process. TF computes those keys
+# (breadth-first object paths, slot keys) only in these private modules; the
+# public TrackableView lists objects but not slot variables or their paths.
+# Same module paths and signatures in TF 2.15.1 and 2.21.0.
+from tensorflow.python.checkpoint import graph_view  # noqa: F401
+from tensorflow.python.checkpoint import util as checkpoint_util  # noqa: F401
+from tensorflow.python.trackable import trackable_utils  # noqa: F401
+
 
 
 def keras_private_module(name: str):

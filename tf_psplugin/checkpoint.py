@@ -36,9 +36,17 @@ tools each get a piece of it wrong:
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
 number of workers, and plain single-process Keras models (`load_into`).
+
+With ``full_every=K``, only every K-th save is a full checkpoint; the saves
+between are deltas holding the table rows updated since the previous save
+(`tf_psplugin.incremental`), and a restore applies the latest full
+checkpoint's chain of deltas. TF's manager keeps `max_to_keep` full
+checkpoints; a delta is deleted only with the full checkpoint it builds on,
+so `max_to_keep` counts chains.
 """
 
 import copy
+import os
 import json
 import time
 from typing import Any, Callable, List, Mapping, Optional, Union
@@ -50,14 +58,15 @@ from tf_psplugin import _deprecation
 from tf_psplugin import checkpoint_write
 from tf_psplugin import input_state
 from tf_psplugin import failover as failover_lib
+from tf_psplugin import incremental
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin import sharding
 from tf_psplugin import stacked_updates
 from tf_psplugin._compat import keras
 from tf_psplugin.model_dir import (  # noqa: F401  (re-exported: part of this API)
-    CHECKPOINT_NAME, COMMIT_SUFFIX, CheckpointError, CheckpointInfo, commit_checkpoint,
-    info_for_prefix, latest_checkpoint, list_checkpoints, remove_commit_marker,
-    resolve_checkpoint, verify_checkpoint)
+    CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
+    checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
+    remove_commit_marker, resolve_checkpoint, verify_checkpoint)
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -232,9 +241,17 @@ class CheckpointManager:
             dataset from its start, with no offset. Settable later as the
             `input_iterator` attribute.
         save_every_secs: Deprecated name of `save_every_seconds`.
+        full_every: Incremental checkpoints: every `full_every`-th save is
+            full, the ones between are deltas holding only the table rows
+            (and their slots) updated since the previous save, plus the
+            dense state (`tf_psplugin.incremental`). The first save of a
+            manager is always full. Build the manager before the first
+            training step. None (default) or 1: every save is full.
 
     Raises:
         ModelDirError: if the chief cannot write `model_dir`.
+        CheckpointError: `full_every` is given for a model it cannot save
+            as deltas (the message says why).
     """
 
     def __init__(self, model_dir: str, model=None, optimizer=None,
@@ -244,13 +261,13 @@ class CheckpointManager:
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
                  strategy=None, clock: Callable[[], float] = time.monotonic,
                  input_iterator=None, _root: Optional[tf.train.Checkpoint] = None,
-                 save_every_secs: Any = _deprecation.UNSET):
+                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
         save_every_seconds = _deprecation.renamed(
             "CheckpointManager", "save_every_secs", save_every_secs, "save_every_seconds",
             save_every_seconds, None)
         for name, value in (("save_every_steps", save_every_steps),
                             ("save_every_seconds", save_every_seconds),
-                            ("max_to_keep", max_to_keep)):
+                            ("max_to_keep", max_to_keep), ("full_every", full_every)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}.")
         self.model_dir = model_dir_lib.resolve(model_dir)
@@ -292,6 +309,15 @@ class CheckpointManager:
         self._base_step = 0  # Step and input position at the last restore.
         self._base_position = 0
         self.latest: Optional[CheckpointInfo] = None
+        self._full_every = int(full_every or 1)
+        self._incremental: Optional[incremental.IncrementalSaver] = None
+        # (base full checkpoint name, name of the last save, saves in this chain).
+        self._chain: Optional[tuple] = None
+        if self.is_writer and self._full_every > 1:
+            self._incremental = incremental.IncrementalSaver(
+                self._root, self._strategy,
+                optimizer if optimizer is not None else getattr(model, "optimizer", None),
+                python_state=[self._state])
         if self.is_writer and optimizer is not None:
             # Failover saves what survives a dead worker through us.
             failover_lib.register_checkpointer(self)
@@ -388,6 +414,12 @@ class CheckpointManager:
             var.pull()
         self._state.step = step
         self._state.input_position = self.input_position(step)
+        if self._incremental is not None and self._chain is not None and \
+                self._chain[2] < self._full_every:
+            return self._save_delta(step, final)
+        if self._incremental is not None:
+            self._chain = None
+            self._incremental.begin_full()
         prefix = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-{step}")
         remove_commit_marker(prefix)  # Never trust a half-overwritten checkpoint.
         if self.input_iterator is not None:
@@ -417,6 +449,8 @@ class CheckpointManager:
                 "writable by the chief and every PS task, under the same absolute path on a "
                 "shared filesystem (or use write_on_chief=True).") from None
         info = committed[0] if committed else commit_checkpoint(path, step, position)
+        if self._incremental is not None:
+            self._chain = (info.name, info.name, 1)
         self._last_save_step, self._last_save_time = step, self._clock()
         self.latest = info
         self._drop_stale_markers()
@@ -425,8 +459,48 @@ class CheckpointManager:
         logging.info("tf_psplugin: checkpoint %s committed (step %d)", path, step)
         return info
 
+    def _save_delta(self, step: int, final: bool) -> CheckpointInfo:
+        """Writes and commits ``delta-<step>`` on top of the current chain."""
+        base, parent, count = self._chain
+        self._chain = None  # Until this delta is committed: a failure means "full next".
+        prefix = model_dir_lib.join(self.model_dir, f"{DELTA_NAME}-{step}")
+        model_dir_lib.remove_delta(prefix)
+        position = self._state.input_position
+        try:
+            self._incremental.check_covers(model_dir_lib.join(self.model_dir, base))
+            if self.input_iterator is not None:
+                input_state.remove(prefix)
+                input_state.save(self.input_iterator, prefix)
+            manifest = self._incremental.write_delta(
+                prefix, self.model_dir, io_device=self._options.experimental_io_device)
+            info = model_dir_lib.commit_delta(prefix, step, position, base=base, parent=parent,
+                                              manifest=manifest)
+        except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+                tf.errors.FailedPreconditionError) as e:
+            model_dir_lib.remove_delta(prefix)
+            input_state.remove(prefix)
+            raise CheckpointError(
+                f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
+                "writable by the chief and every PS task, under the same absolute path on a "
+                "shared filesystem.") from None
+        except BaseException:
+            model_dir_lib.remove_delta(prefix)  # No marker was written: never restored.
+            input_state.remove(prefix)
+            raise
+        self._chain = (base, info.name, count + 1)
+        self._last_save_step, self._last_save_time = step, self._clock()
+        self.latest = info
+        if final:
+            model_dir_lib.write_training_done(self.model_dir, step, prefix)
+        logging.info("tf_psplugin: delta %s committed (step %d, base %s)", prefix, step, base)
+        return info
+
     def _drop_stale_markers(self) -> None:
         kept = set(self._manager.checkpoints)
+        # A delta is useless without its base: deleted with it, never before.
+        for path in model_dir_lib.drop_orphan_deltas(
+                self.model_dir, {os.path.basename(path) for path in kept}):
+            input_state.remove(path)
         for info in list_checkpoints(self.model_dir):
             if info.path not in kept and verify_checkpoint(info) is not None:
                 remove_commit_marker(info.path)
@@ -456,7 +530,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: no committed checkpoint, or it does not match.
         """
-        info = self._resolve(checkpoint)
+        info, deltas = self._resolve_chain(checkpoint)
         _build_optimizer_slots(self._model, self._optimizer, self._strategy)
         _join_steps(self._strategy)
         replicated = _replicated_variables(self._objects)
@@ -471,6 +545,11 @@ class CheckpointManager:
                 f"checkpoint {info.path} does not match the model being restored: "
                 f"{str(e).splitlines()[0]} Fix: build the same architecture (layer order and "
                 "sizes) that wrote it, or start from an empty model_dir.") from None
+        for delta in deltas:
+            incremental.apply_delta(self._root, delta)
+        if deltas:
+            info = deltas[-1]
+            self._state.step, self._state.input_position = info.step, info.input_position
         for var in replicated:
             var.push_if_needed(worker_indices=list(range(len(var.worker_devices()))))
         self._base_step = int(self._state.step or info.step)
@@ -478,17 +557,34 @@ class CheckpointManager:
             self._base_position = int(self._state.input_position)
         self._last_save_step, self._last_save_time = self._base_step, self._clock()
         self.latest = info
+        self._chain = None  # The next save is full.
         logging.info("tf_psplugin: restored %s (step %d)", info.path, info.step)
         if self.input_iterator is not None:
             input_state.restore(self.input_iterator, info.path)
         return info
 
     def restore_or_initialize(self) -> Optional[CheckpointInfo]:
-        """Restores the latest committed checkpoint; None if there is none."""
-        info = latest_checkpoint(self.model_dir)
-        if info is None:
+        """Restores the latest committed checkpoint (and its deltas); None if there is none."""
+        if latest_checkpoint(self.model_dir) is None:
             return None
-        return self.restore(info)
+        return self.restore(None)  # The latest full checkpoint and its deltas.
+
+    def _resolve_chain(self, checkpoint):
+        """The full checkpoint to read and the deltas to apply after it."""
+        if checkpoint is None:
+            full, deltas = checkpoint_chain(self.model_dir)
+            if full is not None:
+                return full, deltas
+        if isinstance(checkpoint, CheckpointInfo) and checkpoint.kind == model_dir_lib.KIND_DELTA:
+            full, deltas = checkpoint_chain(self.model_dir)
+            names = [d.name for d in deltas]
+            if full is None or full.name != checkpoint.base or checkpoint.name not in names:
+                raise CheckpointError(
+                    f"delta {checkpoint.path} is not on the chain of the latest intact full "
+                    "checkpoint (its base or an earlier delta is missing or torn). Fix: restore "
+                    "the latest checkpoint (checkpoint=None).")
+            return full, deltas[:names.index(checkpoint.name) + 1]
+        return self._resolve(checkpoint), []
 
     def _resolve(self, checkpoint) -> CheckpointInfo:
         if isinstance(checkpoint, CheckpointInfo):
@@ -537,6 +633,9 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
         CheckpointError: no usable checkpoint, or one that does not match.
     """
     info = resolve_checkpoint(source)
+    deltas = []
+    if tf.io.gfile.isdir(model_dir_lib.resolve(source)):
+        info, deltas = checkpoint_chain(source)
     names = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
     wrapped = any(name.startswith("model/") for name in names)
     optimizer = getattr(model, "optimizer", None) if include_optimizer else None
@@ -555,6 +654,20 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
         raise CheckpointError(
             f"checkpoint {info.path} does not match this model: {str(e).splitlines()[0]} "
             "Fix: build the model with the same function and sizes as the trained one.") from None
+    if deltas:
+        model_optimizer = getattr(model, "optimizer", None)
+        # Keys as the writer's root names them (model and optimizer at the top).
+        keys_root = tf.train.Checkpoint(
+            model=model, **({"optimizer": model_optimizer} if model_optimizer else {}))
+
+        def skip(key):
+            return (key.startswith("save_counter/")
+                    or (optimizer is None and ".OPTIMIZER_SLOT/" in key)
+                    or (model_optimizer is None and key.startswith("optimizer/")))
+
+        for delta in deltas:
+            incremental.apply_delta(keys_root, delta, skip=skip)
+        info = deltas[-1]
     return info
 
 
@@ -613,6 +726,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             continue from it on resume (see above).
         clock: Seconds clock (injectable for tests).
         save_every_secs: Deprecated name of `save_every_seconds`.
+        full_every: Every `full_every`-th save is full, the saves between are
+            deltas (see `CheckpointManager`); None: every save is full.
     """
 
     def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
@@ -621,7 +736,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
                  save_input_position: bool = False,
                  clock: Callable[[], float] = time.monotonic,
-                 save_every_secs: Any = _deprecation.UNSET):
+                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
         super().__init__()
         self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
         save_every_seconds = _deprecation.renamed(
@@ -637,7 +752,8 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
                             save_every_seconds=save_every_seconds,
                             batches_per_step=batches_per_step,
-                            write_on_chief=write_on_chief, clock=clock)
+                            write_on_chief=write_on_chief, clock=clock,
+                            full_every=full_every)
         self._restore = restore
         self.final_step = final_step
         self.save_input_position = bool(save_input_position)

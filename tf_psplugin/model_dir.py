@@ -21,6 +21,14 @@ one absolute path on a filesystem they all see, so this module:
   Only checkpoints whose marker exists and whose files all have the recorded
   sizes count (`latest_checkpoint`), so a crash in the middle of a save, or
   a file truncated later, never yields a checkpoint that restore would pick;
+* decides which incremental checkpoints (deltas) extend the latest complete
+  checkpoint: a delta ``delta-<step>`` is a directory whose commit marker
+  ``delta-<step>.commit`` names its base ``ckpt-<m>`` and its parent (the
+  base or the previous delta). `checkpoint_chain` returns the latest intact
+  full checkpoint and its unbroken run of intact deltas; a torn delta ends
+  the chain there, as a torn full checkpoint is skipped. Deltas live in their
+  own namespace, so `latest_checkpoint` and every tool that reads full
+  checkpoints (evaluator, export, stock TF) never see them;
 * writes ``TRAINING_DONE`` (the final step; the evaluator's exit signal).
   Markers are written atomically (temp file + rename) on local filesystems.
 """
@@ -45,7 +53,12 @@ __all__ = [
     "EVAL_SUBDIR",
     "TRAINING_DONE",
     "ModelDirError",
+    "DELTA_NAME",
+    "checkpoint_chain",
     "clear_training_done",
+    "commit_delta",
+    "drop_orphan_deltas",
+    "list_deltas",
     "ensure_writable",
     "is_chief_task",
     "is_remote",
@@ -283,6 +296,9 @@ def is_chief_task(environ=None) -> bool:
 
 
 CHECKPOINT_NAME = "ckpt"
+DELTA_NAME = "delta"
+KIND_FULL = "full"
+KIND_DELTA = "delta"
 COMMIT_SUFFIX = ".commit"
 _DATA_RE = re.compile(r"\.data-(\d{5})-of-(\d{5})$")
 
@@ -301,7 +317,14 @@ class CheckpointInfo:
         input_position: Batches of the training dataset consumed by then (see
             `ChiefCheckpoint`), or None if unknown.
         wall_time: When the checkpoint was committed (seconds since epoch).
-        files: Size in bytes of every file of the checkpoint, by base name.
+        files: Size in bytes of every file of the checkpoint, by name
+            relative to the model directory.
+        kind: ``"full"`` (a TF checkpoint) or ``"delta"`` (an incremental
+            checkpoint: see `tf_psplugin.incremental`).
+        base: For a delta, the base name (``ckpt-<m>``) of the full
+            checkpoint its chain starts from.
+        parent: For a delta, the base name of what it applies on top of: the
+            base, or the previous delta (``delta-<k>``).
     """
 
     path: str
@@ -309,6 +332,14 @@ class CheckpointInfo:
     input_position: Optional[int] = None
     wall_time: float = 0.0
     files: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    kind: str = KIND_FULL
+    base: Optional[str] = None
+    parent: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        """The base name: ``ckpt-<step>`` or ``delta-<step>``."""
+        return os.path.basename(self.path)
 
 
 # --- Finding complete checkpoints ---------------------------------------------
@@ -378,11 +409,16 @@ def _read_marker(marker: str) -> Optional[CheckpointInfo]:
     if data is None or not isinstance(data.get("step"), int) or not isinstance(
             data.get("files"), dict):
         return None
+    kind = data.get("kind", KIND_FULL)
+    if kind == KIND_DELTA and not (isinstance(data.get("base"), str)
+                                   and isinstance(data.get("parent"), str)):
+        return None
     position = data.get("input_position")
     return CheckpointInfo(path=prefix, step=data["step"],
                           input_position=position if isinstance(position, int) else None,
                           wall_time=float(data.get("wall_time", 0.0)),
-                          files={str(k): int(v) for k, v in data["files"].items()})
+                          files={str(k): int(v) for k, v in data["files"].items()},
+                          kind=kind, base=data.get("base"), parent=data.get("parent"))
 
 
 def list_checkpoints(model_dir: str) -> List[CheckpointInfo]:
@@ -393,8 +429,124 @@ def list_checkpoints(model_dir: str) -> List[CheckpointInfo]:
     """
     path = resolve(model_dir)
     markers = _glob(path, f"{CHECKPOINT_NAME}-*{COMMIT_SUFFIX}")
-    infos = [info for info in map(_read_marker, markers) if info is not None]
+    infos = [info for info in map(_read_marker, markers)
+             if info is not None and info.kind == KIND_FULL]
     return sorted(infos, key=lambda i: (i.step, i.wall_time))
+
+
+def list_deltas(model_dir: str) -> List[CheckpointInfo]:
+    """Committed deltas in `model_dir`, oldest first (files not verified)."""
+    path = resolve(model_dir)
+    markers = _glob(path, f"{DELTA_NAME}-*{COMMIT_SUFFIX}")
+    infos = [info for info in map(_read_marker, markers)
+             if info is not None and info.kind == KIND_DELTA]
+    return sorted(infos, key=lambda i: (i.step, i.wall_time))
+
+
+def checkpoint_chain(model_dir: str):
+    """The latest intact full checkpoint and the deltas to apply on top of it, in order.
+
+    The deltas are those whose base is that checkpoint, each the child of the
+    previous one (the first one's parent is the base), all intact. The chain
+    ends before the first delta that is torn (a file missing or of another
+    size than its marker says, logged) or whose parent is not the delta before
+    it (a delta that never committed); deltas after that are not applied,
+    since each holds only the rows changed since its parent.
+
+    Args:
+        model_dir: The model directory.
+
+    Returns:
+        ``(full, deltas)``: a `CheckpointInfo` or None, and a list of them.
+    """
+    full = latest_checkpoint(model_dir)
+    if full is None:
+        return None, []
+    chain: List[CheckpointInfo] = []
+    parent = full.name
+    for info in list_deltas(model_dir):
+        if info.base != full.name or info.step <= full.step:
+            continue
+        if info.parent != parent:
+            logging.warning("tf_psplugin: delta %s follows %s, not %s; the chain ends at %s",
+                            info.path, info.parent, parent, parent)
+            break
+        problem = verify_checkpoint(info)
+        if problem is not None:
+            logging.warning("tf_psplugin: skipping delta %s and the deltas after it: %s",
+                            info.path, problem)
+            break
+        chain.append(info)
+        parent = info.name
+    return full, chain
+
+
+def delta_files(directory: str, model_dir: str) -> Dict[str, int]:
+    """Sizes of every file under a delta's `directory`, by path relative to `model_dir`."""
+    files = {}
+    for root, _, names in tf.io.gfile.walk(directory):
+        for name in names:
+            full = join(root, name)
+            rel = os.path.relpath(full, model_dir) if not is_remote(full) else \
+                full[len(model_dir.rstrip("/")) + 1:]
+            files[rel] = _stat_size(full) or 0
+    return files
+
+
+def commit_delta(prefix: str, step: int, input_position: Optional[int], base: str,
+                 parent: str, manifest: Mapping[str, Any]) -> CheckpointInfo:
+    """Writes the commit marker of a delta whose files are all written.
+
+    Args:
+        prefix: ``<model_dir>/delta-<step>`` (the delta's directory).
+        step: Training step the delta brings the chain to.
+        input_position: Batches consumed by then, or None.
+        base: Base name of the chain's full checkpoint (``ckpt-<m>``).
+        parent: Base name of the checkpoint or delta this one applies on.
+        manifest: What the delta holds (tables, slots, dense keys), for readers.
+
+    Returns:
+        The committed delta's `CheckpointInfo`.
+    """
+    model_dir = os.path.dirname(prefix)
+    files = delta_files(prefix, model_dir)
+    if not files:
+        raise CheckpointError(f"delta {prefix} has no files.")
+    info = CheckpointInfo(path=prefix, step=int(step), input_position=input_position,
+                          wall_time=time.time(), files=files, kind=KIND_DELTA, base=base,
+                          parent=parent)
+    write_json_atomic(prefix + COMMIT_SUFFIX, {
+        "kind": KIND_DELTA, "step": info.step, "input_position": input_position,
+        "wall_time": info.wall_time, "files": dict(files), "checkpoint": info.name,
+        "base": base, "parent": parent, "manifest": dict(manifest)})
+    return info
+
+
+def drop_orphan_deltas(model_dir: str, kept_full_names) -> List[str]:
+    """Deletes the deltas whose base full checkpoint is not among `kept_full_names`.
+
+    A delta holds only rows changed since its parent, so it is useless
+    without its base; and a base is never deleted for a delta's sake here
+    (TF's manager decides which full checkpoints to keep: `max_to_keep`
+    counts chains).
+
+    Returns:
+        The paths of the deltas deleted.
+    """
+    kept = set(kept_full_names)
+    dropped = []
+    for delta in list_deltas(model_dir):
+        if delta.base not in kept:
+            remove_delta(delta.path)
+            dropped.append(delta.path)
+    return dropped
+
+
+def remove_delta(prefix: str) -> None:
+    """Deletes a delta: its marker first (never a marker without files), then its files."""
+    remove_commit_marker(prefix)
+    if tf.io.gfile.exists(prefix):
+        tf.io.gfile.rmtree(prefix)
 
 
 def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
@@ -435,8 +587,8 @@ def commit_checkpoint(prefix: str, step: int, input_position: Optional[int]) -> 
     info = CheckpointInfo(path=prefix, step=int(step), input_position=input_position,
                           wall_time=time.time(), files=files)
     write_json_atomic(prefix + COMMIT_SUFFIX, {
-        "step": info.step, "input_position": input_position, "wall_time": info.wall_time,
-        "files": dict(files), "checkpoint": os.path.basename(prefix)})
+        "kind": KIND_FULL, "step": info.step, "input_position": input_position,
+        "wall_time": info.wall_time, "files": dict(files), "checkpoint": os.path.basename(prefix)})
     return info
 
 

@@ -353,7 +353,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # id(table shard) -> ops its owner runs after the shard's sync update
         # (layers.DynamicEmbedding admits new keys there).
         self._after_update = {}
+        # id(table shard) -> incremental.RowStamps: every optimizer apply to
+        # the shard also stamps the rows it touched (incremental checkpoints).
+        self._row_stamps = {}
+        # Table shards whose update was traced without stamps: tracking them
+        # now would miss that trace's updates.
+        self._traced_without_stamps = set()
         self._creating_table = False
+        self._creating_plain = False
         self._creating_internal = False
         # A fresh group key per chief process: a restarted chief must not meet
         # collective state that the workers cached for its predecessor.
@@ -421,7 +428,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     # -- variable creation ---------------------------------------------------
 
     def _create_var_creator(self, next_creator, **kwargs):
-        if self._creating_table:
+        if self._creating_table or self._creating_plain:
             # Table shards are plain variables on their PS (no aggregation
             # wrapper): updates to them are routed by `_update` below.
             return next_creator
@@ -430,6 +437,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def _create_variable(self, next_creator, **kwargs):
         if kwargs.get("per_worker_variable", False):
             return super()._create_variable(next_creator, **kwargs)
+        if self._creating_plain:
+            return next_creator(**kwargs)
         colocate_with = kwargs.get("colocate_with", None)
         if isinstance(colocate_with, variables_lib.ReplicatedVariable):
             kwargs.pop("colocate_with")
@@ -597,6 +606,44 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             raise StrategyError(f"run_after_update: {getattr(shard, 'name', shard)!r} is not "
                                 "a table shard of this strategy.")
         self._after_update[id(_unwrap(shard))] = fn
+
+    def track_updated_rows(self, shard, stamps) -> None:
+        """Makes every optimizer apply to table `shard` also call `stamps.mark(grad)`.
+
+        Used by incremental checkpoints (`incremental.RowStamps`): the mark is
+        one scatter on the shard's own PS, in the same trace as the update.
+        Must be called before any step that updates the shard is traced.
+
+        Raises:
+            StrategyError: `shard` is not a table shard, is tracked already, or
+                a step updating it was already traced (its updates would go
+                unrecorded).
+        """
+        key = id(_unwrap(shard))
+        if key not in self._table_shard_owner:
+            raise StrategyError(f"track_updated_rows: {getattr(shard, 'name', shard)!r} is not "
+                                "a table shard of this strategy.")
+        if key in self._traced_without_stamps:
+            raise StrategyError(
+                f"incremental checkpoints: a training step updating {shard.name!r} was traced "
+                "before row tracking was set up, so its updates would be missing from deltas. "
+                "Fix: create the CheckpointManager (or pass ChiefCheckpoint to the first fit) "
+                "before the first training step.")
+        if self._row_stamps.get(key, stamps) is not stamps:
+            raise StrategyError(
+                f"incremental checkpoints: {shard.name!r} is already tracked for another "
+                "CheckpointManager(full_every=...); steps traced for that one would not update "
+                "this one's record. Fix: one incremental manager per model.")
+        self._row_stamps[key] = stamps
+
+    def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
+        """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
+        self._creating_plain = True
+        try:
+            with tf.device(device):
+                return tf.Variable(**kwargs)
+        finally:
+            self._creating_plain = False
 
     def admits_after_update(self) -> bool:
         """True while a sync step is traced whose table updates run `run_after_update` hooks."""
@@ -801,11 +848,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             if group:
                 return result
             return tf.nest.map_structure(self._local_results, result)
+        stamps = self._row_stamps.get(id(_unwrap(var)))
+        if stamps is None and self._is_table_var(var) and not tf.executing_eagerly():
+            self._traced_without_stamps.add(id(_unwrap(var)))
         if not self._in_sync_step():
-            return super()._update(var, fn, args, kwargs, group)
+            return self._stamped(super()._update(var, fn, args, kwargs, group), stamps, args)
         table_owner = self._table_shard_owner.get(id(_unwrap(var)))
         if table_owner is not None and not self._sync_embeddings:
-            return super()._update(var, fn, args, kwargs, group)
+            return self._stamped(super()._update(var, fn, args, kwargs, group), stamps, args)
         # Every sync update to a PS variable (a table shard, its slots) is
         # applied by one worker only: all workers hold the same reduced
         # gradient, and applying it twice would be wrong.
@@ -816,6 +866,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
             first = len(graph.get_operations())
             with variables_lib.inside_variable_update():
                 result = super(HybridExtended, self)._update(var, fn, args, kwargs, True)
+            if stamps is not None:  # A write: `done` below waits for it too.
+                stamps.mark(self._gradient_of(args))
             after = self._after_update.get(id(_unwrap(var)))
             if after is not None:
                 updated = [op for op in graph.get_operations()[first:] if not op.outputs]
@@ -856,6 +908,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         if group:
             return done
         return [done]
+
+    def _gradient_of(self, args):
+        """The gradient an optimizer's update of one variable was given (its first argument)."""
+        args = self._select_single_value(args)
+        return args[0] if args else None
+
+    def _stamped(self, result, stamps, args):
+        """`result` of an update outside a sync step, after stamping the rows it touched."""
+        if stamps is not None:
+            stamps.mark(self._gradient_of(args))
+        return result
 
     def _on_read_update(self, var, delta, apply, read_value):
         """An in-step update of an ON_READ replicated variable (see `on_read_updates`)."""

@@ -1,0 +1,392 @@
+"""`python -m benchmarks.incremental`: a delta checkpoint vs a full one, for a 10M-row table.
+
+Why this module exists: incremental checkpoints (`CheckpointManager(
+full_every=K)`, `tf_psplugin.incremental`) are worth having only if a delta
+of the rows a job touched between saves is much smaller and faster than a
+full save, and restores exactly. This measures both on one loopback
+cluster (chief, 1 worker, 2 PS): one table of ``--rows`` x ``--dim``
+float32 (default 10M x 16, 640 MB) trained with Keras legacy Adagrad (its
+accumulator is another 640 MB), plus a small dense layer.
+
+For each fraction of rows touched (default 1% and 10%), with
+``full_every=2`` and ``max_to_keep=1``: a full save (timed), one training
+step whose gradient touches exactly that fraction of the rows (evenly
+spread ids, so every PS has its share), a delta save (timed), then a second
+model on the same cluster (built for the check and dropped after it, so it
+never coexists with a full save's buffers) restores the chain (full +
+delta) and is compared
+with the trained one on the PS tasks, shard by shard (table, accumulator)
+and every dense variable (`restore_exact`: all bitwise equal).
+
+JSON lines (kind ``incremental``): ``rows``, ``dim``, ``touched_fraction``,
+``delta_rows`` (ids in the delta), ``full_bytes``, ``delta_bytes`` (every
+file of each, markers excluded), ``full_seconds``, ``delta_seconds`` (the
+`save` call: join, pull, write, commit), ``restore_seconds`` (full + delta
+into the second model), ``restore_exact``, ``peak_rss_mb`` (every process,
+at the end of the run), ``serving_freshness_seconds``
+(null: no serving-side loader exists yet, ``serving_loader``: "not
+implemented"). A summary line checks the targets at 1%: delta bytes <= 5%
+and delta seconds <= 10% of the full save's, restore exact. ``--chart``
+draws bytes and seconds.
+
+``--saves N`` instead runs N delta saves (each after a step) of a 200k x
+16 table and reports every process's RSS growth per 100 saves: a save
+path that leaves state behind on the PS tasks shows up there (see
+`tf_psplugin.checkpoint_write` for the leak full saves once had).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import List, Optional, Sequence
+
+from benchmarks import procs
+
+RESULT_PREFIX = "INCREMENTAL_RESULT "
+TARGET_BYTES_RATIO = 0.05
+TARGET_SECONDS_RATIO = 0.10
+
+CHIEF = r'''
+import gc, json, os, sys, time
+import tensorflow as tf
+import tf_psplugin
+from benchmarks.procs import peak_rss_mb
+
+rows, dim, fractions, model_dir = (int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]),
+                                   sys.argv[4])
+tf_psplugin.start_server()
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+
+def build(seed):
+    with strategy.scope():
+        model = tf.keras.Sequential([
+            tf.keras.layers.Embedding(rows, dim, name="table", embeddings_initializer=(
+                tf.keras.initializers.RandomUniform(seed=seed))),
+            tf.keras.layers.Dense(1, name="out")])
+        model.build((None, None))
+        optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
+    return model, optimizer
+
+
+model, optimizer = build(1)
+manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
+                                        full_every=2, max_to_keep=1)
+
+
+# Row i of a step is (start + i * STRIDE) % rows: distinct rows (STRIDE is a
+# prime that does not divide rows), spread over every shard.
+STRIDE = 7919
+
+
+@tf.function
+def train_step(start, count, stride):
+    def replica_fn(start, count, stride):
+        ids = (start + tf.range(count, dtype=tf.int64) * stride) % rows
+        with tf.GradientTape() as tape:
+            out = model(ids[None, :], training=True)
+            loss = tf.reduce_mean(tf.square(out - 1.0))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return strategy.run(replica_fn, args=(start, count, stride))
+
+
+def step(fraction, start):
+    count = max(1, int(round(fraction * rows)))
+    coordinator.schedule(train_step, args=(tf.constant(start, tf.int64),
+                                           tf.constant(count, tf.int32),
+                                           tf.constant(STRIDE, tf.int64)))
+    coordinator.join()
+    return count
+
+
+def shards(var):
+    return list(var.variables) if hasattr(var, "variables") and not isinstance(
+        var, tf.Variable) else [var]
+
+
+def equal_on_ps(a, b):
+    """Bitwise equality computed where the shards live (nothing copied to the chief)."""
+    ok = True
+    for x, y in zip(shards(a), shards(b)):
+        with tf.device(x.device):
+            same = tf.reduce_all(tf.equal(tf.bitcast(tf.convert_to_tensor(x), tf.int32),
+                                          tf.bitcast(tf.convert_to_tensor(y), tf.int32)))
+        ok = ok and bool(same.numpy())
+    return ok
+
+
+assert rows % STRIDE, "rows must not be a multiple of 7919"
+for n, fraction in enumerate(fractions):
+    # Before the full save (so not in the delta): the first one traces the
+    # step and creates the slots.
+    step(0.001, 2 * n)
+    iterations = int(optimizer.iterations.numpy())
+    start = time.perf_counter()
+    full = manager.save(iterations)
+    full_seconds = time.perf_counter() - start
+    assert full.kind == "full", full
+    touched = step(fraction, 2 * n + 1)
+    start = time.perf_counter()
+    delta = manager.save(iterations + 1)
+    delta_seconds = time.perf_counter() - start
+    assert delta.kind == "delta", delta
+    delta_rows = sum(
+        shape[0] for f in sorted(n for n in delta.files if n.endswith(".index") and "/ps-" in n)
+        for name, shape in tf.train.load_checkpoint(
+            os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
+        if name.endswith("/.DELTA/ids"))
+    other = build(2)  # Dropped after the check: it never coexists with a full save.
+    restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
+    start = time.perf_counter()
+    restored = restorer.restore()
+    restore_seconds = time.perf_counter() - start
+    table, other_table = model.get_layer("table").embeddings, other[0].get_layer("table").embeddings
+    exact = (restored.path == delta.path
+             and equal_on_ps(table, other_table)
+             and equal_on_ps(optimizer.get_slot(table, "accumulator"),
+                             other[1].get_slot(other_table, "accumulator"))
+             and all(equal_on_ps(a, b) for a, b in zip(model.get_layer("out").weights,
+                                                       other[0].get_layer("out").weights))
+             and int(other[1].iterations.numpy()) == int(optimizer.iterations.numpy()))
+    print("INCREMENTAL_RESULT " + json.dumps({
+        "rows": rows, "dim": dim, "touched_fraction": fraction, "touched_rows": touched,
+        "delta_rows": int(delta_rows),
+        "full_bytes": sum(full.files.values()), "delta_bytes": sum(delta.files.values()),
+        "full_seconds": round(full_seconds, 3), "delta_seconds": round(delta_seconds, 3),
+        "restore_seconds": round(restore_seconds, 3), "restore_exact": bool(exact),
+        "peak_rss_mb": {"chief": round(peak_rss_mb(), 1)},
+        "serving_freshness_seconds": None, "serving_loader": "not implemented"}), flush=True)
+    del other, restorer, restored, other_table
+    gc.collect()
+'''
+
+
+SAVES_CHIEF = r'''
+import json, os, sys, time
+import tensorflow as tf
+import tf_psplugin
+from benchmarks.procs import current_rss_mb
+
+saves, model_dir, rows = int(sys.argv[1]), sys.argv[2], 200_000
+tf_psplugin.start_server()
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.layers.Embedding(rows, 16), tf.keras.layers.Dense(1)])
+    model.build((None, None))
+    optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
+manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
+                                        full_every=10 ** 9, max_to_keep=1)
+
+
+@tf.function
+def train_step(start):
+    def replica_fn(start):
+        ids = (start + tf.range(2000, dtype=tf.int64) * 7919) % rows
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids[None, :]) - 1.0))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    strategy.run(replica_fn, args=(start,))
+
+
+def step_and_save(i):
+    coordinator.schedule(train_step, args=(tf.constant(i, tf.int64),))
+    coordinator.join()
+    return manager.save(int(optimizer.iterations.numpy()))
+
+
+for i in range(30):  # Warm-up: one full save, then deltas.
+    step_and_save(i)
+print("SAVES_MARK " + json.dumps({"at": "warm", "time": time.time(),
+                                  "chief_rss_mb": current_rss_mb(os.getpid())}), flush=True)
+start = time.perf_counter()
+for i in range(30, 30 + saves):
+    info = step_and_save(i)
+seconds = (time.perf_counter() - start) / saves
+print("SAVES_MARK " + json.dumps({"at": "done", "time": time.time(),
+                                  "chief_rss_mb": current_rss_mb(os.getpid()),
+                                  "seconds_per_step_and_save": seconds,
+                                  "kind": info.kind}), flush=True)
+'''
+
+
+def run_saves(saves: int, log_dir: str) -> dict:
+    """`--saves N`: RSS of every process over N delta saves of a 200k x 16 table (leaks)."""
+    import threading  # pylint: disable=g-import-not-at-top
+    import time  # pylint: disable=g-import-not-at-top
+
+    from tf_psplugin.launch import LocalCluster  # pylint: disable=g-import-not-at-top
+
+    script = os.path.join(log_dir, "incremental_saves_chief.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(SAVES_CHIEF)
+    log = os.path.join(log_dir, "incremental_saves.log")
+    model_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_saves_")
+    samples, done = [], threading.Event()
+    try:
+        with open(log, "w", encoding="utf-8") as out:
+            with LocalCluster(num_workers=1, num_ps=2, servers="builtin",
+                              env=procs.child_env(), output=out, grace_period=2.0) as cluster:
+                cluster.start_servers()
+                procs.wait_until_serving(cluster, 3, log)
+                servers = {r: p for r, p in cluster.pids().items() if r != "chief"}
+
+                def poll():
+                    while not done.is_set():
+                        samples.append((time.time(), {r: procs.current_rss_mb(p)
+                                                      for r, p in servers.items()}))
+                        time.sleep(0.25)
+
+                thread = threading.Thread(target=poll, daemon=True)
+                thread.start()
+                try:
+                    result = cluster.run_chief([sys.executable, script, str(saves), model_dir],
+                                               timeout=1800)
+                finally:
+                    done.set()
+                    thread.join()
+                text = "".join(cluster.output("chief"))
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    marks = {}
+    for line in text.splitlines():
+        if "SAVES_MARK " in line:
+            mark = json.loads(line.split("SAVES_MARK ", 1)[1])
+            marks[mark["at"]] = mark
+    if result.returncode != 0 or set(marks) != {"warm", "done"}:
+        raise procs.BenchmarkProcessError(f"chief exited {result.returncode}; log {log}")
+
+    def rss_at(when):
+        return min(samples, key=lambda s: abs(s[0] - when))[1]
+
+    before, after = rss_at(marks["warm"]["time"]), rss_at(marks["done"]["time"])
+    before["chief"], after["chief"] = marks["warm"]["chief_rss_mb"], marks["done"]["chief_rss_mb"]
+    return {"kind": "incremental_saves", "saves": saves, "rows": 200_000, "dim": 16,
+            "last_kind": marks["done"]["kind"],
+            "seconds_per_step_and_save": round(marks["done"]["seconds_per_step_and_save"], 4),
+            "rss_mb_after_warmup": {r: round(v, 1) for r, v in sorted(before.items())},
+            "rss_mb_per_100_saves": {r: round((after[r] - before[r]) * 100 / saves, 2)
+                                     for r in sorted(before)}}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.incremental",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=10_000_000, help="table rows")
+    p.add_argument("--dim", type=int, default=16, help="table width (float32)")
+    p.add_argument("--fractions", default="0.01,0.1",
+                   help="comma-separated fractions of rows one step touches")
+    p.add_argument("--quick", action="store_true",
+                   help="the issue's run: 10M x 16 at 1%% and 10%% (the defaults)")
+    p.add_argument("--output", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--chart", default="", help="PNG of bytes and seconds, full vs delta")
+    p.add_argument("--log_dir", default=None)
+    p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--saves", type=int, default=0,
+                   help="instead: RSS of every process over this many delta saves (leaks)")
+    args = p.parse_args(argv)
+    args.fraction_list = [float(x) for x in args.fractions.split(",") if x]
+    if not args.fraction_list or not all(0 < f <= 1 for f in args.fraction_list):
+        p.error("--fractions must be in (0, 1]")
+    if args.rows < 100 or args.dim < 1 or args.rows % 7919 == 0:
+        p.error("--rows must be >= 100 and not a multiple of 7919, --dim >= 1")
+    return args
+
+
+def write_chart(records: List[dict], path: str) -> str:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    labels = [f"{r['touched_fraction']:.0%} touched" for r in records]
+    xs = range(len(records))
+    for ax, field, unit, scale in ((axes[0], "bytes", "MB", 1e6), (axes[1], "seconds", "s", 1)):
+        full = [r[f"full_{field}"] / scale for r in records]
+        delta = [r[f"delta_{field}"] / scale for r in records]
+        ax.bar([x - 0.2 for x in xs], full, width=0.4, label="full save")
+        ax.bar([x + 0.2 for x in xs], delta, width=0.4, label="delta")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels)
+        ax.set(ylabel=f"{field} ({unit})", title=field)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    rows = records[0]["rows"] if records else 0
+    fig.suptitle(f"Incremental checkpoints: {rows:,} x {records[0]['dim'] if records else 0} "
+                 "table + Adagrad, 2 PS")
+    return procs.save_chart(fig, plt, path)
+
+
+def summary(records: List[dict]) -> dict:
+    """The targets at the smallest fraction (1% by default), and exactness everywhere."""
+    low = min(records, key=lambda r: r["touched_fraction"])
+    bytes_ratio = low["delta_bytes"] / low["full_bytes"]
+    seconds_ratio = low["delta_seconds"] / low["full_seconds"]
+    return {"kind": "incremental_summary", "at_fraction": low["touched_fraction"],
+            "delta_to_full_bytes": round(bytes_ratio, 4),
+            "delta_to_full_seconds": round(seconds_ratio, 4),
+            "bytes_target_met": bytes_ratio <= TARGET_BYTES_RATIO,
+            "seconds_target_met": seconds_ratio <= TARGET_SECONDS_RATIO,
+            "restore_exact": all(r["restore_exact"] for r in records)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from tf_psplugin.launch import LocalCluster  # pylint: disable=g-import-not-at-top
+
+    args = parse_args(argv)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_incremental_")
+    os.makedirs(log_dir, exist_ok=True)
+    if args.saves:
+        procs.json_lines_emitter(args.output)(run_saves(args.saves, log_dir))
+        return 0
+    model_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_ckpt_")
+    emit = procs.json_lines_emitter(args.output)
+    records = []
+    try:
+        script = os.path.join(log_dir, "incremental_chief.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(CHIEF)
+        log = os.path.join(log_dir, "incremental.log")
+        with open(log, "w", encoding="utf-8") as out:
+            with LocalCluster(num_workers=1, num_ps=2, servers="builtin",
+                              env=procs.child_env(), output=out, grace_period=2.0) as cluster:
+                cluster.start_servers()
+                procs.wait_until_serving(cluster, 3, log)
+                servers = {role: pid for role, pid in cluster.pids().items()
+                            if role != "chief"}
+                result = cluster.run_chief(
+                    [sys.executable, script, str(args.rows), str(args.dim),
+                     json.dumps(args.fraction_list), model_dir], timeout=args.timeout)
+                text = "".join(cluster.output("chief"))
+                peaks = {role: round(procs.peak_rss_mb(str(pid)), 1)
+                         for role, pid in servers.items()}
+        if result.returncode != 0 or RESULT_PREFIX not in text:
+            raise procs.BenchmarkProcessError(f"chief exited {result.returncode}; log {log}")
+        for line in text.splitlines():
+            if RESULT_PREFIX in line:
+                record = {"kind": "incremental", "num_ps": 2, "workers": 1,
+                          "optimizer": "legacy.Adagrad", "full_every": 2,
+                          **json.loads(line.split(RESULT_PREFIX, 1)[1])}
+                record["peak_rss_mb"].update(peaks)
+                records.append(record)
+                emit(record)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    emit(summary(records))
+    if args.chart:
+        print(f"chart: {write_chart(records, args.chart)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

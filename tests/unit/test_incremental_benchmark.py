@@ -1,0 +1,76 @@
+"""benchmarks/incremental.py: arguments, summary, chart, and one real mini run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import incremental
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_arguments():
+    args = incremental.parse_args(["--quick"])
+    assert (args.rows, args.dim, args.fraction_list) == (10_000_000, 16, [0.01, 0.1])
+    with pytest.raises(SystemExit):
+        incremental.parse_args(["--fractions", "0"])
+    with pytest.raises(SystemExit):
+        incremental.parse_args(["--rows", str(7919 * 100)])
+
+
+def record(fraction, delta_bytes, delta_seconds, exact=True):
+    return {"rows": 1000, "dim": 4, "touched_fraction": fraction, "full_bytes": 1000,
+            "delta_bytes": delta_bytes, "full_seconds": 10.0, "delta_seconds": delta_seconds,
+            "restore_exact": exact}
+
+
+def test_summary_checks_the_targets_at_the_smallest_fraction():
+    ok = incremental.summary([record(0.1, 200, 3.0), record(0.01, 50, 1.0)])
+    assert ok["at_fraction"] == 0.01 and ok["bytes_target_met"] and ok["seconds_target_met"]
+    assert ok["restore_exact"] is True
+    bad = incremental.summary([record(0.01, 51, 1.01, exact=False)])
+    assert not bad["bytes_target_met"] and not bad["seconds_target_met"]
+    assert bad["restore_exact"] is False
+
+
+def test_chart(tmp_path):
+    path = incremental.write_chart([record(0.01, 50, 1.0), record(0.1, 200, 3.0)],
+                                   str(tmp_path / "c" / "incremental.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.tf215_only  # Benchmarks run in .venv (TF 2.15); the code is the same on 2.21.
+@pytest.mark.timeout(300)
+def test_real_mini_run(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.incremental", "--rows", "20000", "--dim", "4",
+           "--fractions", "0.01,0.5", "--log_dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=290)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    runs = {r["touched_fraction"]: r for r in lines if r["kind"] == "incremental"}
+    assert set(runs) == {0.01, 0.5}
+    assert runs[0.01]["delta_rows"] == 200 and runs[0.5]["delta_rows"] == 10000
+    assert all(r["restore_exact"] for r in runs.values())
+    assert runs[0.01]["delta_bytes"] < runs[0.5]["delta_bytes"] < runs[0.5]["full_bytes"]
+    assert runs[0.01]["serving_freshness_seconds"] is None
+    assert runs[0.01]["serving_loader"] == "not implemented"
+    summary = [r for r in lines if r["kind"] == "incremental_summary"][0]
+    assert summary["restore_exact"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.tf215_only
+@pytest.mark.timeout(300)
+def test_real_saves_run(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.incremental", "--saves", "20",
+           "--log_dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=290)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert line["kind"] == "incremental_saves" and line["last_kind"] == "delta"
+    assert set(line["rss_mb_per_100_saves"]) == {"chief", "ps:0", "ps:1", "worker:0"}

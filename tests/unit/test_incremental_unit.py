@@ -1,0 +1,247 @@
+"""Single-process tests of incremental checkpoints: naming, markers, chains, torn deltas, retention.
+
+The writing side (row stamps on the PS, deltas written by each PS) needs a
+cluster: tests/cluster/test_incremental_checkpoint.py. Here deltas are
+written by hand in the documented format (`tf_psplugin.incremental`), which
+is also what a serving-side loader would read.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin import incremental
+from tf_psplugin import model_dir as md
+
+VOCAB, DIM = 20, 3
+TABLE_KEY = "model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+@pytest.fixture(autouse=True)
+def no_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def tiny_model(optimizer=None):
+    ids = tf.keras.Input((2,), dtype=tf.int64, name="ids")
+    x = tf.keras.layers.Embedding(VOCAB, DIM, name="table", embeddings_initializer=(
+        tf.keras.initializers.RandomUniform(seed=1)))(ids)
+    x = tf.keras.layers.Flatten()(x)
+    out = tf.keras.layers.Dense(1, name="out", kernel_initializer=(
+        tf.keras.initializers.GlorotUniform(seed=2)))(x)
+    model = tf.keras.Model(ids, out)
+    model.compile(optimizer or tf.keras.optimizers.legacy.Adagrad(0.5), "mse")
+    return model
+
+
+def write_full(model_dir, step, model=None):
+    model = model or tiny_model()
+    prefix = os.path.join(model_dir, f"ckpt-{step}")
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(prefix)
+    return md.commit_checkpoint(prefix, step, None)
+
+
+def write_delta(model_dir, step, base, parent, model=None, ids=(), rows=None):
+    """A delta in the documented format: row bundle(s), dense bundle, marker."""
+    prefix = os.path.join(model_dir, f"delta-{step}")
+    tf.io.gfile.makedirs(prefix)
+    ids = np.asarray(ids, np.int64)
+    rows = np.zeros([len(ids), DIM], np.float32) if rows is None else rows
+    tf.raw_ops.SaveV2(prefix=os.path.join(prefix, "ps-0"),
+                      tensor_names=[TABLE_KEY + "/.DELTA/ids", TABLE_KEY + "/.DELTA/rows"],
+                      shape_and_slices=["", ""], tensors=[ids, rows])
+    dense = {}
+    if model is not None:
+        variables, _, _ = incremental.object_keys(
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer))
+        dense = {k: v.numpy() for k, v in variables.items() if k != TABLE_KEY}
+    if not dense:
+        dense = {"unused": np.zeros([1], np.float32)}
+    tf.raw_ops.SaveV2(prefix=os.path.join(prefix, "dense"), tensor_names=list(dense),
+                      shape_and_slices=[""] * len(dense), tensors=list(dense.values()))
+    manifest = {"tables": {TABLE_KEY: {"shape": [VOCAB, DIM], "dtype": "float32", "slots": []}},
+                "row_files": [f"delta-{step}/ps-0"], "dense": f"delta-{step}/dense"}
+    return md.commit_delta(prefix, step, None, base=base, parent=parent, manifest=manifest)
+
+
+def test_deltas_have_their_own_names_and_markers(tmp_path):
+    full = write_full(str(tmp_path), 2)
+    delta = write_delta(str(tmp_path), 4, "ckpt-2", "ckpt-2")
+    assert full.kind == "full" and full.name == "ckpt-2"
+    assert (delta.kind, delta.name, delta.base, delta.parent) == ("delta", "delta-4", "ckpt-2",
+                                                                  "ckpt-2")
+    assert sorted(delta.files) == ["delta-4/dense.data-00000-of-00001", "delta-4/dense.index",
+                                   "delta-4/ps-0.data-00000-of-00001", "delta-4/ps-0.index"]
+    assert md.verify_checkpoint(delta) is None
+    # Tools that read full checkpoints never see a delta.
+    assert [i.name for i in md.list_checkpoints(str(tmp_path))] == ["ckpt-2"]
+    assert md.latest_checkpoint(str(tmp_path)).name == "ckpt-2"
+    assert [i.name for i in md.list_deltas(str(tmp_path))] == ["delta-4"]
+    data = md.read_json(os.path.join(str(tmp_path), "delta-4.commit"))
+    assert data["kind"] == "delta" and data["manifest"]["row_files"] == ["delta-4/ps-0"]
+    assert md.read_json(os.path.join(str(tmp_path), "ckpt-2.commit"))["kind"] == "full"
+
+
+def test_chain_is_the_latest_full_and_its_unbroken_deltas(tmp_path):
+    d = str(tmp_path)
+    write_full(d, 2)
+    write_delta(d, 4, "ckpt-2", "ckpt-2")
+    write_delta(d, 6, "ckpt-2", "delta-4")
+    full, deltas = md.checkpoint_chain(d)
+    assert full.name == "ckpt-2" and [x.name for x in deltas] == ["delta-4", "delta-6"]
+    # A newer full checkpoint starts a new chain; the old deltas are not on it.
+    write_full(d, 8)
+    write_delta(d, 10, "ckpt-8", "ckpt-8")
+    full, deltas = md.checkpoint_chain(d)
+    assert full.name == "ckpt-8" and [x.name for x in deltas] == ["delta-10"]
+
+
+def test_torn_delta_ends_the_chain_before_it(tmp_path):
+    d = str(tmp_path)
+    write_full(d, 2)
+    write_delta(d, 4, "ckpt-2", "ckpt-2")
+    torn = write_delta(d, 6, "ckpt-2", "delta-4")
+    write_delta(d, 8, "ckpt-2", "delta-6")
+    with open(os.path.join(d, "delta-6", "ps-0.data-00000-of-00001"), "r+b") as f:
+        f.truncate(3)
+    assert "has 3 bytes" in md.verify_checkpoint(torn)
+    full, deltas = md.checkpoint_chain(d)
+    assert full.name == "ckpt-2" and [x.name for x in deltas] == ["delta-4"]
+    # A missing file too; and a torn full checkpoint is skipped with its deltas.
+    os.remove(os.path.join(d, "delta-4", "dense.index"))
+    assert md.checkpoint_chain(d)[1] == []
+
+
+def test_a_delta_whose_parent_never_committed_ends_the_chain(tmp_path):
+    d = str(tmp_path)
+    write_full(d, 2)
+    write_delta(d, 4, "ckpt-2", "ckpt-2")
+    write_delta(d, 8, "ckpt-2", "delta-6")  # delta-6 crashed before its marker.
+    assert [x.name for x in md.checkpoint_chain(d)[1]] == ["delta-4"]
+
+
+def test_retention_deletes_deltas_only_with_their_base(tmp_path):
+    d = str(tmp_path)
+    write_full(d, 2)
+    write_delta(d, 4, "ckpt-2", "ckpt-2")
+    write_full(d, 6)
+    write_delta(d, 8, "ckpt-6", "ckpt-6")
+    assert md.drop_orphan_deltas(d, {"ckpt-2", "ckpt-6"}) == []
+    dropped = md.drop_orphan_deltas(d, {"ckpt-6"})
+    assert dropped == [os.path.join(d, "delta-4")]
+    assert not os.path.exists(os.path.join(d, "delta-4"))
+    assert not os.path.exists(os.path.join(d, "delta-4.commit"))
+    assert [x.name for x in md.list_deltas(d)] == ["delta-8"]
+    assert [x.name for x in md.checkpoint_chain(d)[1]] == ["delta-8"]
+
+
+def test_load_into_applies_the_chain_by_logical_row_id(tmp_path):
+    d = str(tmp_path)
+    writer = tiny_model()
+    write_full(d, 2, writer)
+    base_table = writer.layers[1].embeddings.numpy()
+    rows = np.arange(2 * DIM, dtype=np.float32).reshape(2, DIM) + 100.0
+    writer.layers[-1].kernel.assign(writer.layers[-1].kernel + 1.0)  # Dense state moves on.
+    write_delta(d, 4, "ckpt-2", "ckpt-2", model=writer, ids=[3, 17], rows=rows)
+    write_delta(d, 6, "ckpt-2", "delta-4", model=writer, ids=[17], rows=rows[:1] * 2)
+    reader = tiny_model()
+    info = ckpt_lib.load_into(reader, d)
+    assert (info.name, info.step) == ("delta-6", 6)
+    expected = base_table.copy()
+    expected[3], expected[17] = rows[0], rows[0] * 2
+    np.testing.assert_array_equal(reader.layers[1].embeddings.numpy(), expected)
+    np.testing.assert_array_equal(reader.layers[-1].kernel.numpy(),
+                                  writer.layers[-1].kernel.numpy())
+    # A prefix loads that checkpoint alone.
+    info = ckpt_lib.load_into(tiny_model(), os.path.join(d, "ckpt-2"))
+    assert info.name == "ckpt-2"
+
+
+def test_a_delta_that_does_not_match_the_model_is_refused(tmp_path):
+    d = str(tmp_path)
+    writer = tiny_model()
+    write_full(d, 2, writer)
+    write_delta(d, 4, "ckpt-2", "ckpt-2", model=None, ids=[1])  # Dense key "unused".
+    with pytest.raises(ckpt_lib.CheckpointError, match="does not have"):
+        ckpt_lib.load_into(tiny_model(), d)
+
+
+def test_object_keys_are_the_full_checkpoints_keys(tmp_path):
+    model = tiny_model()
+    ckpt_lib.build_optimizer_slots(model)
+    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    variables, slots, _ = incremental.object_keys(root)
+    prefix = root.write(os.path.join(str(tmp_path), "ckpt"))
+    saved = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
+    assert set(variables) <= saved
+    assert TABLE_KEY in variables
+    assert any(owner == TABLE_KEY and name == "accumulator" for owner, name in slots.values())
+    assert saved - set(variables) <= {"_CHECKPOINTABLE_OBJECT_GRAPH",
+                                      "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: tf.keras.optimizers.legacy.Adam(0.1),
+    lambda: None,
+])
+def test_optimizers_whose_sparse_update_touches_every_row_are_refused(optimizer):
+    check = incremental.IncrementalSaver._check_optimizer  # pylint: disable=protected-access
+    with pytest.raises(ckpt_lib.CheckpointError, match="only the rows of the gradient"):
+        check(optimizer())
+    check(tf.keras.optimizers.legacy.Adagrad(0.1))
+
+
+def test_full_every_needs_the_hybrid_strategy(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ckpt_lib.CheckpointError, match="HybridParameterServerStrategy"):
+        ckpt_lib.CheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
+                                   full_every=3)
+    with pytest.raises(ValueError, match="full_every"):
+        ckpt_lib.CheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
+                                   full_every=0)
+    # full_every=1 (or None): every save is full, no tracking needed.
+    manager = ckpt_lib.CheckpointManager(str(tmp_path), model=model,
+                                         optimizer=model.optimizer, full_every=1)
+    assert manager.save(1).kind == "full"
+
+
+def test_dynamic_embedding_is_refused_with_the_reason():
+    from tf_psplugin import layers  # pylint: disable=g-import-not-at-top
+
+    ids = tf.keras.Input((2,), dtype=tf.int64)
+    out = tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(
+        layers.DynamicEmbedding(output_dim=3, capacity=8, name="dyn")(ids)))
+    model = tf.keras.Model(ids, out)
+    check = incremental.IncrementalSaver._check_layers  # pylint: disable=protected-access
+    with pytest.raises(ckpt_lib.CheckpointError, match="DynamicEmbedding .*dyn"):
+        check(tf.train.Checkpoint(model=model))
+    check(tf.train.Checkpoint(model=tiny_model()))  # A plain Embedding is fine.
+
+
+def test_row_stamps_never_lose_a_row_updated_between_saves():
+    shard = tf.Variable(tf.zeros([10, 2]))
+    generation = tf.Variable(1, dtype=tf.int32)
+    stamps = incremental.RowStamps(shard, generation, tf.Variable(tf.zeros([10], tf.int32)))
+    saver = object.__new__(incremental.IncrementalSaver)  # Only its generation bookkeeping.
+    saver._generations, saver._since = {"ps-0": generation}, {"ps-0": 1}
+
+    def rows(since):
+        return sorted(stamps.dirty_rows(since["ps-0"]).numpy().tolist())
+
+    def mark(ids):
+        stamps.mark(tf.IndexedSlices(tf.ones([len(ids), 2]), tf.constant(ids, tf.int64)))
+
+    mark([2, 5])
+    saver.advance()  # A full save: what was updated before it is in it.
+    mark([7])
+    since = saver.advance()  # Delta 1 starts: rows stamped since the full save.
+    mark([3])  # Updated while delta 1 is being gathered...
+    assert rows(since) == [3, 7]
+    since = saver.advance()  # ...so delta 2 has it too.
+    assert rows(since) == [3]
+    assert rows(saver.advance()) == []  # Nothing updated since delta 2.
+    stamps.mark(tf.ones([10, 2]))  # A dense gradient (e.g. a regularizer): every row.
+    assert rows(saver.advance()) == list(range(10))
