@@ -27,7 +27,6 @@ import tensorflow as tf
 from tf_psplugin import checkpoint as checkpoint_lib
 from tf_psplugin import model_dir as model_dir_lib
 from tf_psplugin import verbosity as verbosity_lib
-from tf_psplugin._tf_internal import sharded_variable
 
 __all__ = ["ExportError", "export_from_checkpoint", "export_saved_model", "logical_weights"]
 

@@ -186,9 +186,9 @@ def _check(optimizer, members) -> None:
     name = type(optimizer).__name__
     if kind is None:
         raise StackingError(
-            f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and {name} is "
-            "not an optimizer whose one update of a stack is known to equal its updates of "
-            "each table (known: "
+            f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
+            f"{name} is not an optimizer whose one update of a stack is known to equal its "
+            "updates of each table (known: "
             f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
             "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers.")
     present = {id(v) for _, v in members}

@@ -502,7 +502,8 @@ class TableView(tf.Variable):
             # saving variable (as TF saves any ShardedVariable), restored from
             # the table's checkpoint value on load; the stack is not saved.
             table = self._table
-            logical = tf.cast(local_ids, tf.int64) * len(table._variables) + self._index  # pylint: disable=protected-access
+            n = len(table._variables)  # pylint: disable=protected-access
+            logical = tf.cast(local_ids, tf.int64) * n + self._index
             return tf.gather(table._saving_variable, logical)  # pylint: disable=protected-access
         watch(self)  # Every active tape now watches `self.handle`.
         inner = self.stack_shard._v  # pylint: disable=protected-access
@@ -776,7 +777,8 @@ class _Stack:
 
     def never_made(self) -> bool:
         """Whether no shard has its variable yet (nothing can have read the stack)."""
-        return all(shard._inner is None for shard in self.shards)  # pylint: disable=protected-access
+        # pylint: disable-next=protected-access
+        return all(shard._inner is None for shard in self.shards)
 
     def like(self, name: str) -> "_Stack":
         """A new, empty stack of the same row width, dtype, shards and creator."""
@@ -784,7 +786,8 @@ class _Stack:
                        self._creator, self._on_replace)
         for mine, theirs in zip(stack.shards, self.shards):
             mine._device = theirs._device  # pylint: disable=protected-access
-            mine._distribute_strategy = theirs._distribute_strategy  # pylint: disable=protected-access
+            # pylint: disable-next=protected-access
+            mine._distribute_strategy = theirs._distribute_strategy
         stack.owner = self.owner
         return stack
 
@@ -1031,7 +1034,8 @@ class TableStacks:
         if aggregation not in (tf.VariableAggregation.NONE, None):
             return f"aggregation {aggregation.name}"
         if shape.num_elements() * dtype.size > MAX_TABLE_BYTES:
-            return f"larger than {MAX_TABLE_BYTES >> 20} MiB (its own ops are a small part of its cost)"
+            return (f"larger than {MAX_TABLE_BYTES >> 20} MiB "
+                    "(its own ops are a small part of its cost)")
         return None
 
     def add(self, name: str, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
@@ -1108,8 +1112,9 @@ class TableStacks:
             return
         if not stack.never_made():
             stack.materialize()  # Tables appended since: their rows into the variables.
-            members = [(t, [_current_rows(stack.shards[s]._inner, t, s)  # pylint: disable=protected-access
-                            for s in range(n)]) for t, _ in members]
+            # pylint: disable-next=protected-access
+            members = [(t, [_current_rows(stack.shards[s]._inner, t, s) for s in range(n)])
+                       for t, _ in members]
             groups = {}
             for table, pieces in members:
                 groups.setdefault(group_of(table), []).append((table, pieces))
