@@ -276,7 +276,7 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
                                                   SHARDING_INTERLEAVED)], tf.int64)
         from tf_psplugin import table_stacking  # pylint: disable=g-import-not-at-top  (a cycle)
 
-        physical = table_stacking.shift_valid_per_id(
+        physical = table_stacking.shift_valid(
             local, local + tf.gather(offsets, slot), tf.gather(counts, slot))
         physical_parts = tf.dynamic_partition(physical, shard, num_shards)
     rows = []

@@ -238,7 +238,7 @@ class StackedTable(InterleavedShardedVariable):
         (or a scatter writing) the next table's row.
         """
         ids = tf.convert_to_tensor(ids)
-        return _shift_valid(ids, ids + len(self._variables) * tf.gather(
+        return shift_valid(ids, ids + len(self._variables) * tf.gather(
             tf.constant(self._row_offsets, dtype=ids.dtype), ids % len(self._variables)),
             int(self._shape[0]))
 
@@ -495,6 +495,14 @@ class TableView(tf.Variable):
 
     # -- reads -----------------------------------------------------------------
 
+    def _physical(self, local_ids):
+        """(local ids as an integer tensor, their rows in the stack shard; outside: invalid)."""
+        local_ids = tf.convert_to_tensor(local_ids)
+        if not local_ids.dtype.is_integer:
+            local_ids = tf.cast(local_ids, tf.int64)
+        shifted = local_ids + tf.cast(self.offset, local_ids.dtype)
+        return local_ids, shift_valid(local_ids, shifted, self.num_rows)
+
     def _read(self, local_ids: tf.Tensor) -> tf.Tensor:
         """Rows `local_ids` (1-D, of this view) of the stack shard; gradient to this view."""
         if save_context.in_save_context():
@@ -507,11 +515,7 @@ class TableView(tf.Variable):
             return tf.gather(table._saving_variable, logical)  # pylint: disable=protected-access
         watch(self)  # Every active tape now watches `self.handle`.
         inner = self.stack_shard._v  # pylint: disable=protected-access
-        local_ids = tf.convert_to_tensor(local_ids)
-        if not local_ids.dtype.is_integer:
-            local_ids = tf.cast(local_ids, tf.int64)
-        physical = _shift_valid(local_ids, local_ids + tf.cast(self.offset, local_ids.dtype),
-                                self.num_rows)
+        local_ids, physical = self._physical(local_ids)
         dense_shape = tf.constant(self.shape.as_list(), tf.int32)
         dtype = self.dtype
 
@@ -572,11 +576,7 @@ class TableView(tf.Variable):
 
     def _scatter(self, method: str, indices, values):
         """Writes `values` at this view's rows `indices` (local; outside it: an error)."""
-        indices = tf.convert_to_tensor(indices)
-        if not indices.dtype.is_integer:
-            indices = tf.cast(indices, tf.int64)
-        physical = _shift_valid(indices, indices + tf.cast(self.offset, indices.dtype),
-                                self.num_rows)
+        _, physical = self._physical(indices)
         values = tf.convert_to_tensor(values, dtype=self.dtype)
         getattr(self.stack_shard, method)(tf.IndexedSlices(values, physical))
         return self
@@ -697,9 +697,6 @@ class _TableSet:
     def __iter__(self):
         return iter([t for t in (ref() for ref in list(self._refs.values())) if t is not None])
 
-    def __len__(self):
-        return len(list(iter(self)))
-
 
 class _Stack:
     """The shard variables of one stack and the tables in it.
@@ -792,7 +789,7 @@ class _Stack:
         return stack
 
 
-def _shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows) -> tf.Tensor:
+def shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows) -> tf.Tensor:
     """`shifted` where ``0 <= ids < num_rows``; negative ids as they are; the rest out of range.
 
     Elementwise only (no assertion op), so it costs the step nothing
@@ -802,10 +799,6 @@ def _shift_valid(ids: tf.Tensor, shifted: tf.Tensor, num_rows) -> tf.Tensor:
     too_big = tf.fill(tf.shape(ids), tf.constant(ids.dtype.max, ids.dtype))
     return tf.where(ids < 0, ids, tf.where(ids < num_rows, shifted, too_big))
 
-
-def shift_valid_per_id(ids: tf.Tensor, shifted: tf.Tensor, num_rows: tf.Tensor) -> tf.Tensor:
-    """`_shift_valid` with a row count per id (ids of several tables at once)."""
-    return _shift_valid(ids, shifted, num_rows)
 
 
 def separate_by_model(model) -> None:

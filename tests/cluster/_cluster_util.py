@@ -57,6 +57,8 @@ import time
 import uuid
 from typing import Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON = sys.executable
 LAUNCH_ID_ENV = "TF_PSPLUGIN_LAUNCH_ID"  # Same name as tf_psplugin.launch.LAUNCH_ID_ENV.
@@ -89,6 +91,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def script(tmp_path, body: str, name: str) -> str:
+    """`python_script` of `body` with ``{repo}`` replaced by the repo root."""
+    return python_script(tmp_path, body.format(repo=REPO_ROOT), name)
+
+
+def assert_same_npz(a_path, b_path) -> None:
+    """Asserts two .npz files hold the same arrays, bit for bit, under the same keys."""
+    a, b = np.load(a_path), np.load(b_path)
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=f"{key} differs")
 
 
 def python_script(tmp_path, code: str, name: str = "script.py") -> str:

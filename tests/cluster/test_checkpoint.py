@@ -281,17 +281,6 @@ print("RESULT", json.dumps(result))
 """
 
 
-def _script(tmp_path, body, name):
-    return cu.python_script(tmp_path, body.format(repo=cu.REPO_ROOT), name)
-
-
-def _assert_same(a_path, b_path):
-    a, b = np.load(a_path), np.load(b_path)
-    assert sorted(a.files) == sorted(b.files)
-    for key in a.files:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=f"{key} differs")
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Runs TRAIN once on chief + 2 workers + 2 PS; yields its directories and report."""
@@ -302,7 +291,7 @@ def trained(tmp_path_factory):
     cluster = LocalCluster(2, 2, env=tracker.env())
     try:
         cluster.start_servers()
-        result = cluster.run_chief([cu.PYTHON, _script(root, TRAIN, "train.py"), str(model_dir),
+        result = cluster.run_chief([cu.PYTHON, cu.script(root, TRAIN, "train.py"), str(model_dir),
                                     str(out)], timeout=240)
         assert result.returncode == 0, result.stdout[-8000:]
     finally:
@@ -321,7 +310,7 @@ def _run_restore(make_cluster, tmp_path, workers, ps, dirs):
         args += [name, str(path)]
     cluster = make_cluster(num_workers=workers, num_ps=ps)
     cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, _script(tmp_path, RESTORE, "restore.py"), str(out)]
+    result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, RESTORE, "restore.py"), str(out)]
                                + args, timeout=200)
     assert result.returncode == 0, result.stdout[-8000:]
     with open(out / "report.json") as f:
@@ -342,7 +331,7 @@ def test_resume_is_exact_and_only_checkpoint_files_are_written(trained):
     assert report["table_shards"] == 2
     assert report["traced_write_traces"] == 1
     # Restore + resume at the recorded input position == never stopping.
-    _assert_same(out / "ref6.npz", out / "uninterrupted6.npz")
+    cu.assert_same_npz(out / "ref6.npz", out / "uninterrupted6.npz")
     # Only the chief's checkpoint files: no temp dirs, no other task's files.
     expected = {"checkpoint", "TRAINING_DONE"}
     for step in (3, 6):
@@ -367,7 +356,7 @@ def test_restore_into_three_ps_and_one_worker(trained, make_cluster, tmp_path):
     assert report["three_ps"]["workers"] == 1
     assert report["three_ps"]["replicas"]
     assert report["three_ps"]["iter_after_step"] == 7
-    _assert_same(trained["out"] / "ref6.npz", out / "three_ps.npz")
+    cu.assert_same_npz(trained["out"] / "ref6.npz", out / "three_ps.npz")
 
 
 @pytest.mark.slow
@@ -389,10 +378,10 @@ def test_restore_into_one_ps_and_from_torn_checkpoints(trained, make_cluster, tm
         "one_ps": src, "truncated": truncated, "uncommitted": uncommitted})
     assert report["one_ps"]["step"] == 6 and report["one_ps"]["shards"] == 1
     assert report["one_ps"]["replicas"]
-    _assert_same(trained["out"] / "ref6.npz", out / "one_ps.npz")
+    cu.assert_same_npz(trained["out"] / "ref6.npz", out / "one_ps.npz")
     for torn in ("truncated", "uncommitted"):
         assert report[torn]["step"] == 3, report[torn]
-        _assert_same(trained["out"] / "ref3.npz", out / f"{torn}.npz")
+        cu.assert_same_npz(trained["out"] / "ref3.npz", out / f"{torn}.npz")
 
 
 @pytest.mark.slow
@@ -400,7 +389,7 @@ def test_restore_into_one_ps_and_from_torn_checkpoints(trained, make_cluster, tm
 def test_stock_keras_checkpoint_callbacks_and_write_on_chief(make_cluster, tmp_path):
     cluster = make_cluster(num_workers=2, num_ps=2)
     cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, _script(tmp_path, STOCK, "stock.py"), str(tmp_path)],
+    result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, STOCK, "stock.py"), str(tmp_path)],
                                timeout=240)
     assert result.returncode == 0, result.stdout[-8000:]
     report = json.loads(cu.result_line(result.stdout))
@@ -418,13 +407,13 @@ def test_stock_keras_checkpoint_callbacks_and_write_on_chief(make_cluster, tmp_p
 
 @pytest.mark.timeout(120)
 def test_restore_into_plain_keras_model_without_cluster(trained, procs, tmp_path):
-    result = procs.run([cu.PYTHON, _script(tmp_path, PLAIN, "plain.py"), str(tmp_path),
+    result = procs.run([cu.PYTHON, cu.script(tmp_path, PLAIN, "plain.py"), str(tmp_path),
                         str(trained["model_dir"])], timeout=100)
     assert result.returncode == 0, result.stdout[-6000:]
     data = json.loads(cu.result_line(result.stdout))
     assert data["step"] == 6
     assert all("/job:" not in d or "localhost" in d for d in data["devices"]), data
-    _assert_same(trained["out"] / "ref6.npz", tmp_path / "plain.npz")
+    cu.assert_same_npz(trained["out"] / "ref6.npz", tmp_path / "plain.npz")
     np.testing.assert_array_equal(np.load(tmp_path / "plain_predictions.npy"),
                                   np.load(trained["out"] / "chief_predictions.npy"))
 

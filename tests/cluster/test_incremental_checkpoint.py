@@ -1,7 +1,8 @@
 """Incremental checkpoints on a real cluster: full + 2 deltas restore bit-exact.
 
 A chief + 2 workers + 2 PS (and, in other runs, 1 PS: the table is then
-one variable; 2 PS with contiguous sharding: TF's row-range layout) train keras_examples/ctr.py's tiny model with
+one variable; 2 PS with contiguous sharding: TF's row-range layout) train
+keras_examples/ctr.py's tiny model with
 `ChiefCheckpoint(full_every=3, save_every_steps=2)`: ckpt-2 (full), then
 delta-4 and delta-6. The same model is then saved in full at step 6 into
 another directory (the reference). The test checks that
@@ -106,17 +107,6 @@ print("RESULT", json.dumps(result))
 """
 
 
-def _script(tmp_path, body, name):
-    return cu.python_script(tmp_path, body.format(repo=cu.REPO_ROOT), name)
-
-
-def _assert_same(a_path, b_path):
-    a, b = np.load(a_path), np.load(b_path)
-    assert sorted(a.files) == sorted(b.files)
-    for key in a.files:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=f"{key} differs")
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_ps,sharding", [(2, "interleaved"), (1, "interleaved"),
                                              (2, "contiguous")])
@@ -126,7 +116,7 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     out.mkdir()
     cluster = make_cluster(num_workers=2, num_ps=num_ps)
     cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, _script(tmp_path, TRAIN, "train.py"), str(incr_dir),
+    result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(incr_dir),
                                 str(full_dir), str(out), sharding], timeout=200)
     assert result.returncode == 0, result.stdout[-8000:]
     cluster.stop()
@@ -151,12 +141,12 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     assert "already tracked" in (report["second_manager"] or ""), report["second_manager"]
     late = report["after_a_step"] or ""
     assert "was traced before row tracking" in late, late
-    _assert_same(out / "restored.npz", out / "live6.npz")
+    cu.assert_same_npz(out / "restored.npz", out / "live6.npz")
     # The reference full save and the chain load identically into one process.
-    res = procs.run([cu.PYTHON, _script(tmp_path, PLAIN, "plain.py"), str(out),
+    res = procs.run([cu.PYTHON, cu.script(tmp_path, PLAIN, "plain.py"), str(out),
                      "plain_incr", str(incr_dir), "plain_full", str(full_dir)], timeout=120)
     assert res.returncode == 0, res.stdout[-6000:]
     assert json.loads(cu.result_line(res.stdout)) == {"plain_incr": [6, "delta"],
                                                       "plain_full": [6, "full"]}
-    _assert_same(out / "plain_full.npz", out / "live6.npz")
-    _assert_same(out / "plain_incr.npz", out / "plain_full.npz")
+    cu.assert_same_npz(out / "plain_full.npz", out / "live6.npz")
+    cu.assert_same_npz(out / "plain_incr.npz", out / "plain_full.npz")
