@@ -1,7 +1,7 @@
 """`python -m benchmarks.incremental`: a delta checkpoint vs a full one, for a 10M-row table.
 
 Why this module exists: incremental checkpoints (`CheckpointManager(
-full_every=K)`, `tf_psplugin.incremental`) are worth having only if a delta
+full_every=K)`, `tf_psplugin.state.incremental`) are worth having only if a delta
 of the rows a job touched between saves is much smaller and faster than a
 full save, and restores exactly. This measures both on one loopback
 cluster (chief, 1 worker, 2 PS): one table of ``--rows`` x ``--dim``
@@ -32,7 +32,7 @@ draws bytes and seconds.
 ``--saves N`` instead runs N delta saves (each after a step) of a 200k x
 16 table and reports every process's RSS growth per 100 saves: a save
 path that leaves state behind on the PS tasks shows up there (see
-`tf_psplugin.checkpoint_write` for the leak full saves once had).
+`tf_psplugin.state.checkpoint_write` for the leak full saves once had).
 """
 
 import argparse

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import evaluator as ev
-from tf_psplugin import model_dir as md
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import evaluator as ev
+from tf_psplugin.state import model_dir as md
 
 VOCAB = 12
 
