@@ -28,6 +28,7 @@ from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPoli
 from tf_psplugin.model_dir import ModelDirError
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.progress import ProgressBar
+from tf_psplugin.serving import ServingError, ServingModel
 from tf_psplugin.connection import TasksUnreachableError
 from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
 from tf_psplugin.summaries import TrainingSummaries
@@ -67,6 +68,8 @@ __all__ = [
     "ProgressBar",
     "RESTART_EXIT_CODE",
     "ReplicatedVariable",
+    "ServingError",
+    "ServingModel",
     "StrategyError",
     "TaskFailedError",
     "TasksUnreachableError",
