@@ -298,6 +298,9 @@ def test_follows_incremental_checkpoints_through_their_deltas(tmp_path):
 
     model_dir = str(tmp_path)
     trained = inc.tiny_model()
+    # Trained once: its optimizer has its hyperparameter variables, which the
+    # deltas then hold (the evaluator's never-trained optimizer has not).
+    trained.fit(tiny_data(), epochs=1, steps_per_epoch=1, verbose=0)
     inc.write_full(model_dir, 2, trained)
     table = trained.get_layer("table").embeddings
     rows = np.full([2, inc.DIM], 0.5, np.float32)
