@@ -336,8 +336,13 @@ class ServingModel:
         update.applied.append(full)
 
     def _read_delta(self, delta: CheckpointInfo, update: _Update) -> None:
-        marker = model_dir_lib.read_json(delta.path + model_dir_lib.COMMIT_SUFFIX) or {}
+        marker = model_dir_lib.read_json(delta.path + model_dir_lib.COMMIT_SUFFIX)
+        if marker is None:  # Deleted since it was listed (retention removes markers first).
+            raise tf.errors.NotFoundError(None, None, f"{delta.path} is gone")
         manifest = marker.get("manifest") or {}
+        if "dense" not in manifest:
+            raise ServingError(f"delta {delta.path} has no manifest: not written by "
+                               "tf_psplugin's incremental checkpoints.")
         for key, value in sorted(_read_bundle(
                 model_dir_lib.join(self.model_dir, manifest["dense"])).items()):
             if self._target(key, delta.path) is not None:

@@ -221,3 +221,26 @@ def test_background_poller_and_requests_see_one_checkpoint(tmp_path, monkeypatch
     initial = [v for v in seen if v == 0.0]
     assert len(consistent) + len(initial) == len(seen), sorted(set(seen))[:10]
     assert consistent, "no request was answered after the first delta"
+
+
+def test_a_delta_removed_while_read_is_tried_again(tmp_path, monkeypatch):
+    model_dir = str(tmp_path / "run")
+    trained = tiny_model()
+    write_full(model_dir, 2, trained)
+    export = tf_psplugin.export_from_checkpoint(tiny_model, model_dir, str(tmp_path / "export"))
+    served = tf_psplugin.ServingModel(export, model_dir=model_dir)
+    rows = train_a_little(trained, [1], 0.25)
+    write_delta(model_dir, 4, "ckpt-2", "ckpt-2", model=trained, ids=[1], rows=rows)
+    listed = serving.model_dir_lib.checkpoint_chain(model_dir)
+    # The chief's retention deletes it (marker first) between listing and reading.
+    marker = os.path.join(model_dir, "delta-4.commit")
+    with open(marker) as f:
+        kept = f.read()
+    os.remove(marker)
+    monkeypatch.setattr(serving.model_dir_lib, "checkpoint_chain", lambda _: listed)
+    assert served.poll() == [] and served.step == 2
+    monkeypatch.undo()
+    with open(marker, "w") as f:
+        f.write(kept)
+    assert [i.name for i in served.poll()] == ["delta-4"]
+    assert_serves_like(served, trained)
