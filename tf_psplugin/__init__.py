@@ -24,8 +24,9 @@ from tf_psplugin._version import __version__
 from tf_psplugin.cluster.config import ClusterConfig
 from tf_psplugin.cluster.config import resolve as resolve_cluster
 from tf_psplugin.errors import (RESTART_EXIT_CODE, CheckpointError, ConfigError, EvaluatorError,
-                                ExportError, FailoverError, ModelDirError, StackingError,
-                                StrategyError, TaskFailedError, TasksUnreachableError)
+                                ExportError, FailoverError, ModelDirError, ServingError,
+                                StackingError, StrategyError, TaskFailedError,
+                                TasksUnreachableError)
 from tf_psplugin.fault.failover import FailoverPolicy
 from tf_psplugin.keras.progress import ProgressBar
 from tf_psplugin.keras.summaries import TrainingSummaries
@@ -36,11 +37,13 @@ from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager, Chi
                                           list_checkpoints, load_into)
 from tf_psplugin.state.evaluator import run_evaluator, wait_for_evaluation
 from tf_psplugin.state.export import export_from_checkpoint, export_saved_model
+from tf_psplugin.state.serving import ServingModel
 from tf_psplugin.sync.replicated import ReplicatedVariable, current_worker_index
 from tf_psplugin.tables.placement import PlacementPolicy, embedding_table_scope
 # The public modules that are also names of this package (not the CLIs:
 # `python -m tf_psplugin.config` must not find its module already imported).
-from tf_psplugin import elastic, layers
+from tf_psplugin.fault import elastic
+from tf_psplugin.tables import dynamic as layers
 
 
 
@@ -74,6 +77,8 @@ __all__ = [
     "ProgressBar",
     "RESTART_EXIT_CODE",
     "ReplicatedVariable",
+    "ServingError",
+    "ServingModel",
     "StackingError",
     "StrategyError",
     "TaskFailedError",

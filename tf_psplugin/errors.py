@@ -31,6 +31,7 @@ __all__ = [
     "InputStateError",
     "ModelDirError",
     "RESTART_EXIT_CODE",
+    "ServingError",
     "StackingError",
     "StrategyError",
     "TaskFailedError",
@@ -129,6 +130,10 @@ class ModelDirError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or restored; the message says why and what to do."""
+
+
+class ServingError(CheckpointError):
+    """The export cannot follow this model directory; the message names the fix."""
 
 
 class InputStateError(RuntimeError):

@@ -23,8 +23,8 @@ from tf_psplugin.cluster import config as config_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.fault import elastic
 from tf_psplugin.fault import failover
-from tf_psplugin.state import checkpoint as checkpoint_lib
 from tf_psplugin.runtime import coordinator as coordinator_lib
+from tf_psplugin.state import checkpoint as checkpoint_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

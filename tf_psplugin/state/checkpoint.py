@@ -685,9 +685,12 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
             model=model, **({"optimizer": model_optimizer} if model_optimizer else {}))
 
         def skip(key):
+            # Without include_optimizer, optimizer values the model has (its step) are
+            # still applied; those it has not created (a compiled model that never
+            # trained has no hyperparameter variables yet) are skipped.
             return (key.startswith("save_counter/")
                     or (optimizer is None and ".OPTIMIZER_SLOT/" in key)
-                    or (model_optimizer is None and key.startswith("optimizer/")))
+                    or (optimizer is None and key.startswith("optimizer/")))
 
         for delta in deltas:
             incremental.apply_delta(keys_root, delta, skip=skip)

@@ -6,7 +6,9 @@ the evaluator in its cluster spec hangs (tensorflow issue 46169), and a
 process that connects to the cluster becomes part of its failure domain.
 So the evaluator task never connects to anything: no strategy, no servers.
 It watches ``model_dir`` for committed checkpoints (see checkpoint.py: only
-checkpoints with an intact commit marker count), loads each into a local
+checkpoints with an intact commit marker count; with incremental
+checkpoints, ``full_every``, also the deltas of the latest full
+checkpoint's chain), loads each into a local
 copy of the model (tables as full tensors, optimizer state ignored),
 evaluates it on its own dataset, and records the result:
 
@@ -210,10 +212,12 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                  model_dir)
     try:
         while True:
-            new = [i for i in checkpoint_lib.list_checkpoints(model_dir)
+            new = [i for i in _committed(model_dir)
                    if i.step > last_step and i.path not in skipped]
             targets = new if evaluate_all else new[-1:]
             for info in targets:
+                if info.step <= last_step:
+                    continue  # Loaded already: a delta is read with the rest of its chain.
                 result = _evaluate_checkpoint(model, dataset_fn, info, eval_steps,
                                               max_read_retries, retry_delay_seconds, sleep)
                 if result is None:
@@ -221,7 +225,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                     continue
                 recorder.record(result)
                 results.append(result)
-                last_step = max(last_step, info.step)
+                last_step = max(last_step, info.step, result["step"])
                 logging.info("tf_psplugin evaluator: step %d %s", info.step, json.dumps(
                     {k: v for k, v in result.items() if k not in ("checkpoint", "wall_time")}))
             if new:
@@ -245,6 +249,12 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         recorder.close()
 
 
+def _committed(model_dir: str) -> List[checkpoint_lib.CheckpointInfo]:
+    """Full checkpoints and the deltas of the latest one's chain (`full_every`), by step."""
+    _, deltas = model_dir_lib.checkpoint_chain(model_dir)
+    return sorted(checkpoint_lib.list_checkpoints(model_dir) + deltas, key=lambda i: i.step)
+
+
 def _evaluate_checkpoint(model, dataset_fn, info: checkpoint_lib.CheckpointInfo,
                          eval_steps, max_read_retries, retry_delay_secs, sleep):
     """Loads and evaluates one checkpoint; None if it vanished or stays unreadable."""
@@ -255,7 +265,11 @@ def _evaluate_checkpoint(model, dataset_fn, info: checkpoint_lib.CheckpointInfo,
                             info.path, problem)
             return None
         try:
-            checkpoint_lib.load_into(model, info.path)
+            # A delta is read as its chain (the model directory's latest full
+            # checkpoint and deltas): what is loaded may be newer than `info`.
+            source = (os.path.dirname(info.path) if info.kind == model_dir_lib.KIND_DELTA
+                      else info.path)
+            info = checkpoint_lib.load_into(model, source)
             break
         except tf.errors.NotFoundError as e:
             logging.warning("tf_psplugin evaluator: %s vanished while loading (%s); skipping",

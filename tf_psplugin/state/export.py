@@ -13,8 +13,13 @@ full tensors in logical row order, dense weights from the chief's primaries
 (pulled from worker 0) -- and saves that copy. Only the chief writes the
 export, into a temporary directory renamed into place when complete.
 
-`export_from_checkpoint` does the same offline from a committed checkpoint,
-with no cluster at all.
+`export_from_checkpoint` does the same offline from a committed checkpoint
+(with its chain of deltas), with no cluster at all.
+
+Every export also carries ``assets.extra/tf_psplugin_serving.json``: each
+variable's checkpoint key and, for `export_from_checkpoint`, the checkpoint
+it holds, so that `tf_psplugin.ServingModel` can update it in place from
+the chief's later deltas (see `tf_psplugin.state.serving`).
 """
 
 import os
@@ -28,6 +33,7 @@ from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin.errors import ExportError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import checkpoint as checkpoint_lib
 from tf_psplugin.state import model_dir as model_dir_lib
+from tf_psplugin.state import serving as serving_lib
 from tf_psplugin.tables import dynamic as layers
 
 __all__ = ["ExportError", "export_from_checkpoint", "export_saved_model", "logical_weights"]
@@ -87,7 +93,8 @@ def _dynamic_layers(model):
     return [m for m in model.submodules if isinstance(m, layers.DynamicEmbedding)]
 
 
-def _save_atomically(model, export_dir: str, overwrite: bool) -> str:
+def _save_atomically(model, export_dir: str, overwrite: bool,
+                     checkpoint: Optional[model_dir_lib.CheckpointInfo] = None) -> str:
     export_dir = model_dir_lib.resolve(export_dir)
     if tf.io.gfile.exists(export_dir):
         if not overwrite:
@@ -99,10 +106,12 @@ def _save_atomically(model, export_dir: str, overwrite: bool) -> str:
     tmp = f"{export_dir.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}"
     for layer in _dynamic_layers(model):
         layer.freeze_for_serving()  # Its maps saved with it; lookups only.
+    metadata = serving_lib.serving_metadata(model, checkpoint)
     try:
         # SavedModel writing logs "Assets written to", "Writing fingerprint" at INFO.
         with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
             model.save(tmp, save_format="tf", include_optimizer=False)
+        serving_lib.write_metadata(tmp, metadata)  # For a ServingModel following deltas.
         if tf.io.gfile.exists(export_dir):
             tf.io.gfile.rmtree(export_dir)
         tf.io.gfile.rename(tmp, export_dir)
@@ -187,5 +196,5 @@ def export_from_checkpoint(model_fn: Callable[[], tf.keras.Model], source: str,
         ExportError, CheckpointError: as for `export_saved_model`/`load_into`.
     """
     local = _local_copy(None, model_fn)
-    checkpoint_lib.load_into(local, source)
-    return _save_atomically(local, export_dir, overwrite)
+    info = checkpoint_lib.load_into(local, source)
+    return _save_atomically(local, export_dir, overwrite, checkpoint=info)

@@ -32,8 +32,8 @@ values assigned, rows scattered into the logical tables and slots by key.
 Because rows carry logical ids, this works into any number of PS tasks and
 into a plain single-process model (`checkpoint.load_into`).
 
-The delta format, for readers such as a serving loader (no TF object graph
-needed):
+The delta format, for readers such as the serving loader
+(`tf_psplugin.state.serving`; no TF object graph needed):
 
 * ``delta-<step>/ps-<k>.index`` + ``.data-*``: a TF tensor bundle (read it
   with `tf.train.load_checkpoint` or RestoreV2). For each table, under the
