@@ -46,6 +46,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin._internal import patches
+from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import CheckpointInitialValueCallable, trackable_base
 from tf_psplugin._internal.tf_internal import resource_variable_ops, saveable_object, sharded_variable
 from tf_psplugin.tables.layout import (  # noqa: F401  (re-exported: sharding's public API)
@@ -422,29 +423,29 @@ def install_interleaved_slot_lookup(optimizer):
     original = getattr(optimizer, "get_slot", None)
     if original is None or not hasattr(optimizer, "_create_slots_for_sharded_variables"):
         return optimizer
-    cache = {}
+    cache = IdentityMap()  # table -> {slot name: its slots' wrapper}; dies with the table
 
     def get_slot(var, slot_name):
         if hasattr(var, "with_variables"):
             # A stacked table (table_stacking): the same rows of its stack
             # shards' slots. Keras knows only the shards' slots.
             shard_slots = [original(shard, slot_name) for shard in var.variables]
-            key = (id(var), slot_name)
-            cached = cache.get(key)
+            wrappers = cache.get(var) or {}
+            cached = wrappers.get(slot_name)
             if cached is None or any(a is not b for a, b in zip(cached.variables, shard_slots)):
                 cached = var.with_variables(shard_slots, name=f"{var.name}/{slot_name}")
-                cache[key] = cached
+                cache[var] = {**wrappers, slot_name: cached}
             return cached
         slot = original(var, slot_name)
         if not isinstance(var, InterleavedShardedVariable) or not isinstance(
             slot, sharded_variable.ShardedVariable
         ):
             return slot
-        key = (id(var), slot_name)
-        cached = cache.get(key)
+        wrappers = cache.get(var) or {}
+        cached = wrappers.get(slot_name)
         if cached is None or any(a is not b for a, b in zip(cached.variables, slot.variables)):
             cached = InterleavedShardedVariable(list(slot.variables), name=slot.name)
-            cache[key] = cached
+            cache[var] = {**wrappers, slot_name: cached}
         return cached
 
     create_sharded_slots = optimizer._create_slots_for_sharded_variables
