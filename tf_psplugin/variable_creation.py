@@ -1,0 +1,255 @@
+"""Variable creation under the hybrid strategy: where each variable goes.
+
+`HybridExtended._create_variable` (what TF calls for every variable made in
+the strategy's scope) hands the decision here: an embedding table is sharded
+over the PS tasks (interleaved, contiguous, or into a stack), an optimizer
+slot follows its variable, any other variable becomes a `ReplicatedVariable`
+on the workers (or stays on a PS with ``dense_placement="ps"``). This module
+also keeps what that placement produced and other parts read: the placement
+records (the report), and which worker owns the sync updates of each table
+shard (its PS index mod the workers; see `update_role`).
+"""
+
+import dataclasses
+import functools
+
+import tensorflow as tf
+
+from tf_psplugin import placement as placement_lib
+from tf_psplugin import shard_init
+from tf_psplugin import sharding
+from tf_psplugin import stacked_updates
+from tf_psplugin import table_stacking
+from tf_psplugin import variables as variables_lib
+from tf_psplugin._tf_internal import ps_values
+from tf_psplugin._tf_internal import sharded_variable
+from tf_psplugin.connection import StrategyError
+
+# The coordinator's own device (it joins the cluster as job "chief").
+CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
+
+
+class VariableCreationMixin:
+    """Variable creation, placement records and table shard owners (moved as is)."""
+
+    def enable_table_stacking(self) -> None:
+        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        if self.table_stacks is None:
+            self.table_stacks = table_stacking.TableStacks(
+                shard_devices=self._table_shard_device, on_restack=self._restacked)
+            # Each table's gradient (Keras sees its own rows) merged into one
+            # apply per stack shard.
+            stacked_updates.install()
+
+    def _restacked(self, table, stack_name: str) -> None:
+        """A table moved to another stack before it was made (`TableStacks.separate`)."""
+        index = getattr(table, "_tf_psplugin_record", None)
+        if index is not None:
+            record = self.placement_records[index]
+            self.placement_records[index] = dataclasses.replace(record, stack=stack_name)
+
+    def _create_var_creator(self, next_creator, **kwargs):
+        if self._creating_table or self._creating_plain:
+            # Table shards are plain variables on their PS (no aggregation
+            # wrapper): updates to them are routed by `_update` below.
+            return next_creator
+        return super()._create_var_creator(next_creator, **kwargs)
+
+    def _create_variable(self, next_creator, **kwargs):
+        if kwargs.get("per_worker_variable", False):
+            return super()._create_variable(next_creator, **kwargs)
+        if self._creating_plain:
+            return next_creator(**kwargs)
+        colocate_with = kwargs.get("colocate_with", None)
+        if isinstance(colocate_with, variables_lib.ReplicatedVariable):
+            kwargs.pop("colocate_with")
+            return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
+        if colocate_with is not None:
+            if self.table_stacks is not None:
+                # An optimizer slot of a stack: no table joins that stack now.
+                self.table_stacks.seal(_unwrap(colocate_with))
+            var = super()._create_variable(next_creator, **kwargs)
+            kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
+            if kind == "table-slot":
+                self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner[
+                    id(_unwrap(colocate_with))]
+            self._record(var, kind)
+            return var
+        name = kwargs.get("name")
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        dtype_size = dtype.size if dtype is not None else 4
+        if placement_lib.in_embedding_table_scope() and (
+                shape is None or not shape.rank or shape[0] is None):
+            raise StrategyError(
+                f"variable {name!r} with shape {shape} was created inside "
+                "embedding_table_scope(), but only variables of rank >= 1 with a known first "
+                "dimension can be sharded across PS tasks. Fix: create scalars and "
+                "unknown-shape variables outside embedding_table_scope(), or pass an explicit "
+                "`shape=` with the number of rows.")
+        if shape is not None and shape.rank and shape.rank >= 1 and self.placement.is_table(
+                name, shape.as_list(), dtype_size):
+            return self._create_table(next_creator, **kwargs)
+        if self.dense_allreduce:
+            return self._create_replicated(next_creator, kind="dense",
+                                           record=not self._creating_internal, **kwargs)
+        var = super()._create_variable(next_creator, **kwargs)
+        self._record(var, "ps")
+        return var
+
+    def _create_replicated(self, next_creator, kind: str, record: bool = True, **kwargs):
+        kwargs.pop("caching_device", None)
+        # The primary copy belongs on the chief even when the variable is
+        # created while a step is traced under a worker's device (optimizer
+        # slots are created in the first trace; see `tracing_worker_index`).
+        with tf.device(CHIEF_DEVICE):
+            var = variables_lib.ReplicatedVariable(
+                self._container_strategy(), next_creator,
+                end_of_step_fn=self._end_of_step, update_reduce_fn=self._on_read_update,
+                graph_use_fn=self._on_read_use, **kwargs)
+        if record:
+            self._record(var, kind, devices=var.worker_devices())
+        return var
+
+    def _table_shard_device(self, shard: int) -> str:
+        """Shard `shard` of an interleaved table (or stack): round-robin from ps:0.
+
+        Every table with n shards has its shard s on the same PS, which fused
+        lookups, stacks and DynamicEmbedding's admission rely on.
+        """
+        return f"/job:ps/task:{shard % self._num_ps}/device:CPU:0"
+
+    def _create_table(self, next_creator, **kwargs):
+        """Creates an embedding table sharded over the PS tasks.
+
+        One shard per PS task, or as many as `table_partitioner` says
+        (`placement.table_shard_count`).
+        """
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        num_shards = placement_lib.table_shard_count(
+            shape, dtype if dtype is not None else tf.float32, self._num_ps,
+            partitioner=self.table_partitioner, name=kwargs.get("name"))
+        scheme = self.placement.sharding
+        unstacked = ""
+        if self.table_stacks is not None:
+            if scheme != placement_lib.SHARDING_INTERLEAVED:
+                unstacked = f"{scheme} sharding"
+            elif kwargs.get("initial_value") is None:
+                unstacked = "no initial value"
+            else:
+                unstacked = self.table_stacks.why_not(shape, dtype, num_shards, kwargs) or ""
+        if num_shards < 2:
+            var = self._create_variable_round_robin(next_creator, **kwargs)
+            self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
+            self._record(var, "table", unstacked=unstacked)
+            return var
+        self._creating_table = True
+        try:
+            if (scheme == placement_lib.SHARDING_INTERLEAVED and self.table_stacks is not None
+                    and kwargs.get("initial_value") is not None
+                    and self.table_stacks.eligible(shape, dtype, num_shards, kwargs)):
+                var = self.table_stacks.add(
+                    kwargs.get("name"), shape, dtype, num_shards,
+                    shard_values=functools.partial(
+                        sharding.shard_value_fn, kwargs.get("initial_value"), shape, dtype,
+                        num_shards=num_shards, name=kwargs.get("name")),
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs),
+                    on_replace=self._replace_table_shard)
+            elif scheme == placement_lib.SHARDING_INTERLEAVED:
+                var = sharding.create_interleaved(
+                    name=kwargs.get("name"), shape=shape, dtype=dtype,
+                    initial_value=kwargs.get("initial_value"), num_shards=num_shards,
+                    device_fn=self._table_shard_device,
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
+            else:
+                self._variable_partitioner = (
+                    sharded_variable.FixedShardsPartitioner(num_shards))
+                try:
+                    var = super()._create_variable(next_creator, **kwargs)
+                finally:
+                    self._variable_partitioner = None
+        finally:
+            self._creating_table = False
+        if not isinstance(var, table_stacking.StackedTable):
+            # (A stack's shards are registered when they get their variables:
+            # `_replace_table_shard`.)
+            for shard in var.variables:
+                self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
+        else:
+            # Its views: what Keras lists, reduces and (weight decay) updates.
+            for view in var.views:
+                self._table_shard_owner[id(view)] = self._table_shard_owner_of(view)
+        self._record(var, "table", devices=[v.device for v in var.variables],
+                     stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
+        if isinstance(var, table_stacking.StackedTable):
+            var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
+        return var
+
+    def _replace_table_shard(self, old, new) -> None:
+        """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
+        if old is not None:
+            self._table_shard_owner.pop(id(old), None)
+        if new is not None:  # (None: the stack was split and its variable freed.)
+            self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
+
+    def _table_shard_owner_of(self, var) -> int:
+        """The worker that applies sync updates to a table shard: its PS index mod workers.
+
+        With as many workers as PS tasks, worker i updates exactly the shards
+        on ps:i; with more workers than PS tasks the extra workers update
+        nothing and share one trace of the step (see `update_role`).
+        """
+        return self._owner_of_ps(tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0)
+
+    def _owner_of_ps(self, ps_index: int) -> int:
+        """The worker that applies sync updates to the table shards on ps:`ps_index`."""
+        return int(ps_index) % max(self._num_workers, 1)
+
+    def update_role(self, worker_index: int) -> tuple:
+        """The PS tasks whose table shards `worker_index` updates in sync mode.
+
+        Workers with equal roles run the same trace of a synchronous step,
+        so a step is traced at most min(workers, PS) + 1 times.
+        """
+        if not self._sync_embeddings:
+            return ()
+        return tuple(p for p in range(self._num_ps) if self._owner_of_ps(p) == worker_index)
+
+    def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
+        """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
+        self._creating_plain = True
+        try:
+            with tf.device(device):
+                return tf.Variable(**kwargs)
+        finally:
+            self._creating_plain = False
+
+    def _record(self, var, kind: str, devices=None, stack: str = "", unstacked: str = ""):
+        try:
+            shape = tuple(int(d) if d is not None else -1 for d in var.shape.as_list())
+        except (ValueError, AttributeError):
+            shape = ()
+        dtype = tf.as_dtype(var.dtype)
+        n = 1
+        for d in shape:
+            n *= max(d, 0)
+        self.placement_records.append(placement_lib.PlacementRecord(
+            name=getattr(var, "name", "?"), kind=kind, shape=shape, dtype=dtype.name,
+            num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")]),
+            stack=stack, unstacked="" if stack else unstacked))
+
+    def _is_table_var(self, var) -> bool:
+        return id(_unwrap(var)) in self._table_shard_owner
+
+
+def _unwrap(var):
+    """The underlying resource variable of PSS wrappers (Aggregating/Caching)."""
+    seen = 0
+    while seen < 4:
+        seen += 1
+        if isinstance(var, ps_values.AggregatingVariable):
+            var = var.get()
+        elif isinstance(var, ps_values.CachingVariable):
+            var = var._v  # pylint: disable=protected-access
+        else:
+            break
+    return var
