@@ -18,33 +18,70 @@ from tf_psplugin import variables as variables_lib
 from tf_psplugin.variable_creation import _unwrap
 
 
-class ReductionMixin:
-    """Reduce and batch-reduce in a sync step; hand-in and take through the PS (moved as is)."""
+class Reduction:
+    """A synchronous step's reductions among the workers.
 
-    def _reduce_to(self, reduce_op, value, destinations, options):
-        if not self._in_sync_step():
-            return super()._reduce_to(reduce_op, value, destinations, options)
+    One per `HybridExtended` (its `reduction`), which calls it while a sync
+    step is traced and keeps stock's reduction otherwise. Owns the per-PS
+    gradient queues of the ``"ps"`` sparse exchange (`sparse_exchange.py`).
+
+    Example (what `HybridExtended._batch_reduce_to` does in a sync step):
+
+    ```python
+    reduction = Reduction(extended, creation, num_workers=2)
+    grads = reduction.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+    ```
+
+    Args:
+        extended: The `HybridExtended` (modes, collective group, on-read
+            updates, tracing state, step counters).
+        creation: Its `VariableCreation` (which destinations are tables).
+        num_workers: Workers in the cluster.
+    """
+
+    def __init__(self, extended, creation, num_workers: int):
+        self._extended = extended
+        self._creation = creation
+        self._num_workers = num_workers
+        self._gradient_queues = sparse_exchange_lib.PsGradientQueues(num_workers)
+
+    def _sync_embeddings(self) -> bool:
+        return self._extended.embedding_updates == "sync"
+
+    def reduce_to(self, reduce_op, value):
+        """`HybridExtended._reduce_to` in a sync step: one packed all-reduce among the workers."""
         mean = reduce_op == tf.distribute.ReduceOp.MEAN
         flat = tf.nest.flatten(value)
         dense = [tf.convert_to_tensor(v) for v in flat]
-        reduced = self.collective_group.all_reduce_packed(dense, mean=mean)
+        reduced = self._extended.collective_group.all_reduce_packed(dense, mean=mean)
         return tf.nest.pack_sequence_as(value, reduced)
 
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        if not self._in_sync_step():
-            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+    def batch_reduce_to(self, reduce_op, value_destination_pairs):
+        """`HybridExtended._batch_reduce_to` in a sync step (Keras's gradient reduction).
+
+        Dense values (and the step's pending metric deltas) in one packed
+        all-reduce; table gradients summed on their PS (``"ps"`` exchange)
+        or all-gathered; then the reduction is counted (`_after_reduction`).
+
+        Args:
+            reduce_op: `tf.distribute.ReduceOp.SUM` or `MEAN`.
+            value_destination_pairs: (value, destination variable) pairs.
+
+        Returns:
+            The reduced values, in order.
+        """
         mean = reduce_op == tf.distribute.ReduceOp.MEAN
         values = [v for v, _ in value_destination_pairs]
         out = list(values)
         dense_idx, sparse_idx = [], []
         for i, (v, dest) in enumerate(value_destination_pairs):
-            if isinstance(v, tf.IndexedSlices) and self._is_table_var(dest):
+            if isinstance(v, tf.IndexedSlices) and self._creation.is_table_var(dest):
                 sparse_idx.append(i)
             else:
                 dense_idx.append(i)
                 if isinstance(v, tf.IndexedSlices):
                     values[i] = tf.convert_to_tensor(v)
-        through_ps = bool(sparse_idx) and self._sync_embeddings and self._exchange_through_ps()
+        through_ps = bool(sparse_idx) and self._sync_embeddings() and self._exchange_through_ps()
         hand_in = None
         if through_ps:
             hand_in = self._hand_in([values[i] for i in sparse_idx],
@@ -53,26 +90,26 @@ class ReductionMixin:
         if dense_idx:
             # Metric and batch-norm updates recorded so far in the step ride
             # along (sums: only with a summed gradient).
-            pending = self.on_read_updates.take() if not mean else []
+            pending = self._extended.on_read_updates.take() if not mean else []
             # The hand-ins first: then the dense all-reduce doubles as the
             # barrier the PS exchange needs (it completes on a worker only
             # once every worker has handed in), one collective fewer a step.
             with tf.control_dependencies(hand_in.ops if hand_in else []):
-                reduced = self.collective_group.all_reduce_packed(
-                    [values[i] for i in dense_idx] + self.on_read_updates.deltas(pending),
+                reduced = self._extended.collective_group.all_reduce_packed(
+                    [values[i] for i in dense_idx] + self._extended.on_read_updates.deltas(pending),
                     mean=mean)
-            self.on_read_updates.apply(pending, reduced[len(dense_idx):])
+            self._extended.on_read_updates.apply(pending, reduced[len(dense_idx):])
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
             token = reduced[0]
-        if sparse_idx and self._sync_embeddings:
+        if sparse_idx and self._sync_embeddings():
             sparse = [values[i] for i in sparse_idx]
             if through_ps:
                 if token is None:
-                    token = self.collective_group.barrier(hand_in.ops)
+                    token = self._extended.collective_group.barrier(hand_in.ops)
                 gathered = self._take(hand_in, token)
             else:
-                gathered = self.collective_group.all_gather_indexed_slices(sparse)
+                gathered = self._extended.collective_group.all_gather_indexed_slices(sparse)
             for i, g in zip(sparse_idx, gathered):
                 if mean:
                     # On the PS when summed there.
@@ -86,8 +123,8 @@ class ReductionMixin:
         # A trace shared by several update roles (`tracing_worker_index` is
         # None: a concrete function was scheduled) cannot know which PS it
         # takes from; it all-gathers instead.
-        return (self.sparse_exchange == "ps" and self._num_workers > 1
-                and self.tracing_worker_index is not None)
+        return (self._extended.sparse_exchange == "ps" and self._num_workers > 1
+                and self._extended.tracing_worker_index is not None)
 
     def _hand_in(self, slices, destinations) -> "_HandIn":
         """Hands this worker's sparse gradients to the PS queues (see `sparse_exchange`).
@@ -113,7 +150,7 @@ class ReductionMixin:
         token, so no worker takes before every worker handed in.
         """
         slices = hand_in.slices
-        role = self.update_role(self.tracing_worker_index)
+        role = self._extended.update_role(self._extended.tracing_worker_index)
         out = list(slices)
         with tf.control_dependencies([token]):
             for (ps, _), js in hand_in.groups.items():
@@ -129,7 +166,7 @@ class ReductionMixin:
 
     def _after_reduction(self, out):
         """Counts the reduction, makes every update wait for the count, opens the step."""
-        if self.reduced_steps is None:
+        if self._extended.reduced_steps is None:
             return out
         tensors, on_ps = [], {}
         for o in out:
@@ -146,7 +183,7 @@ class ReductionMixin:
             with tf.device(device):
                 tensors.append(tf.group(ts))
         with tf.control_dependencies(tensors):
-            counted = self.reduced_steps.assign_add(1, read_value=False)
+            counted = self._extended.reduced_steps.assign_add(1, read_value=False)
         result = []
         with tf.control_dependencies([counted]):
             for o in out:

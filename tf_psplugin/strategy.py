@@ -307,10 +307,19 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         return "allreduce" if self._dense_allreduce else "ps"
 
 
-class HybridExtended(variable_creation.VariableCreationMixin, reduction.ReductionMixin,
-                     updates.UpdatesMixin,
-                     parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
-    """The Extended half of `HybridParameterServerStrategy` (see module doc)."""
+class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """The Extended half of `HybridParameterServerStrategy` (see module doc).
+
+    TF's `StrategyExtended` calls its hooks by name (`_create_variable`,
+    `_reduce_to`, `_batch_reduce_to`, `_update`, ...); each decides between
+    stock behaviour and the plugin's and hands the plugin's to one of three
+    collaborators: `creation` (`variable_creation.VariableCreation`: where
+    variables go, placement records, table shard owners), `reduction`
+    (`reduction.Reduction`: a sync step's all-reduces and PS exchange) and
+    `updates` (`updates.Updates`: who applies each update, row stamps, the
+    end of the step). The Extended itself holds the configuration and the
+    tracing state the coordinator sets while it traces a step.
+    """
 
     def __init__(self, container_strategy, cluster_resolver, embedding_updates: str,
                  dense_allreduce: bool, placement: placement_lib.PlacementPolicy,
@@ -323,7 +332,6 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
         super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
         self.table_partitioner = table_partitioner
         self.sparse_exchange = sparse_exchange
-        self._gradient_queues = sparse_exchange_lib.PsGradientQueues(self._num_workers)
         self.embedding_updates = embedding_updates
         self.dense_allreduce = dense_allreduce
         self.placement = placement
@@ -341,20 +349,10 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
             # `_update` can leave a table update out of every trace but its
             # owner's.
             self._retrace_functions_for_each_device = True
-        self.placement_records: List[placement_lib.PlacementRecord] = []
-        self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
-        # id(table shard) -> ops its owner runs after the shard's sync update
-        # (layers.DynamicEmbedding admits new keys there).
-        self._after_update = {}
-        # id(table shard) -> incremental.RowStamps: every optimizer apply to
-        # the shard also stamps the rows it touched (incremental checkpoints).
-        self._row_stamps = {}
-        # Table shards whose update was traced without stamps: tracking them
-        # now would miss that trace's updates.
-        self._traced_without_stamps = set()
-        self._creating_table = False
-        self._creating_plain = False
-        self._creating_internal = False
+        self.creation = variable_creation.VariableCreation(
+            self, num_workers=self._num_workers, num_ps=self._num_ps)
+        self.reduction = reduction.Reduction(self, self.creation, self._num_workers)
+        self.updates = updates.Updates(self, self.creation)
         # A fresh group key per chief process: a restarted chief must not meet
         # collective state that the workers cached for its predecessor.
         self.collective_group = collectives_lib.CollectiveGroup(
@@ -367,8 +365,45 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
         # Read by lookup_fusion: set by the strategy after construction.
         self.fuse_lookups = False
         self.committed_steps = None
-        # Set by `enable_table_stacking` (the strategy's stack_tables=True).
-        self.table_stacks: Optional[table_stacking.TableStacks] = None
+
+    # -- read by other modules ----------------------------------------------------
+
+    @property
+    def placement_records(self) -> List[placement_lib.PlacementRecord]:
+        """What was placed where (`VariableCreation.placement_records`)."""
+        return self.creation.placement_records
+
+    @property
+    def table_stacks(self) -> Optional[table_stacking.TableStacks]:
+        """The table stacks with ``stack_tables=True``, else None (read by lookup_fusion)."""
+        return self.creation.table_stacks
+
+    def enable_table_stacking(self) -> None:
+        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        self.creation.enable_table_stacking()
+
+    def update_role(self, worker_index: int) -> tuple:
+        """The PS tasks whose table shards `worker_index` updates in sync mode."""
+        return self.creation.update_role(worker_index)
+
+    def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
+        """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
+        return self.creation.create_plain_variable(device, **kwargs)
+
+    def _is_table_var(self, var) -> bool:
+        return self.creation.is_table_var(var)
+
+    def run_after_update(self, shard, fn) -> None:
+        """Makes the worker that updates `shard` in a sync step also run `fn()` (`Updates`)."""
+        self.updates.run_after_update(shard, fn)
+
+    def track_updated_rows(self, shard, stamps) -> None:
+        """Makes every optimizer apply to table `shard` also stamp its rows (`Updates`)."""
+        self.updates.track_updated_rows(shard, stamps)
+
+    def admits_after_update(self) -> bool:
+        """True while a sync step is traced whose table updates run `run_after_update` hooks."""
+        return self.updates.admits_after_update()
 
     def create_step_counters(self):
         """Creates the per-worker step counters failover reads (allreduce mode).
@@ -380,15 +415,11 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
         """
         if not self.dense_allreduce:
             return
-        self._creating_internal = True
-        try:
-            with self._container_strategy().scope():
-                self.reduced_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                 name="tf_psplugin_reduced_steps")
-                self.committed_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                   name="tf_psplugin_committed_steps")
-        finally:
-            self._creating_internal = False
+        with self.creation.internal_variables(), self._container_strategy().scope():
+            self.reduced_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                             name="tf_psplugin_reduced_steps")
+            self.committed_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                               name="tf_psplugin_committed_steps")
 
     # -- replicas ---------------------------------------------------------------
 
@@ -398,9 +429,15 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
             return self._num_workers
         return self._num_gpus_per_worker or 1
 
-    @property
-    def _sync_embeddings(self) -> bool:
-        return self.embedding_updates == "sync"
+    # -- variable creation ---------------------------------------------------------
+
+    def _create_var_creator(self, next_creator, **kwargs):
+        if self.creation.creates_unwrapped:
+            return next_creator
+        return super()._create_var_creator(next_creator, **kwargs)
+
+    def _create_variable(self, next_creator, **kwargs):
+        return self.creation.create_variable(next_creator, super()._create_variable, **kwargs)
 
     # -- datasets ----------------------------------------------------------------
 
@@ -421,10 +458,24 @@ class HybridExtended(variable_creation.VariableCreationMixin, reduction.Reductio
             dataset_fn, self._input_workers_with_options(options), [input_context],
             self._container_strategy(), options=options, build=ops.inside_function())
 
-    # -- reduction ----------------------------------------------------------------
+    # -- reduction and updates ---------------------------------------------------
 
-    def _in_sync_step(self) -> bool:
+    def in_sync_step(self) -> bool:
+        """Whether a synchronous step is being traced (the plugin's reductions and updates)."""
         return self.dense_allreduce and self.tracing_sync_step and not tf.executing_eagerly()
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if not self.in_sync_step():
+            return super()._reduce_to(reduce_op, value, destinations, options)
+        return self.reduction.reduce_to(reduce_op, value)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        if not self.in_sync_step():
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        return self.reduction.batch_reduce_to(reduce_op, value_destination_pairs)
+
+    def _update(self, var, fn, args, kwargs, group):
+        return self.updates.update(var, fn, args, kwargs, group, super()._update)
 
 
 def _check_partitioner(variable_partitioner) -> None:

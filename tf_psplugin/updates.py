@@ -21,8 +21,45 @@ from tf_psplugin.connection import StrategyError
 from tf_psplugin.variable_creation import _unwrap
 
 
-class UpdatesMixin:
-    """The update path, row stamping, on-read updates, end of step (moved as is)."""
+class Updates:
+    """A synchronous step's updates, and what runs with them.
+
+    One per `HybridExtended` (its `updates`): TF's `_update` (optimizer
+    applies, `assign_*` in a replica context) comes here, and
+    `ReplicatedVariable` calls `on_read_update`, `on_read_use` and
+    `end_of_step`. Owns the hooks run after a table shard's update
+    (`run_after_update`) and the row stamps of incremental checkpoints
+    (`track_updated_rows`).
+
+    Example (what `HybridExtended._update` does):
+
+    ```python
+    updates = Updates(extended, creation)
+    done = updates.update(var, fn, args, kwargs, group, stock_update)
+    ```
+
+    Args:
+        extended: The `HybridExtended` (modes, tracing state, collective
+            group, on-read updates, step counters; TF's value selection).
+        creation: Its `VariableCreation` (which variables are table shards,
+            and which worker owns each).
+    """
+
+    def __init__(self, extended, creation):
+        self._extended = extended
+        self._creation = creation
+        # id(table shard) -> ops its owner runs after the shard's sync update
+        # (layers.DynamicEmbedding admits new keys there).
+        self._after_update = {}
+        # id(table shard) -> incremental.RowStamps: every optimizer apply to
+        # the shard also stamps the rows it touched (incremental checkpoints).
+        self._row_stamps = {}
+        # Table shards whose update was traced without stamps: tracking them
+        # now would miss that trace's updates.
+        self._traced_without_stamps = set()
+
+    def _sync_embeddings(self) -> bool:
+        return self._extended.embedding_updates == "sync"
 
     def run_after_update(self, shard, fn) -> None:
         """Makes the worker that updates `shard` in a sync step also run `fn()`.
@@ -33,7 +70,7 @@ class UpdatesMixin:
         by then, and none of the next step has started. In any other mode
         `fn` is never called (see `admits_after_update`).
         """
-        if id(_unwrap(shard)) not in self._table_shard_owner:
+        if not self._creation.is_table_var(shard):
             raise StrategyError(f"run_after_update: {getattr(shard, 'name', shard)!r} is not "
                                 "a table shard of this strategy.")
         self._after_update[id(_unwrap(shard))] = fn
@@ -51,7 +88,7 @@ class UpdatesMixin:
                 unrecorded).
         """
         key = id(_unwrap(shard))
-        if key not in self._table_shard_owner:
+        if not self._creation.is_table_var(shard):
             raise StrategyError(f"track_updated_rows: {getattr(shard, 'name', shard)!r} is not "
                                 "a table shard of this strategy.")
         if key in self._traced_without_stamps:
@@ -69,9 +106,31 @@ class UpdatesMixin:
 
     def admits_after_update(self) -> bool:
         """True while a sync step is traced whose table updates run `run_after_update` hooks."""
-        return self._in_sync_step() and self._sync_embeddings
+        return self._extended.in_sync_step() and self._sync_embeddings()
 
-    def _update(self, var, fn, args, kwargs, group):
+    def update(self, var, fn, args, kwargs, group, stock_update):
+        """`HybridExtended._update`: applies `fn` to `var` where and by whom it must run.
+
+        Args:
+            var: The variable updated (a replica, a table shard or view, a
+                slot, a PS variable).
+            fn: The update function, called as ``fn(var, *args, **kwargs)``.
+            args: Its positional arguments (the gradient first, for an
+                optimizer's apply).
+            kwargs: Its keyword arguments.
+            group: As TF's `_update`: return one grouped result.
+            stock_update: Stock `ParameterServerStrategyV2Extended._update`
+                (bound), which runs the update on the variable's device.
+
+        Returns:
+            As TF's `_update`; in a sync step, for a PS variable, a boolean
+            tensor that depends on the update's writes (True where this
+            worker applied it).
+
+        Raises:
+            stacked_updates.StackingError: a gradient applied to a stacked
+                table's view directly (not through a Keras optimizer).
+        """
         if isinstance(var, table_stacking.TableView) and (args or kwargs):
             # An optimizer applying a gradient to a view itself would write
             # the view's rows at the wrong place of the stack shard (its
@@ -83,19 +142,20 @@ class UpdatesMixin:
                 "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
         if isinstance(var, variables_lib.ReplicatedVariable):
             with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
-                result = fn(var, *self._select_single_value(args),
-                            **self._select_single_value(kwargs))
+                select = self._extended._select_single_value  # pylint: disable=protected-access
+                result = fn(var, *select(args), **select(kwargs))
             if group:
                 return result
-            return tf.nest.map_structure(self._local_results, result)
+            return tf.nest.map_structure(
+                self._extended._local_results, result)  # pylint: disable=protected-access
         stamps = self._row_stamps.get(id(_unwrap(var)))
-        if stamps is None and self._is_table_var(var) and not tf.executing_eagerly():
+        if stamps is None and self._creation.is_table_var(var) and not tf.executing_eagerly():
             self._traced_without_stamps.add(id(_unwrap(var)))
-        if not self._in_sync_step():
-            return self._stamped(super()._update(var, fn, args, kwargs, group), stamps, args)
-        table_owner = self._table_shard_owner.get(id(_unwrap(var)))
-        if table_owner is not None and not self._sync_embeddings:
-            return self._stamped(super()._update(var, fn, args, kwargs, group), stamps, args)
+        if not self._extended.in_sync_step():
+            return self._stamped(stock_update(var, fn, args, kwargs, group), stamps, args)
+        table_owner = self._creation.table_owner(var)
+        if table_owner is not None and not self._sync_embeddings():
+            return self._stamped(stock_update(var, fn, args, kwargs, group), stamps, args)
         # Every sync update to a PS variable (a table shard, its slots) is
         # applied by one worker only: all workers hold the same reduced
         # gradient, and applying it twice would be wrong.
@@ -105,7 +165,7 @@ class UpdatesMixin:
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             with variables_lib.inside_variable_update():
-                result = super(UpdatesMixin, self)._update(var, fn, args, kwargs, True)
+                result = stock_update(var, fn, args, kwargs, True)
             if stamps is not None:  # A write: `done` below waits for it too.
                 stamps.mark(self._gradient_of(args))
             after = self._after_update.get(id(_unwrap(var)))
@@ -128,13 +188,13 @@ class UpdatesMixin:
                     writes + [r for r in tf.nest.flatten(result) if r is not None]):
                 return tf.constant(True)
 
-        if self.tracing_worker_index is not None and table_owner is not None:
+        if self._extended.tracing_worker_index is not None and table_owner is not None:
             # One trace per update role (see `update_role`): the table
             # update exists only in the owner's graph. No tf.cond: a cond
             # with its branch on a PS costs every worker a predicate, a pivot
             # and each (dead) input sent to the PS, for every shard and step
             # (benchmarks/README.md: 8.1k -> 14.7k examples/s, 26 tables).
-            done = apply() if self.tracing_worker_index == owner else tf.constant(False)
+            done = apply() if self._extended.tracing_worker_index == owner else tf.constant(False)
         else:
             # One trace shared by several workers (a concrete function was
             # scheduled, or a PS variable that is not a table: roles only
@@ -151,7 +211,7 @@ class UpdatesMixin:
 
     def _gradient_of(self, args):
         """The gradient an optimizer's update of one variable was given (its first argument)."""
-        args = self._select_single_value(args)
+        args = self._extended._select_single_value(args)  # pylint: disable=protected-access
         return args[0] if args else None
 
     def _stamped(self, result, stamps, args):
@@ -160,18 +220,18 @@ class UpdatesMixin:
             stamps.mark(self._gradient_of(args))
         return result
 
-    def _on_read_update(self, var, delta, apply, read_value):
+    def on_read_update(self, var, delta, apply, read_value):
         """An in-step update of an ON_READ replicated variable (see `on_read_updates`)."""
-        if not self._in_sync_step():
+        if not self._extended.in_sync_step():
             return apply(delta)
-        return self.on_read_updates.update(var, delta, apply, read_value)
+        return self._extended.on_read_updates.update(var, delta, apply, read_value)
 
-    def _on_read_use(self, var):
+    def on_read_use(self, var):
         """A traced use of an ON_READ replicated variable: its pending update first."""
-        if self._in_sync_step():
-            self.on_read_updates.flush_if_pending(var)
+        if self._extended.in_sync_step():
+            self._extended.on_read_updates.flush_if_pending(var)
 
-    def _end_of_step(self, pending_updates):
+    def end_of_step(self, pending_updates):
         """Ops every worker runs after all of a step's updates.
 
         In ``"sync"`` embedding mode, a collective barrier that depends on the
@@ -179,9 +239,10 @@ class UpdatesMixin:
         update landed); then the commit counter.
         """
         deps = list(pending_updates)
-        if self._sync_embeddings and deps:
-            deps = [self.collective_group.barrier(deps)]
-        if self.committed_steps is None:
+        if self._sync_embeddings() and deps:
+            deps = [self._extended.collective_group.barrier(deps)]
+        committed_steps = self._extended.committed_steps
+        if committed_steps is None:
             return deps
         with tf.control_dependencies(deps):
-            return [self.committed_steps.assign_add(1, read_value=False)]
+            return [committed_steps.assign_add(1, read_value=False)]

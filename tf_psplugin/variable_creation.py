@@ -10,8 +10,10 @@ records (the report), and which worker owns the sync updates of each table
 shard (its PS index mod the workers; see `update_role`).
 """
 
+import contextlib
 import dataclasses
 import functools
+from typing import List, Optional
 
 import tensorflow as tf
 
@@ -29,14 +31,47 @@ from tf_psplugin.connection import StrategyError
 CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 
 
-class VariableCreationMixin:
-    """Variable creation, placement records and table shard owners (moved as is)."""
+class VariableCreation:
+    """Where each variable made in the strategy's scope goes, and what that produced.
+
+    One per `HybridExtended` (its `creation`): TF calls the Extended's
+    `_create_variable`, which hands the variable here. Keeps the placement
+    records (`strategy.placement_report()`), the table stacks
+    (``stack_tables=True``) and, for every table shard, view and table slot,
+    the worker that applies its sync updates.
+
+    Example (what `HybridExtended._create_variable` does):
+
+    ```python
+    creation = VariableCreation(extended, num_workers=2, num_ps=2)
+    var = creation.create_variable(next_creator, stock_create, **kwargs)
+    creation.table_owner(var)  # 0 or 1 for a table shard, else None
+    ```
+
+    Args:
+        extended: The `HybridExtended` (its configuration: placement,
+            partitioner, modes; its stock creation hooks; its `updates`).
+        num_workers: Workers in the cluster.
+        num_ps: PS tasks in the cluster.
+    """
+
+    def __init__(self, extended, num_workers: int, num_ps: int):
+        self._extended = extended
+        self._num_workers = num_workers
+        self._num_ps = num_ps
+        self.placement_records: List[placement_lib.PlacementRecord] = []
+        self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
+        self._creating_table = False
+        self._creating_plain = False
+        self._creating_internal = False
+        # Set by `enable_table_stacking` (the strategy's stack_tables=True).
+        self.table_stacks: Optional[table_stacking.TableStacks] = None
 
     def enable_table_stacking(self) -> None:
         """Stores eligible tables in stacks from now on (see `table_stacking`)."""
         if self.table_stacks is None:
             self.table_stacks = table_stacking.TableStacks(
-                shard_devices=self._table_shard_device, on_restack=self._restacked)
+                shard_devices=self.table_shard_device, on_restack=self._restacked)
             # Each table's gradient (Keras sees its own rows) merged into one
             # apply per stack shard.
             stacked_updates.install()
@@ -48,16 +83,34 @@ class VariableCreationMixin:
             record = self.placement_records[index]
             self.placement_records[index] = dataclasses.replace(record, stack=stack_name)
 
-    def _create_var_creator(self, next_creator, **kwargs):
-        if self._creating_table or self._creating_plain:
-            # Table shards are plain variables on their PS (no aggregation
-            # wrapper): updates to them are routed by `_update` below.
-            return next_creator
-        return super()._create_var_creator(next_creator, **kwargs)
+    @property
+    def creates_unwrapped(self) -> bool:
+        """Whether the variable being made now gets no PSS wrapper (`_create_var_creator`).
 
-    def _create_variable(self, next_creator, **kwargs):
+        Table shards are plain variables on their PS (no aggregation
+        wrapper): updates to them are routed by `HybridExtended._update`.
+        """
+        return self._creating_table or self._creating_plain
+
+    def create_variable(self, next_creator, stock_create, **kwargs):
+        """`HybridExtended._create_variable`: a table, a slot, a replica or a PS variable.
+
+        Args:
+            next_creator: The next variable creator (TF's creator stack).
+            stock_create: Stock `ParameterServerStrategyV2Extended._create_variable`
+                (bound), for what stays stock: per-worker variables, slots of
+                PS variables, contiguous tables, dense variables in ``"ps"`` mode.
+            **kwargs: The variable's arguments.
+
+        Returns:
+            The variable.
+
+        Raises:
+            StrategyError: a variable made inside `embedding_table_scope()`
+                that cannot be sharded.
+        """
         if kwargs.get("per_worker_variable", False):
-            return super()._create_variable(next_creator, **kwargs)
+            return stock_create(next_creator, **kwargs)
         if self._creating_plain:
             return next_creator(**kwargs)
         colocate_with = kwargs.get("colocate_with", None)
@@ -68,7 +121,7 @@ class VariableCreationMixin:
             if self.table_stacks is not None:
                 # An optimizer slot of a stack: no table joins that stack now.
                 self.table_stacks.seal(_unwrap(colocate_with))
-            var = super()._create_variable(next_creator, **kwargs)
+            var = stock_create(next_creator, **kwargs)
             kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
             if kind == "table-slot":
                 self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner[
@@ -86,13 +139,14 @@ class VariableCreationMixin:
                 "dimension can be sharded across PS tasks. Fix: create scalars and "
                 "unknown-shape variables outside embedding_table_scope(), or pass an explicit "
                 "`shape=` with the number of rows.")
-        if shape is not None and shape.rank and shape.rank >= 1 and self.placement.is_table(
+        placement = self._extended.placement
+        if shape is not None and shape.rank and shape.rank >= 1 and placement.is_table(
                 name, shape.as_list(), dtype_size):
-            return self._create_table(next_creator, **kwargs)
-        if self.dense_allreduce:
+            return self._create_table(next_creator, stock_create, **kwargs)
+        if self._extended.dense_allreduce:
             return self._create_replicated(next_creator, kind="dense",
                                            record=not self._creating_internal, **kwargs)
-        var = super()._create_variable(next_creator, **kwargs)
+        var = stock_create(next_creator, **kwargs)
         self._record(var, "ps")
         return var
 
@@ -102,15 +156,16 @@ class VariableCreationMixin:
         # created while a step is traced under a worker's device (optimizer
         # slots are created in the first trace; see `tracing_worker_index`).
         with tf.device(CHIEF_DEVICE):
+            extended, updates = self._extended, self._extended.updates
             var = variables_lib.ReplicatedVariable(
-                self._container_strategy(), next_creator,
-                end_of_step_fn=self._end_of_step, update_reduce_fn=self._on_read_update,
-                graph_use_fn=self._on_read_use, **kwargs)
+                extended._container_strategy(), next_creator,  # pylint: disable=protected-access
+                end_of_step_fn=updates.end_of_step, update_reduce_fn=updates.on_read_update,
+                graph_use_fn=updates.on_read_use, **kwargs)
         if record:
             self._record(var, kind, devices=var.worker_devices())
         return var
 
-    def _table_shard_device(self, shard: int) -> str:
+    def table_shard_device(self, shard: int) -> str:
         """Shard `shard` of an interleaved table (or stack): round-robin from ps:0.
 
         Every table with n shards has its shard s on the same PS, which fused
@@ -118,7 +173,7 @@ class VariableCreationMixin:
         """
         return f"/job:ps/task:{shard % self._num_ps}/device:CPU:0"
 
-    def _create_table(self, next_creator, **kwargs):
+    def _create_table(self, next_creator, stock_create, **kwargs):
         """Creates an embedding table sharded over the PS tasks.
 
         One shard per PS task, or as many as `table_partitioner` says
@@ -127,8 +182,8 @@ class VariableCreationMixin:
         shape, dtype = shard_init.shape_and_dtype(kwargs)
         num_shards = placement_lib.table_shard_count(
             shape, dtype if dtype is not None else tf.float32, self._num_ps,
-            partitioner=self.table_partitioner, name=kwargs.get("name"))
-        scheme = self.placement.sharding
+            partitioner=self._extended.table_partitioner, name=kwargs.get("name"))
+        scheme = self._extended.placement.sharding
         unstacked = ""
         if self.table_stacks is not None:
             if scheme != placement_lib.SHARDING_INTERLEAVED:
@@ -138,7 +193,8 @@ class VariableCreationMixin:
             else:
                 unstacked = self.table_stacks.why_not(shape, dtype, num_shards, kwargs) or ""
         if num_shards < 2:
-            var = self._create_variable_round_robin(next_creator, **kwargs)
+            var = self._extended._create_variable_round_robin(  # pylint: disable=protected-access
+                next_creator, **kwargs)
             self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
             self._record(var, "table", unstacked=unstacked)
             return var
@@ -158,15 +214,17 @@ class VariableCreationMixin:
                 var = sharding.create_interleaved(
                     name=kwargs.get("name"), shape=shape, dtype=dtype,
                     initial_value=kwargs.get("initial_value"), num_shards=num_shards,
-                    device_fn=self._table_shard_device,
+                    device_fn=self.table_shard_device,
                     creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
             else:
-                self._variable_partitioner = (
+                # Stock partitions it, told the shard count for this table only.
+                extended = self._extended
+                extended._variable_partitioner = (  # pylint: disable=protected-access
                     sharded_variable.FixedShardsPartitioner(num_shards))
                 try:
-                    var = super()._create_variable(next_creator, **kwargs)
+                    var = stock_create(next_creator, **kwargs)
                 finally:
-                    self._variable_partitioner = None
+                    extended._variable_partitioner = None  # pylint: disable=protected-access
         finally:
             self._creating_table = False
         if not isinstance(var, table_stacking.StackedTable):
@@ -198,9 +256,9 @@ class VariableCreationMixin:
         on ps:i; with more workers than PS tasks the extra workers update
         nothing and share one trace of the step (see `update_role`).
         """
-        return self._owner_of_ps(tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0)
+        return self.owner_of_ps(tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0)
 
-    def _owner_of_ps(self, ps_index: int) -> int:
+    def owner_of_ps(self, ps_index: int) -> int:
         """The worker that applies sync updates to the table shards on ps:`ps_index`."""
         return int(ps_index) % max(self._num_workers, 1)
 
@@ -210,9 +268,9 @@ class VariableCreationMixin:
         Workers with equal roles run the same trace of a synchronous step,
         so a step is traced at most min(workers, PS) + 1 times.
         """
-        if not self._sync_embeddings:
+        if self._extended.embedding_updates != "sync":
             return ()
-        return tuple(p for p in range(self._num_ps) if self._owner_of_ps(p) == worker_index)
+        return tuple(p for p in range(self._num_ps) if self.owner_of_ps(p) == worker_index)
 
     def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
         """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
@@ -237,8 +295,22 @@ class VariableCreationMixin:
             num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")]),
             stack=stack, unstacked="" if stack else unstacked))
 
-    def _is_table_var(self, var) -> bool:
+    def is_table_var(self, var) -> bool:
+        """Whether `var` (or the variable it wraps) is a table shard, a view or a table slot."""
         return id(_unwrap(var)) in self._table_shard_owner
+
+    def table_owner(self, var) -> Optional[int]:
+        """The worker that applies `var`'s sync updates: a table shard's (or slot's), else None."""
+        return self._table_shard_owner.get(id(_unwrap(var)))
+
+    @contextlib.contextmanager
+    def internal_variables(self):
+        """Variables made inside are the plugin's own: replicated, but not recorded."""
+        self._creating_internal = True
+        try:
+            yield
+        finally:
+            self._creating_internal = False
 
 
 def _unwrap(var):
