@@ -50,21 +50,20 @@ This replaces per-op collective timeouts, which cost one sleeping OS thread
 per collective op on the workers (see `collectives.py`).
 """
 
-import logging as std_logging
 import queue
 import threading
 import time
-import warnings
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 from absl import logging
 
-from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
+from tf_psplugin import watchdog
+from tf_psplugin import worker_datasets
 from tf_psplugin._tf_internal import cancellation, cluster_coordinator, context
-from tf_psplugin._tf_internal import coordinator_context, input_ops
+from tf_psplugin._tf_internal import coordinator_context
 from tf_psplugin._tf_internal import coordinator_values, executor
 
 _STOP = object()
@@ -140,7 +139,8 @@ class _SyncStep:
         self.done = threading.Event()
 
 
-class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
+class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.StepWatchdogMixin,
+                               cluster_coordinator.ClusterCoordinator):
     """ClusterCoordinator whose `schedule` runs a function on every worker.
 
     In asynchronous dense mode (`dense_placement="ps"`) it behaves exactly
@@ -406,127 +406,6 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 return False
         return super().done()
 
-    @property
-    def examples_per_step(self) -> Optional[int]:
-        """Examples one scheduled step consumes, from the last per-worker dataset.
-
-        The dataset's static batch dimension times the workers a step runs
-        on (all of them in synchronous mode, one otherwise); None when the
-        batch dimension is not static (e.g. `batch` without
-        `drop_remainder=True`).
-        """
-        return self._examples_per_step
-
-    def create_per_worker_dataset(self, dataset_fn):
-        """Creates a dataset on every worker; in sync mode each gets a shard.
-
-        A `tf.data.Dataset` (or one distributed with
-        `strategy.experimental_distribute_dataset`) is sharded with tf.data's
-        auto-shard policy: by file when it reads files (worker `i` of `n`
-        opens files `i, i+n, ...`), otherwise by batch (worker `i` reads
-        batches `i, i+n, ...`, so one synchronous step consumes `n`
-        consecutive batches and the global batch is `n` times the dataset's
-        batch); `tf.data.Options().experimental_distribute.auto_shard_policy`
-        chooses otherwise (OFF: every worker reads all of it). A dataset
-        function runs on each worker and is expected to shard itself
-        (`experimental_get_current_worker_index`).
-        Finite data ends on every worker at the same step: training input
-        is cut to the shortest worker's length, evaluation input padded to
-        the longest with empty batches (see `epochs.py`).
-
-        Args:
-            dataset_fn: A dataset, distributed dataset, or a function.
-
-        Returns:
-            A per-worker dataset, as from the stock coordinator. Also
-            records `examples_per_step`.
-        """
-        per_worker = self._create_per_worker_dataset(dataset_fn)
-        self._examples_per_step = _static_batch_size(per_worker)
-        if self._examples_per_step is not None and self._synchronous:
-            self._examples_per_step *= self._num_workers
-        return per_worker
-
-    def _create_per_worker_dataset(self, dataset_fn):
-        """Builds the per-worker dataset (see `create_per_worker_dataset`)."""
-        if not self._synchronous:
-            return super().create_per_worker_dataset(dataset_fn)
-        evaluation = epochs_lib.building_evaluation_inputs()
-        if callable(dataset_fn) and not isinstance(dataset_fn, tf.data.Dataset):
-            per_worker = super().create_per_worker_dataset(dataset_fn)
-            if _returns_dataset(per_worker):
-                # The user's function shards itself: its lengths may differ
-                # per worker, so the epoch length is agreed on (epochs.py).
-                return epochs_lib.SyncPerWorkerDataset(
-                    per_worker._dataset_fn, self, evaluation)  # pylint: disable=protected-access
-            return per_worker  # E.g. Keras's DatasetCreator: steps are required.
-        original = getattr(dataset_fn, "_original_dataset", dataset_fn)
-        if not isinstance(original, tf.data.Dataset):
-            return super().create_per_worker_dataset(dataset_fn)
-        serialized = coordinator_values.serialize_dataset_to_graph(original)
-        element_spec = original.element_spec
-        num_workers = self._num_workers
-        policy = original.options().experimental_distribute.auto_shard_policy
-
-        def sharded_dataset_fn(by_element=False):
-            ds = coordinator_values.deserialize_dataset_from_graph(serialized, element_spec)
-            index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            if by_element:  # Batch i, i+W, ... (AUTO's fallback, see below).
-                return ds.shard(num_workers, index)
-            # tf.data's auto-shard rewrite, as MultiWorkerMirroredStrategy
-            # applies it: by file where the input reads files (each worker
-            # opens 1/W of them), else by element (here a batch: worker i
-            # reads batches i, i+W, ...); `tf.data.Options` auto-shard
-            # settings are honoured (OFF: every worker reads everything).
-            if policy == tf.data.experimental.AutoShardPolicy.OFF:
-                return ds
-            with warnings.catch_warnings():
-                # It reads the options in graph mode, which TF warns may be
-                # stale; `policy` was read eagerly above.
-                warnings.simplefilter("ignore", UserWarning)
-                return input_ops.auto_shard_dataset(ds, num_workers, index,
-                                                    num_replicas_in_sync=1)
-
-        if policy == tf.data.experimental.AutoShardPolicy.AUTO and not (
-                _reads_files(serialized) and self._file_sharding_applies(sharded_dataset_fn)):
-            # In-memory input (no file reader: what AUTO would shard by
-            # element anyway, without the rewrite), or too few files.
-            return epochs_lib.SyncPerWorkerDataset(
-                lambda: sharded_dataset_fn(by_element=True), self, evaluation)
-        return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self, evaluation)
-
-    def _file_sharding_applies(self, sharded_dataset_fn) -> bool:
-        """Whether AUTO sharding of this input works on the workers (tried once).
-
-        tf.data's AUTO policy shards by file when the input reads files, but
-        fails (at the first element) when it reads fewer files than there are
-        workers, where MultiWorkerMirroredStrategy users must switch the
-        policy to DATA by hand. Here each worker builds its shard and takes
-        one element; on that error the input is sharded by batch instead.
-        """
-        @tf.function
-        def first_element():  # A tf.function: the worker index is read when it runs.
-            return iter(sharded_dataset_fn()).get_next_as_optional().has_value()
-
-        # The stock worker threads log a failed resource closure at ERROR;
-        # this failure is expected and handled here.
-        quiet = _DropMessages("FILE based sharding")
-        tf_logger = std_logging.getLogger("tensorflow")
-        tf_logger.addFilter(quiet)
-        try:
-            remote = self._create_per_worker_resources(first_element)
-            for value in remote._values:  # pylint: disable=protected-access
-                value.fetch()
-        except (tf.errors.InvalidArgumentError, cluster_coordinator.ClosureInputError) as e:
-            if "FILE based sharding" not in str(e):
-                return True  # Another error: the input's own, raised where TF raises it.
-            logging.info("tf_psplugin: the input reads fewer files than there are workers: "
-                         "sharding it by batch instead of by file.")
-            return False
-        finally:
-            tf_logger.removeFilter(quiet)
-        return True
-
     # -- internals ------------------------------------------------------------
 
     def _maybe_log_placement(self):
@@ -631,83 +510,6 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             step.remote_value.get()  # Copy to the chief while the worker is alive.
         return outputs
 
-    def _watchdog_loop(self):
-        """Fails steps whose parts make no progress (see the module docstring).
-
-        Polls often enough to notice a hang within ~10% of the timeout and at
-        most every 5 s; costs one sleeping thread on the chief in all.
-        """
-        limit = self.step_timeout_seconds
-        poll = min(max(limit / 10.0, 0.05), 5.0)
-        while not self._stopped.wait(poll):
-            self._fail_hung_step(limit)
-
-    def _fail_hung_step(self, limit: float) -> Optional[BaseException]:
-        """Fails the oldest step with a part running longer than `limit` s."""
-        now = time.monotonic()
-        with self._lock:
-            hung = [(start, i, step) for i, (step, start) in self._running.items()
-                    if now - start > limit and not step.timed_out]
-            if not hung:
-                return None
-            _, _, step = min(hung, key=lambda h: (h[0], h[1]))
-            workers = sorted(i for i, (s, _) in self._running.items() if s is step)
-            creating = sorted(i for i in workers if i in self._creating_input)
-            first_step = self._finished_steps == 0
-        # Outside the lock: connection probes take up to a second each.
-        why = self._why_no_progress(workers, creating, first_step)
-        with self._lock:
-            if step.timed_out:
-                return None
-            step.timed_out = True
-            names = ", ".join(f"worker:{i} (/job:worker/replica:0/task:{i})" for i in workers)
-            error = tf.errors.DeadlineExceededError(
-                None, None,
-                f"tf_psplugin: step {step.step_id} made no progress for {limit:g} s on {names}: "
-                f"{why} Fix: check those workers and their input (and the network between "
-                "them); if steps are legitimately that slow, raise "
-                "HybridParameterServerStrategy(collective_timeout_seconds=...).")
-            if step.error is None:
-                step.error = error
-            self._error = self._error or error
-            self._idle.notify_all()
-            set_remote_error = 0 in workers
-        logging.error("%s", error.message)
-        if set_remote_error:
-            step.remote_value._set_error(error)  # pylint: disable=protected-access
-        return error
-
-    def _why_no_progress(self, workers: List[int], creating: List[int], first_step: bool) -> str:
-        """What a stuck step's workers are most likely waiting for, in one sentence or two.
-
-        Tasks that no longer accept connections are down; a worker whose
-        input iterator does not exist yet is still running its dataset
-        function; otherwise, on a job's first step, the likeliest wait is the
-        input's first batch (a slow source, or a filter that keeps nothing).
-        """
-        from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
-
-        down = [f"ps:{i} at {a}" for i, a in enumerate(self._ps_addresses)
-                if not failover_lib.accepts_connections(a)]
-        down += [f"worker:{i} at {self._worker_addresses[i]}" for i in workers
-                 if i < len(self._worker_addresses)
-                 and not failover_lib.accepts_connections(self._worker_addresses[i])]
-        if down:
-            verb = "does" if len(down) == 1 else "do"
-            return f"{', '.join(down)} {verb} not accept connections (down or unreachable)."
-        if creating:
-            return (f"{', '.join(f'worker:{i}' for i in creating)} is still creating its input "
-                    "(its dataset function has not returned: a slow file system, a large "
-                    "in-memory dataset, a blocking generator).")
-        if first_step:
-            return ("no step has finished yet and every PS and worker of the step accepts "
-                    "connections: most likely a worker's input has not produced its first batch "
-                    "(a slow or stalled source, a filter that keeps no element), or a worker is "
-                    "hung (stopped, not answering).")
-        return ("every PS and worker of the step accepts connections: a worker's input is "
-                "stalled, a worker is hung (stopped, not answering), or the step is slower than "
-                "collective_timeout_seconds.")
-
     def _finish_part(self, step, worker_index, outputs, error, cancelled=False):
         with self._lock:
             if self._running.get(worker_index, (None,))[0] is step:
@@ -794,55 +596,6 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             super().__del__()
         except AttributeError:
             pass
-
-
-# tf.data's file readers (dataset op names, TF 2.15-2.21): what its FILE
-# auto-sharding shards. Other sources are sharded by element.
-_FILE_READER_OPS = ("TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
-                    "FixedLengthRecordDataset", "FixedLengthRecordDatasetV2")
-
-
-def _reads_files(serialized_dataset: tf.Tensor) -> bool:
-    """Whether a serialized dataset graph has a tf.data file reader (functions included)."""
-    graph = tf.compat.v1.GraphDef()
-    graph.ParseFromString(serialized_dataset.numpy())
-    ops = {node.op for node in graph.node}
-    ops.update(node.op for function in graph.library.function for node in function.node_def)
-    return any(op in _FILE_READER_OPS for op in ops)
-
-
-class _DropMessages(std_logging.Filter):
-    """A logging filter that drops records containing `text`."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self._text = text
-
-    def filter(self, record) -> bool:
-        return self._text not in record.getMessage()
-
-
-def _static_batch_size(per_worker_dataset) -> Optional[int]:
-    """The leading static dimension shared by every tensor of an element, or None."""
-    try:
-        specs = tf.nest.flatten(per_worker_dataset.element_spec)
-    except (AttributeError, TypeError, ValueError):  # No element_spec on this type.
-        return None
-    sizes = set()
-    for spec in specs:
-        shape = getattr(spec, "shape", None)
-        if shape is None or shape.rank is None or shape.rank < 1:
-            return None
-        sizes.add(shape[0])
-    if len(sizes) != 1 or None in sizes:
-        return None
-    return int(sizes.pop())
-
-
-def _returns_dataset(per_worker) -> bool:
-    """Whether a stock per-worker dataset's function returns a `tf.data.Dataset`."""
-    fn = getattr(per_worker, "_dataset_fn", None)
-    return isinstance(getattr(fn, "structured_outputs", None), tf.data.Dataset)
 
 
 def _release_executor(ex) -> None:

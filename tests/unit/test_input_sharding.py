@@ -1,4 +1,4 @@
-"""Which inputs the coordinator shards by file: `coordinator._reads_files`.
+"""Which inputs the coordinator shards by file: `worker_datasets._reads_files`.
 
 The cluster tests (tests/cluster/test_finite_data.py, "file_sharding_*")
 check what each worker then reads; this checks the decision on the chief.
@@ -8,12 +8,12 @@ import os
 
 import tensorflow as tf
 
-from tf_psplugin import coordinator
+from tf_psplugin import worker_datasets
 from tf_psplugin._tf_internal import coordinator_values
 
 
 def _reads_files(dataset):
-    return coordinator._reads_files(  # pylint: disable=protected-access
+    return worker_datasets._reads_files(  # pylint: disable=protected-access
         coordinator_values.serialize_dataset_to_graph(dataset))
 
 

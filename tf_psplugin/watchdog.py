@@ -1,0 +1,99 @@
+"""The step watchdog: a synchronous step that makes no progress fails, naming why.
+
+A worker that stops answering (SIGSTOP, a partitioned network, a wedged
+host) raises no error; its peers just wait in the step's collectives. One
+watchdog thread on the chief (TF's `coordinator/watchdog.py` pattern) fails
+any step part that has run longer than the strategy's
+`collective_timeout_seconds` with `DeadlineExceededError` naming the step,
+the workers still in it and what they most likely wait for; that error goes
+through failover like any task failure. This replaces per-op collective
+timeouts, which cost one sleeping OS thread per collective op on the workers
+(see `collectives.py`).
+"""
+
+import time
+from typing import List, Optional
+
+import tensorflow as tf
+from absl import logging
+
+
+class StepWatchdogMixin:
+    """The hung-step watchdog and its diagnosis (moved as is)."""
+
+    def _watchdog_loop(self):
+        """Fails steps whose parts make no progress (see the module docstring).
+
+        Polls often enough to notice a hang within ~10% of the timeout and at
+        most every 5 s; costs one sleeping thread on the chief in all.
+        """
+        limit = self.step_timeout_seconds
+        poll = min(max(limit / 10.0, 0.05), 5.0)
+        while not self._stopped.wait(poll):
+            self._fail_hung_step(limit)
+
+    def _fail_hung_step(self, limit: float) -> Optional[BaseException]:
+        """Fails the oldest step with a part running longer than `limit` s."""
+        now = time.monotonic()
+        with self._lock:
+            hung = [(start, i, step) for i, (step, start) in self._running.items()
+                    if now - start > limit and not step.timed_out]
+            if not hung:
+                return None
+            _, _, step = min(hung, key=lambda h: (h[0], h[1]))
+            workers = sorted(i for i, (s, _) in self._running.items() if s is step)
+            creating = sorted(i for i in workers if i in self._creating_input)
+            first_step = self._finished_steps == 0
+        # Outside the lock: connection probes take up to a second each.
+        why = self._why_no_progress(workers, creating, first_step)
+        with self._lock:
+            if step.timed_out:
+                return None
+            step.timed_out = True
+            names = ", ".join(f"worker:{i} (/job:worker/replica:0/task:{i})" for i in workers)
+            error = tf.errors.DeadlineExceededError(
+                None, None,
+                f"tf_psplugin: step {step.step_id} made no progress for {limit:g} s on {names}: "
+                f"{why} Fix: check those workers and their input (and the network between "
+                "them); if steps are legitimately that slow, raise "
+                "HybridParameterServerStrategy(collective_timeout_seconds=...).")
+            if step.error is None:
+                step.error = error
+            self._error = self._error or error
+            self._idle.notify_all()
+            set_remote_error = 0 in workers
+        logging.error("%s", error.message)
+        if set_remote_error:
+            step.remote_value._set_error(error)  # pylint: disable=protected-access
+        return error
+
+    def _why_no_progress(self, workers: List[int], creating: List[int], first_step: bool) -> str:
+        """What a stuck step's workers are most likely waiting for, in one sentence or two.
+
+        Tasks that no longer accept connections are down; a worker whose
+        input iterator does not exist yet is still running its dataset
+        function; otherwise, on a job's first step, the likeliest wait is the
+        input's first batch (a slow source, or a filter that keeps nothing).
+        """
+        from tf_psplugin import failover as failover_lib  # pylint: disable=g-import-not-at-top
+
+        down = [f"ps:{i} at {a}" for i, a in enumerate(self._ps_addresses)
+                if not failover_lib.accepts_connections(a)]
+        down += [f"worker:{i} at {self._worker_addresses[i]}" for i in workers
+                 if i < len(self._worker_addresses)
+                 and not failover_lib.accepts_connections(self._worker_addresses[i])]
+        if down:
+            verb = "does" if len(down) == 1 else "do"
+            return f"{', '.join(down)} {verb} not accept connections (down or unreachable)."
+        if creating:
+            return (f"{', '.join(f'worker:{i}' for i in creating)} is still creating its input "
+                    "(its dataset function has not returned: a slow file system, a large "
+                    "in-memory dataset, a blocking generator).")
+        if first_step:
+            return ("no step has finished yet and every PS and worker of the step accepts "
+                    "connections: most likely a worker's input has not produced its first batch "
+                    "(a slow or stalled source, a filter that keeps no element), or a worker is "
+                    "hung (stopped, not answering).")
+        return ("every PS and worker of the step accepts connections: a worker's input is "
+                "stalled, a worker is hung (stopped, not answering), or the step is slower than "
+                "collective_timeout_seconds.")
