@@ -40,19 +40,15 @@ coordinator cancels the step functions' remote calls
 cluster is usable for the next step, as after a stock PSS step error.
 Worker recovery is handled in `failover.py`.
 
-Hung peers: a worker that stops answering (SIGSTOP, a partitioned network, a
-wedged host) raises no error; its peers just wait in the step's
-collectives. One watchdog thread on the chief (TF's `coordinator/watchdog.py`
-pattern) fails any step part that has run longer than the strategy's
-`collective_timeout_seconds` with `DeadlineExceededError` naming the step and
-the workers still in it, which goes through failover like any task failure.
-This replaces per-op collective timeouts, which cost one sleeping OS thread
-per collective op on the workers (see `collectives.py`).
+Hung peers: a worker that stops answering raises no error; its peers just
+wait in the step's collectives. The step watchdog (`watchdog.py`) fails a
+step part that makes no progress for `collective_timeout_seconds`, which
+goes through failover like any task failure. Per-worker datasets (each
+worker its shard of the input) are built by `worker_datasets.py`.
 """
 
 import queue
 import threading
-import time
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -60,7 +56,7 @@ from absl import logging
 
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
-from tf_psplugin import watchdog
+from tf_psplugin import watchdog as watchdog_lib
 from tf_psplugin import worker_datasets
 from tf_psplugin._tf_internal import cancellation, cluster_coordinator, context
 from tf_psplugin._tf_internal import coordinator_context
@@ -139,8 +135,7 @@ class _SyncStep:
         self.done = threading.Event()
 
 
-class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.StepWatchdogMixin,
-                               cluster_coordinator.ClusterCoordinator):
+class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
     """ClusterCoordinator whose `schedule` runs a function on every worker.
 
     In asynchronous dense mode (`dense_placement="ps"`) it behaves exactly
@@ -172,23 +167,19 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
-        self._examples_per_step: Optional[int] = None
         self._leaders = None  # See `_role_leaders`.
         # Which worker's replica eager reads pull from (a survivor after a failure).
         self.preferred_replica = 0
         # Set by the strategy: a failover.FailoverController, or None.
         self.failover = None
         self.recovering = False
-        # worker index -> (step, monotonic start) of the part it is running.
-        self._running: Dict[int, Tuple[_SyncStep, float]] = {}
-        # Workers whose running part still waits for its per-worker input
-        # (an iterator whose dataset function has not returned yet).
-        self._creating_input: set = set()
-        self._finished_steps = 0  # Steps every worker finished (for the watchdog's message).
         resolver = strategy._cluster_resolver  # pylint: disable=protected-access
         spec = resolver.cluster_spec().as_dict()
-        self._ps_addresses = list(spec.get("ps", []))
-        self._worker_addresses = list(spec.get("worker", []))
+        # Which parts run since when; fails those that hang (the watchdog thread).
+        self._watchdog = watchdog_lib.StepWatchdog(
+            self._lock, self._on_hung_step, spec.get("ps", []), spec.get("worker", []))
+        self._datasets = worker_datasets.WorkerDatasets(
+            self, self._synchronous, self._num_workers)
         self.step_timeout_seconds = float(
             getattr(strategy.extended, "step_timeout_seconds", 0.0) or 0.0)
         self._stopped = threading.Event()
@@ -202,7 +193,9 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
                 self._threads.append(t)
                 t.start()
             if self.step_timeout_seconds > 0:
-                t = threading.Thread(target=self._watchdog_loop, name="tf_psplugin-step-watchdog",
+                t = threading.Thread(target=self._watchdog.run,
+                                     args=(self.step_timeout_seconds, self._stopped),
+                                     name="tf_psplugin-step-watchdog",
                                      daemon=True)
                 self._threads.append(t)
                 t.start()
@@ -368,9 +361,7 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
 
     def running_parts(self) -> Dict[int, Tuple[int, float]]:
         """Worker index -> (step id, seconds running) of the parts running now."""
-        now = time.monotonic()
-        with self._lock:
-            return {i: (step.step_id, now - start) for i, (step, start) in self._running.items()}
+        return self._watchdog.running_parts()
 
     @property
     def generation(self) -> int:
@@ -405,6 +396,43 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
             if busy:
                 return False
         return super().done()
+
+    @property
+    def examples_per_step(self) -> Optional[int]:
+        """Examples one scheduled step consumes, from the last per-worker dataset.
+
+        The dataset's static batch dimension times the workers a step runs
+        on (all of them in synchronous mode, one otherwise); None when the
+        batch dimension is not static (e.g. `batch` without
+        `drop_remainder=True`).
+        """
+        return self._datasets.examples_per_step
+
+    def create_per_worker_dataset(self, dataset_fn):
+        """Creates a dataset on every worker; in sync mode each gets a shard.
+
+        A `tf.data.Dataset` (or one distributed with
+        `strategy.experimental_distribute_dataset`) is sharded with tf.data's
+        auto-shard policy: by file when it reads files (worker `i` of `n`
+        opens files `i, i+n, ...`), otherwise by batch (worker `i` reads
+        batches `i, i+n, ...`, so one synchronous step consumes `n`
+        consecutive batches and the global batch is `n` times the dataset's
+        batch); `tf.data.Options().experimental_distribute.auto_shard_policy`
+        chooses otherwise (OFF: every worker reads all of it). A dataset
+        function runs on each worker and is expected to shard itself
+        (`experimental_get_current_worker_index`).
+        Finite data ends on every worker at the same step: training input
+        is cut to the shortest worker's length, evaluation input padded to
+        the longest with empty batches (see `epochs.py`).
+
+        Args:
+            dataset_fn: A dataset, distributed dataset, or a function.
+
+        Returns:
+            A per-worker dataset, as from the stock coordinator. Also
+            records `examples_per_step`.
+        """
+        return self._datasets.create(dataset_fn, super().create_per_worker_dataset)
 
     # -- internals ------------------------------------------------------------
 
@@ -466,7 +494,7 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
                     "schedule it again.")
             else:
                 with self._lock:
-                    self._running[worker.worker_index] = (step, time.monotonic())
+                    self._watchdog.started(worker.worker_index, step)
                 try:
                     outputs = self._execute(step, worker, worker_executor)
                 except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
@@ -488,14 +516,10 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
         # As the stock Closure.execute_on: a per-worker input (iterator) whose
         # creation failed is a ClosureInputError wrapping the original error
         # (the user's dataset error, or a dead worker's UnavailableError).
-        with self._lock:
-            self._creating_input.add(worker.worker_index)
-        try:  # Waits for the worker's input iterators to exist.
+        with self._watchdog.creating_input(worker.worker_index):
+            # Waits for the worker's input iterators to exist.
             error = (cluster_coordinator._get_error_from_remote_values(args)  # pylint: disable=protected-access
                      or cluster_coordinator._get_error_from_remote_values(kwargs))  # pylint: disable=protected-access
-        finally:
-            with self._lock:
-                self._creating_input.discard(worker.worker_index)
         if error is not None:
             if not isinstance(error, cluster_coordinator.ClosureInputError):
                 error = cluster_coordinator.ClosureInputError(error)
@@ -510,10 +534,16 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
             step.remote_value.get()  # Copy to the chief while the worker is alive.
         return outputs
 
+    def _on_hung_step(self, step, error) -> None:
+        """The watchdog failed `step` with `error` (called under the lock)."""
+        if step.error is None:
+            step.error = error
+        self._error = self._error or error
+        self._idle.notify_all()
+
     def _finish_part(self, step, worker_index, outputs, error, cancelled=False):
         with self._lock:
-            if self._running.get(worker_index, (None,))[0] is step:
-                del self._running[worker_index]
+            self._watchdog.finished(worker_index, step)
             if error is not None and step.error is None:
                 step.error = error
                 # Our own cancellations and errors of a batch whose error was
@@ -528,7 +558,7 @@ class HybridClusterCoordinator(worker_datasets.WorkerDatasetsMixin, watchdog.Ste
             step.remaining -= 1
             finished = step.remaining == 0
             if finished and step.error is None:
-                self._finished_steps += 1
+                self._watchdog.finished_steps += 1
             # The user's error (a step or input pipeline that failed on this
             # worker) while peers still run the step: they wait in its
             # collectives for a part that will never come.

@@ -19,66 +19,71 @@ from tf_psplugin import epochs as epochs_lib
 from tf_psplugin._tf_internal import cluster_coordinator, coordinator_values, input_ops
 
 
-class WorkerDatasetsMixin:
-    """Per-worker datasets and file sharding (moved as is)."""
+class WorkerDatasets:
+    """The coordinator's per-worker datasets: each worker its shard of the input.
 
-    @property
-    def examples_per_step(self) -> Optional[int]:
-        """Examples one scheduled step consumes, from the last per-worker dataset.
+    One per `HybridClusterCoordinator` (its `_datasets`), which keeps the
+    public `create_per_worker_dataset` and `examples_per_step` and hands
+    the work here.
 
-        The dataset's static batch dimension times the workers a step runs
-        on (all of them in synchronous mode, one otherwise); None when the
-        batch dimension is not static (e.g. `batch` without
-        `drop_remainder=True`).
-        """
-        return self._examples_per_step
+    Example (what the coordinator does):
 
-    def create_per_worker_dataset(self, dataset_fn):
-        """Creates a dataset on every worker; in sync mode each gets a shard.
+    ```python
+    datasets = WorkerDatasets(coordinator, synchronous=True, num_workers=2)
+    per_worker = datasets.create(dataset, stock_create)
+    datasets.examples_per_step  # the dataset's batch x 2, when static
+    ```
 
-        A `tf.data.Dataset` (or one distributed with
-        `strategy.experimental_distribute_dataset`) is sharded with tf.data's
-        auto-shard policy: by file when it reads files (worker `i` of `n`
-        opens files `i, i+n, ...`), otherwise by batch (worker `i` reads
-        batches `i, i+n, ...`, so one synchronous step consumes `n`
-        consecutive batches and the global batch is `n` times the dataset's
-        batch); `tf.data.Options().experimental_distribute.auto_shard_policy`
-        chooses otherwise (OFF: every worker reads all of it). A dataset
-        function runs on each worker and is expected to shard itself
-        (`experimental_get_current_worker_index`).
-        Finite data ends on every worker at the same step: training input
-        is cut to the shortest worker's length, evaluation input padded to
-        the longest with empty batches (see `epochs.py`).
+    Args:
+        coordinator: The `HybridClusterCoordinator` (it runs the dataset
+            functions on the workers; `epochs.SyncPerWorkerDataset` agrees
+            on epoch lengths through it).
+        synchronous: Whether every step runs on every worker.
+        num_workers: Workers in the cluster.
+    """
+
+    def __init__(self, coordinator, synchronous: bool, num_workers: int):
+        self._coordinator = coordinator
+        self._synchronous = synchronous
+        self._num_workers = num_workers
+        # Examples one scheduled step consumes, from the last per-worker
+        # dataset (`HybridClusterCoordinator.examples_per_step`).
+        self.examples_per_step: Optional[int] = None
+
+    def create(self, dataset_fn, stock_create):
+        """`HybridClusterCoordinator.create_per_worker_dataset` (see there).
 
         Args:
             dataset_fn: A dataset, distributed dataset, or a function.
+            stock_create: Stock `ClusterCoordinator.create_per_worker_dataset`
+                (bound): what asynchronous mode, Keras's `DatasetCreator` and
+                inputs that are no `tf.data.Dataset` get.
 
         Returns:
-            A per-worker dataset, as from the stock coordinator. Also
-            records `examples_per_step`.
+            A per-worker dataset. Also records `examples_per_step`.
         """
-        per_worker = self._create_per_worker_dataset(dataset_fn)
-        self._examples_per_step = _static_batch_size(per_worker)
-        if self._examples_per_step is not None and self._synchronous:
-            self._examples_per_step *= self._num_workers
+        per_worker = self._create(dataset_fn, stock_create)
+        self.examples_per_step = _static_batch_size(per_worker)
+        if self.examples_per_step is not None and self._synchronous:
+            self.examples_per_step *= self._num_workers
         return per_worker
 
-    def _create_per_worker_dataset(self, dataset_fn):
-        """Builds the per-worker dataset (see `create_per_worker_dataset`)."""
+    def _create(self, dataset_fn, stock_create):
         if not self._synchronous:
-            return super().create_per_worker_dataset(dataset_fn)
+            return stock_create(dataset_fn)
         evaluation = epochs_lib.building_evaluation_inputs()
         if callable(dataset_fn) and not isinstance(dataset_fn, tf.data.Dataset):
-            per_worker = super().create_per_worker_dataset(dataset_fn)
+            per_worker = stock_create(dataset_fn)
             if _returns_dataset(per_worker):
                 # The user's function shards itself: its lengths may differ
                 # per worker, so the epoch length is agreed on (epochs.py).
                 return epochs_lib.SyncPerWorkerDataset(
-                    per_worker._dataset_fn, self, evaluation)  # pylint: disable=protected-access
+                    per_worker._dataset_fn, self._coordinator,  # pylint: disable=protected-access
+                    evaluation)
             return per_worker  # E.g. Keras's DatasetCreator: steps are required.
         original = getattr(dataset_fn, "_original_dataset", dataset_fn)
         if not isinstance(original, tf.data.Dataset):
-            return super().create_per_worker_dataset(dataset_fn)
+            return stock_create(dataset_fn)
         serialized = coordinator_values.serialize_dataset_to_graph(original)
         element_spec = original.element_spec
         num_workers = self._num_workers
@@ -108,8 +113,8 @@ class WorkerDatasetsMixin:
             # In-memory input (no file reader: what AUTO would shard by
             # element anyway, without the rewrite), or too few files.
             return epochs_lib.SyncPerWorkerDataset(
-                lambda: sharded_dataset_fn(by_element=True), self, evaluation)
-        return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self, evaluation)
+                lambda: sharded_dataset_fn(by_element=True), self._coordinator, evaluation)
+        return epochs_lib.SyncPerWorkerDataset(sharded_dataset_fn, self._coordinator, evaluation)
 
     def _file_sharding_applies(self, sharded_dataset_fn) -> bool:
         """Whether AUTO sharding of this input works on the workers (tried once).
@@ -130,7 +135,8 @@ class WorkerDatasetsMixin:
         tf_logger = std_logging.getLogger("tensorflow")
         tf_logger.addFilter(quiet)
         try:
-            remote = self._create_per_worker_resources(first_element)
+            create = self._coordinator._create_per_worker_resources  # pylint: disable=protected-access
+            remote = create(first_element)
             for value in remote._values:  # pylint: disable=protected-access
                 value.fetch()
         except (tf.errors.InvalidArgumentError, cluster_coordinator.ClosureInputError) as e:
