@@ -26,6 +26,7 @@ from tf_psplugin import layers
 from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPolicy,
                                   TaskFailedError)
 from tf_psplugin.model_dir import ModelDirError
+from tf_psplugin.options import HybridOptions
 from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
 from tf_psplugin.progress import ProgressBar
 from tf_psplugin.connection import TasksUnreachableError
@@ -61,6 +62,7 @@ __all__ = [
     "FailoverError",
     "FailoverPolicy",
     "HybridClusterCoordinator",
+    "HybridOptions",
     "HybridParameterServerStrategy",
     "ModelDirError",
     "PlacementPolicy",

@@ -47,6 +47,7 @@ from tf_psplugin import epochs as epochs_lib
 from tf_psplugin import failover as failover_lib
 from tf_psplugin import lookup_fusion
 from tf_psplugin import on_read_updates as on_read_updates_lib
+from tf_psplugin import options as options_lib
 from tf_psplugin import placement as placement_lib
 from tf_psplugin import progress as progress_lib
 from tf_psplugin import reduction
@@ -60,8 +61,8 @@ from tf_psplugin._tf_internal import parameter_server_strategy_v2
 from tf_psplugin.connection import StrategyError
 from tf_psplugin.coordinator import HybridClusterCoordinator
 
-EMBEDDING_UPDATES = ("sync", "async")
-DENSE_PLACEMENTS = ("allreduce", "ps")
+EMBEDDING_UPDATES = options_lib.EMBEDDING_UPDATES
+DENSE_PLACEMENTS = options_lib.DENSE_PLACEMENTS
 
 
 # Not the global `random`: `tf.keras.utils.set_random_seed` seeds that, and a
@@ -114,63 +115,23 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             per worker; with ``dense_placement="ps"`` they stay whole), nor
             to `layers.DynamicEmbedding`, which keeps one shard per PS.
         config: A `tf_psplugin.config.ClusterConfig` for this (chief) task.
-        embedding_updates: ``"sync"`` (global sparse gradient applied once per
-            step: exactly single-process training on the global batch) or
-            ``"async"`` (each worker pushes its own sparse gradient).
-        dense_placement: ``"allreduce"`` (replicas on workers, synchronous) or
-            ``"ps"`` (stock asynchronous PSS placement of dense variables).
+        options: A `tf_psplugin.HybridOptions`: the tuning knobs
+            (``embedding_updates``, ``dense_placement``, ``sharding``,
+            ``collective_timeout_seconds``, ``connect_timeout_seconds``,
+            ``log_placement``, ``sparse_exchange``, ``pack_on_read_updates``,
+            ``fuse_lookups``, ``stack_tables``; each documented there).
+            None: the defaults, changed by the knobs given as keywords.
         placement: A `PlacementPolicy` (which variables are tables, sharding).
-        sharding: Shortcut for ``placement.sharding``: ``"interleaved"``
-            (default) or ``"contiguous"``.
-        collective_timeout_seconds: A synchronous step that makes no progress
-            on some worker for this long (a peer hung or unreachable) fails
-            with `DeadlineExceededError` naming the workers, and goes through
-            failover; one watchdog thread on the chief enforces it (0 = wait
-            forever). Dead peers surface at once through RPC errors. Set it
-            above your slowest step (`steps_per_execution` steps).
-        connect_timeout_seconds: How long to wait for every worker and PS to
-            accept connections before giving up with `TasksUnreachableError`,
-            which names the missing tasks (tasks may start in any order);
-            uncaught, the chief exits with the retryable status 138, so a
-            slowly scheduled cluster is retried by the restart policy.
         failover: A `FailoverPolicy` (default: enabled). On a dead worker or
             PS the chief saves what survives and raises `TaskFailedError`;
             uncaught, it exits with status 138 so that the launcher's
             `--restart-failed` or the scheduler restarts it to resume from the
             checkpoint (see `failover.py`; `tf_psplugin.elastic.run` recovers
             in-process instead).
-        log_placement: Log the placement report once, at the first step.
-        sparse_exchange: How ``"sync"`` mode sums embedding gradients:
-            ``"ps"`` (default: each worker sends its own to the PS holding
-            the shard, where one worker's update sums them; a worker's bytes
-            do not grow with the number of workers) or ``"allgather"``
-            (every worker receives every other worker's gradients; kept for
-            comparison, see `benchmarks.run --network`).
-        pack_on_read_updates: Apply a synchronous step's updates of metric
-            accumulators and batch-norm statistics with their deltas packed
-            into the gradient all-reduce, or into one all-reduce when the
-            step next reads them (default). False: one all-reduce per update,
-            where it happens (for a custom step that updates a metric after
-            its gradients and never reads it; see `on_read_updates.py`).
-        fuse_lookups: Look up the sharded tables of a functional Keras
-            model's `Embedding` layers together, one round trip per PS for
-            all the tables of one width, instead of one per table; the rows
-            and gradients are the same (see `lookup_fusion.py`). Off by
-            default: on loopback it was no faster (the per-table gathers and
-            updates, not the transfers, cost the time; benchmarks/README).
-        stack_tables: Store the embedding tables of one row width and dtype
-            as one variable per PS (a stack; see `table_stacking.py`; with
-            a `variable_partitioner`, tables of one shard count share one
-            variable per shard): one
-            gather, one optimizer apply and one set of slots per PS and step
-            instead of one per table; a functional model's lookups of one
-            stack become one gather per PS (as `fuse_lookups` does). Off by
-            default, because a Keras program can tell: a stacked layer's
-            `weights`, `trainable` flag and regularizer cover the whole stack,
-            and two models built in one scope share it (docs/api.md lists
-            every difference). Turn it on for a model whose tables are all
-            trainable, unregularized and unconstrained, and whose weights
-            are read through checkpoints or `export.logical_weights`.
+        **knobs: Any knob of `HybridOptions` as a keyword
+            (``HybridParameterServerStrategy(stack_tables=True)``), as without
+            `options`; with `options`, a knob given with another value than
+            `options` has is an error.
 
     Raises:
         StrategyError: for a cluster it cannot train on, or a process that is
@@ -178,33 +139,18 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None,
-                 config: Optional[config_lib.ClusterConfig] = None,
-                 embedding_updates: str = "sync", dense_placement: str = "allreduce",
+                 config: Optional[config_lib.ClusterConfig] = None, *,
+                 options: Optional[options_lib.HybridOptions] = None,
                  placement: Optional[placement_lib.PlacementPolicy] = None,
-                 sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
-                 connect_timeout_seconds: float = 300.0,
-                 failover: Optional[failover_lib.FailoverPolicy] = None,
-                 log_placement: bool = True, sparse_exchange: str = "ps",
-                 pack_on_read_updates: bool = True, fuse_lookups: bool = False,
-                 stack_tables: bool = False):
+                 failover: Optional[failover_lib.FailoverPolicy] = None, **knobs):
         _check_partitioner(variable_partitioner)
-        if sparse_exchange not in sparse_exchange_lib.SPARSE_EXCHANGES:
-            raise StrategyError(
-                f"sparse_exchange={sparse_exchange!r} is not supported. Fix: use one of "
-                f"{', '.join(map(repr, sparse_exchange_lib.SPARSE_EXCHANGES))}.")
-        if embedding_updates not in EMBEDDING_UPDATES:
-            raise StrategyError(
-                f"embedding_updates={embedding_updates!r} is not supported. "
-                f"Fix: use one of {', '.join(map(repr, EMBEDDING_UPDATES))}.")
-        if dense_placement not in DENSE_PLACEMENTS:
-            raise StrategyError(
-                f"dense_placement={dense_placement!r} is not supported. "
-                f"Fix: use one of {', '.join(map(repr, DENSE_PLACEMENTS))}.")
+        options = options_lib.resolve(options, knobs)
+        self._hybrid_options = options
         placement = placement or placement_lib.PlacementPolicy()
-        if sharding is not None:
+        if options.sharding is not None:
             placement = placement_lib.PlacementPolicy(
                 table_names=placement.table_names, min_table_bytes=placement.min_table_bytes,
-                sharding=sharding)
+                sharding=options.sharding)
         resolver = connection.resolve_cluster(cluster_resolver, config)
         spec = resolver.cluster_spec()
         num_ps = len(spec.as_dict().get("ps", []))
@@ -219,18 +165,14 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 "the cluster has no worker task to run training steps. Fix: add worker "
                 "addresses to TF_CONFIG 'worker' (or --worker_hosts); with no chief given, "
                 "the first worker becomes the chief, so give at least two worker hosts.")
-        if not collective_timeout_seconds >= 0:
-            raise StrategyError(
-                f"collective_timeout_seconds={collective_timeout_seconds!r} must be >= 0 "
-                "(0 = no limit). Fix: pass a number of seconds above your slowest step.")
-        self._dense_allreduce = dense_placement == "allreduce"
-        self._collective_timeout = float(collective_timeout_seconds)
+        self._dense_allreduce = options.dense_placement == "allreduce"
+        self._collective_timeout = float(options.collective_timeout_seconds)
         # TF logs the session config, PSS's device lists, ... at INFO: hidden by default.
         # Uncaught, TasksUnreachableError (pods still being scheduled) ends the
         # chief with the retryable status 138 and one line, not exit 1.
         failover_lib.install_exit_hook()
         with verbosity_lib.quiet_tf_info(verbosity_lib.TF_LOGGER, verbosity_lib.ABSL_LOGGER):
-            connection.wait_for_tasks(spec, connect_timeout_seconds)
+            connection.wait_for_tasks(spec, options.connect_timeout_seconds)
             # Mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but installs
             # our Extended; the parent's __init__ hard-codes its own Extended class.
             self._cluster_resolver = resolver
@@ -238,10 +180,11 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             self._cluster_coordinator = None
             self._connect_to_cluster(coordinator_name="chief")
             self._extended = HybridExtended(
-                self, resolver, embedding_updates=embedding_updates,
+                self, resolver, embedding_updates=options.embedding_updates,
                 dense_allreduce=self._dense_allreduce, placement=placement,
-                collective_timeout_seconds=self._collective_timeout, log_placement=log_placement,
-                sparse_exchange=sparse_exchange, pack_on_read_updates=pack_on_read_updates,
+                collective_timeout_seconds=self._collective_timeout,
+                log_placement=options.log_placement, sparse_exchange=options.sparse_exchange,
+                pack_on_read_updates=options.pack_on_read_updates,
                 table_partitioner=variable_partitioner)
             super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
                 self._extended)
@@ -260,10 +203,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         # Keras's optimizer sums duplicate sparse rows on the PS that holds them.
         sparse_exchange_lib.install_keras_dedup_hook()
         # A functional model's table lookups: one round trip per PS.
-        self._extended.fuse_lookups = bool(fuse_lookups)
-        if fuse_lookups:
+        self._extended.fuse_lookups = bool(options.fuse_lookups)
+        if options.fuse_lookups:
             lookup_fusion.install()
-        if stack_tables:
+        if options.stack_tables:
             # A stack's tables are looked up together: one gather per PS.
             self._extended.enable_table_stacking()
             lookup_fusion.install()
@@ -295,6 +238,11 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     def placement_summary(self) -> str:
         """Tables in full, the rest grouped by kind (logged once at the first step)."""
         return placement_lib.format_summary(self._extended.placement_records)
+
+    @property
+    def options(self) -> options_lib.HybridOptions:
+        """The `HybridOptions` this strategy runs with (its knobs, however they were given)."""
+        return self._hybrid_options
 
     @property
     def embedding_updates(self) -> str:
