@@ -134,8 +134,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             `options` has is an error.
 
     Raises:
-        StrategyError: for a cluster it cannot train on, or a process that is
-            not the chief.
+        StrategyError: for a cluster it cannot train on, a process that is
+            not the chief, an unsupported knob, or a knob given in `options`
+            and as a keyword with different values.
+        TypeError: a keyword that is no knob of `HybridOptions`.
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None,
