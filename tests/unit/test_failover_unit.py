@@ -23,6 +23,7 @@ from tf_psplugin import config as config_lib
 from tf_psplugin import coordinator as coordinator_lib
 from tf_psplugin import elastic
 from tf_psplugin import failover
+from tf_psplugin import step_values
 from tf_psplugin import watchdog as watchdog_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +86,7 @@ def test_watchdog_says_what_a_stuck_first_step_waits_for(listening):
 
 
 def _step(coord, step_id, num_workers=2):
-    return coordinator_lib._SyncStep(  # pylint: disable=protected-access
+    return step_values.SyncStep(
         coord, step_id, [None] * num_workers, (), {}, tf.TensorSpec([], tf.float32), num_workers)
 
 
@@ -206,7 +207,7 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     def run_parts(worker_index, *steps):
         q = __import__("queue").Queue()
         for step in steps:
-            q.put(coordinator_lib._StepPart(step, worker_index))  # pylint: disable=protected-access
+            q.put(step_values.StepPart(step, worker_index))
         q.put(coordinator_lib._STOP)  # pylint: disable=protected-access
         coord._worker_loop(_Worker(worker_index), q)  # pylint: disable=protected-access
 
