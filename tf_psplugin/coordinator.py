@@ -54,6 +54,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import role_tracing
 from tf_psplugin import step_values
 from tf_psplugin import variables as variables_lib
 from tf_psplugin import verbosity as verbosity_lib
@@ -98,7 +99,6 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._queues: List["queue.Queue"] = []
         self._threads: List[threading.Thread] = []
         self._logged_placement = False
-        self._leaders = None  # See `_role_leaders`.
         # Which worker's replica eager reads pull from (a survivor after a failure).
         self.preferred_replica = 0
         # Set by the strategy: a failover.FailoverController, or None.
@@ -111,6 +111,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             self._lock, self._on_hung_step, spec.get("ps", []), spec.get("worker", []))
         self._datasets = worker_datasets.WorkerDatasets(
             self, self._synchronous, self._num_workers)
+        # One traced closure per worker: one trace per update role.
+        self._tracing = role_tracing.RoleTracing(strategy, self._cluster.workers)
         self.step_timeout_seconds = float(
             getattr(strategy.extended, "step_timeout_seconds", 0.0) or 0.0)
         self._stopped = threading.Event()
@@ -173,7 +175,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # Each step its own cancellation manager (not the stock closure
         # queue's): `_cancel_waiting_peers` cancels this step and no other.
         manager = cancellation.CancellationManager()
-        closures = self._trace_per_role(fn, args, kwargs, manager)
+        closures = self._tracing.closures(fn, args, kwargs, manager)
         used = {}
         for closure in {id(c): c for c in closures}.values():  # Roles share closures.
             concrete = getattr(closure, "_concrete_function", None)
@@ -198,80 +200,6 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         for i, q in enumerate(self._queues):
             q.put(step_values.StepPart(step, i))
         return step.remote_value
-
-    def _trace_per_role(self, fn, args, kwargs, manager):
-        """Returns one traced Closure per worker.
-
-        A `tf.function` is traced once per update role (the PS tasks whose
-        table shards a worker updates, `extended.update_role`), under the
-        device of the role's first worker: the strategy makes the device part
-        of the function's cache key, so each role gets its own graph (traced
-        once, then looked up) in which `extended.tracing_worker_index` named
-        that worker. Workers with the same role share the traced function
-        (traced graphs carry no worker device). A concrete function is
-        shared by every worker as it is.
-        """
-        extended = self.strategy.extended
-        on_read = extended.on_read_updates
-        traced = on_read.step_function(fn)
-        while True:
-            closures, left_pending = self._trace_each_role(traced, args, kwargs, manager)
-            if not left_pending:
-                return closures
-            # A trace ended with ON_READ updates pending (a metric updated
-            # after the gradients and never read in the step): trace a
-            # replacement that writes them (see on_read_updates.py).
-            traced = on_read.replacement_for(fn, traced, left_pending)
-
-    def _trace_each_role(self, fn, args, kwargs, manager):
-        """`_trace_per_role` for one function.
-
-        Returns:
-            (closures, names): the closures, or None and the names of the
-            ON_READ variables whose updates a trace left pending.
-        """
-        extended = self.strategy.extended
-        per_role = isinstance(fn, tf.types.experimental.GenericFunction) and not isinstance(
-            fn, tf.types.experimental.ConcreteFunction)
-        on_read = extended.on_read_updates
-        with self.strategy.scope():
-            extended._being_scheduled = True  # pylint: disable=protected-access
-            extended.tracing_sync_step = True
-            try:
-                if not per_role:
-                    closure = self._new_closure(fn, args, kwargs, manager)
-                    left = on_read.left_pending()
-                    return (None, left) if left else ([closure] * self._num_workers, [])
-                by_leader = {}
-                with extended.collective_group.same_keys_per_trace():
-                    for leader in self._role_leaders():
-                        if id(leader) not in by_leader:
-                            extended.tracing_worker_index = leader.worker_index
-                            with tf.device(leader.device_name):
-                                by_leader[id(leader)] = self._new_closure(
-                                    fn, args, kwargs, manager)
-                            # A trace (if any) is over: nothing may be left pending.
-                            left = on_read.left_pending()
-                            if left:
-                                return None, left
-                return [by_leader[id(leader)] for leader in self._role_leaders()], []
-            finally:
-                on_read.discard()
-                extended._being_scheduled = False  # pylint: disable=protected-access
-                extended.tracing_sync_step = False
-                extended.tracing_worker_index = None
-
-    def _role_leaders(self):
-        """For each worker, the first worker with its update role (computed once)."""
-        if self._leaders is None:
-            first = {}
-            self._leaders = [
-                first.setdefault(self.strategy.extended.update_role(w.worker_index), w)
-                for w in self._cluster.workers]
-        return self._leaders
-
-    def _new_closure(self, fn, args, kwargs, manager):
-        return cluster_coordinator.Closure(fn, manager, args=args, kwargs=kwargs)
 
     def wait_for_sync_steps(self, timeout: Optional[float] = None) -> bool:
         """Blocks until no synchronous step is in flight (errors not raised).
