@@ -25,9 +25,14 @@ running a coordinator) that changes three things:
   then every worker passes a collective barrier before it may read tables
   again.
 
+`HybridExtended` keeps the hooks TF calls by name and hands each to one of
+its parts: `variable_creation.py`, `reduction.py` and `updates.py`. The
+tuning knobs are one `HybridOptions` (`options.py`).
+
 The coordinator (`coordinator.py`) runs every scheduled function on every
 worker, which is what makes the collectives meet. It traces one copy of the
-step per update role (`update_role`, `_retrace_functions_for_each_device`),
+step per update role (`update_role`, `_retrace_functions_for_each_device`;
+`role_tracing.py`),
 so a shard's update is simply absent from the other workers' graphs: no
 per-step `tf.cond`.
 
@@ -277,8 +282,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
                  sparse_exchange: str = "ps", pack_on_read_updates: bool = True,
                  table_partitioner=None):
         # Stock's own partitioner stays None: the user's `variable_partitioner`
-        # only decides the tables' shard counts (`_create_table`); dense and
-        # other PS variables are never partitioned.
+        # only decides the tables' shard counts (`VariableCreation._create_table`);
+        # dense and other PS variables are never partitioned.
         super().__init__(container_strategy, cluster_resolver, variable_partitioner=None)
         self.table_partitioner = table_partitioner
         self.sparse_exchange = sparse_exchange
