@@ -31,6 +31,7 @@ from tf_psplugin.fault.failover import FailoverPolicy
 from tf_psplugin.keras.progress import ProgressBar
 from tf_psplugin.keras.summaries import TrainingSummaries
 from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
+from tf_psplugin.runtime.options import HybridOptions
 from tf_psplugin.runtime.strategy import HybridParameterServerStrategy
 from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager, ChiefCheckpoint,
                                           build_optimizer_slots, latest_checkpoint,
@@ -42,8 +43,7 @@ from tf_psplugin.sync.replicated import ReplicatedVariable, current_worker_index
 from tf_psplugin.tables.placement import PlacementPolicy, embedding_table_scope
 # The public modules that are also names of this package (not the CLIs:
 # `python -m tf_psplugin.config` must not find its module already imported).
-from tf_psplugin.fault import elastic
-from tf_psplugin.tables import dynamic as layers
+from tf_psplugin import elastic, layers
 
 
 
@@ -71,6 +71,7 @@ __all__ = [
     "FailoverError",
     "FailoverPolicy",
     "HybridClusterCoordinator",
+    "HybridOptions",
     "HybridParameterServerStrategy",
     "ModelDirError",
     "PlacementPolicy",

@@ -198,9 +198,16 @@ def test_example_compiles_and_uses_the_real_api(where, code):
                     k.arg is None for k in node.keywords):
                 continue
             try:
-                sig.bind_partial(*[None] * len(node.args), **{k.arg: None for k in node.keywords})
+                bound = sig.bind_partial(*[None] * len(node.args),
+                                         **{k.arg: None for k in node.keywords})
             except TypeError as e:
                 problems.append(f"{dotted}(...): {e}")
+                continue
+            # The strategy's `**knobs` take the fields of HybridOptions only.
+            knobs = bound.arguments.get("knobs", {}) if "knobs" in sig.parameters else {}
+            unknown = sorted(set(knobs) - set(tf_psplugin.HybridOptions.__dataclass_fields__))
+            if unknown:
+                problems.append(f"{dotted}(...): {unknown} are not HybridOptions knobs")
     assert not problems, f"{where}: " + "; ".join(sorted(set(problems)))
 
 

@@ -24,27 +24,27 @@ from tf_psplugin.cluster import liveness
 from tf_psplugin.fault import elastic
 from tf_psplugin.fault import failover
 from tf_psplugin.runtime import coordinator as coordinator_lib
+from tf_psplugin.runtime import step_values
+from tf_psplugin.runtime import watchdog as watchdog_lib
 from tf_psplugin.state import checkpoint as checkpoint_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _bare_coordinator(num_workers=2, timeout=5.0):
-    """A HybridClusterCoordinator with only the state the watchdog reads."""
+def _bare_coordinator(num_workers=2, timeout=5.0, ps_addresses=(), worker_addresses=()):
+    """A HybridClusterCoordinator with only the state the watchdog reads, and its watchdog."""
     # ClusterCoordinator.__new__ wants a strategy; the watchdog needs none.
     coord = object.__new__(coordinator_lib.HybridClusterCoordinator)
     coord._lock = threading.Lock()  # pylint: disable=protected-access
     coord._idle = threading.Condition(coord._lock)  # pylint: disable=protected-access
-    coord._running = {}  # pylint: disable=protected-access
     coord._error = None  # pylint: disable=protected-access
     coord._inflight = 0  # pylint: disable=protected-access
     coord._num_workers = num_workers  # pylint: disable=protected-access
     coord.step_timeout_seconds = timeout
     coord.recovering = False
-    coord._creating_input = set()  # pylint: disable=protected-access
-    coord._finished_steps = 0  # pylint: disable=protected-access
-    coord._ps_addresses = []  # pylint: disable=protected-access
-    coord._worker_addresses = []  # pylint: disable=protected-access
+    coord._watchdog = watchdog_lib.StepWatchdog(  # pylint: disable=protected-access
+        coord._lock, coord._on_hung_step, ps_addresses,  # pylint: disable=protected-access
+        worker_addresses)
     return coord
 
 
@@ -59,34 +59,36 @@ def listening(monkeypatch):
 
 def _stuck_step_message(coord, **state):
     for name, value in state.items():
-        setattr(coord, name, value)
+        setattr(coord._watchdog, name, value)  # pylint: disable=protected-access
     step = _step(coord, 3)
     now = time.monotonic()
     running = {0: (step, now - 12.0), 1: (step, now - 11.0)}
-    coord._running = running  # pylint: disable=protected-access
-    return coord._fail_hung_step(10.0).message  # pylint: disable=protected-access
+    coord._watchdog.running = running  # pylint: disable=protected-access
+    return coord._watchdog.fail_hung_step(10.0).message  # pylint: disable=protected-access
 
 
 def test_watchdog_says_what_a_stuck_first_step_waits_for(listening):
     alive, dead = listening
-    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive, dead],
-                                  _worker_addresses=[alive, alive])
+    message = _stuck_step_message(_bare_coordinator(ps_addresses=[alive, dead],
+                                                    worker_addresses=[alive, alive]))
     assert "ps:1 at %s does not accept connections" % dead in message
-    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
-                                  _worker_addresses=[alive, alive], _creating_input={1})
+    message = _stuck_step_message(_bare_coordinator(ps_addresses=[alive],
+                                                    worker_addresses=[alive, alive]),
+                                  _creating_input={1})
     assert "worker:1 is still creating its input" in message
-    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
-                                  _worker_addresses=[alive, alive])
+    message = _stuck_step_message(_bare_coordinator(ps_addresses=[alive],
+                                                    worker_addresses=[alive, alive]))
     assert "no step has finished yet" in message
     assert "input has not produced its first batch" in message
-    message = _stuck_step_message(_bare_coordinator(), _ps_addresses=[alive],
-                                  _worker_addresses=[alive, alive], _finished_steps=5)
+    message = _stuck_step_message(_bare_coordinator(ps_addresses=[alive],
+                                                    worker_addresses=[alive, alive]),
+                                  finished_steps=5)
     assert "no step has finished yet" not in message, message
     assert "input is stalled" in message, message
 
 
 def _step(coord, step_id, num_workers=2):
-    return coordinator_lib._SyncStep(  # pylint: disable=protected-access
+    return step_values.SyncStep(
         coord, step_id, [None] * num_workers, (), {}, tf.TensorSpec([], tf.float32), num_workers)
 
 
@@ -94,8 +96,8 @@ def test_watchdog_fails_a_step_stuck_longer_than_the_limit_and_names_its_workers
     coord = _bare_coordinator()
     step = _step(coord, 7)
     now = time.monotonic()
-    coord._running = {0: (step, now - 12.0), 1: (step, now - 11.0)}  # pylint: disable=protected-access
-    error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
+    coord._watchdog.running = {0: (step, now - 12.0), 1: (step, now - 11.0)}  # pylint: disable=protected-access
+    error = coord._watchdog.fail_hung_step(10.0)  # pylint: disable=protected-access
     assert isinstance(error, tf.errors.DeadlineExceededError)
     assert "step 7 made no progress for 10 s" in error.message
     assert liveness.is_task_failure(error)
@@ -104,14 +106,14 @@ def test_watchdog_fails_a_step_stuck_longer_than_the_limit_and_names_its_workers
     # Worker 0's part carries the step's result: its RemoteValue fails too.
     assert step.remote_value._status_available_event.is_set()  # pylint: disable=protected-access
     # A hang is reported once, not at every poll.
-    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+    assert coord._watchdog.fail_hung_step(10.0) is None  # pylint: disable=protected-access
 
 
 def test_watchdog_leaves_steps_within_the_limit_alone():
     coord = _bare_coordinator()
     step = _step(coord, 1)
-    coord._running = {0: (step, time.monotonic() - 3.0)}  # pylint: disable=protected-access
-    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+    coord._watchdog.running = {0: (step, time.monotonic() - 3.0)}  # pylint: disable=protected-access
+    assert coord._watchdog.fail_hung_step(10.0) is None  # pylint: disable=protected-access
     assert coord._error is None and step.error is None  # pylint: disable=protected-access
 
 
@@ -119,9 +121,9 @@ def test_watchdog_names_only_the_workers_still_in_the_oldest_hung_step():
     coord = _bare_coordinator(num_workers=3)
     old, new = _step(coord, 3, 3), _step(coord, 4, 3)
     now = time.monotonic()
-    coord._running = {1: (old, now - 30.0), 2: (old, now - 29.0),  # pylint: disable=protected-access
+    coord._watchdog.running = {1: (old, now - 30.0), 2: (old, now - 29.0),  # pylint: disable=protected-access
                       0: (new, now - 20.0)}
-    error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
+    error = coord._watchdog.fail_hung_step(10.0)  # pylint: disable=protected-access
     assert "step 3 " in error.message
     assert liveness.tasks_named_in(error) == {("worker", 1), ("worker", 2)}
     # Worker 0 is not in the failed step: step 3's result is not worker 0's to fail.
@@ -132,18 +134,20 @@ def test_a_finished_part_is_no_longer_watched():
     coord = _bare_coordinator(num_workers=1)
     step = _step(coord, 1, 1)
     coord._inflight = 1  # pylint: disable=protected-access
-    coord._running = {0: (step, time.monotonic() - 60.0)}  # pylint: disable=protected-access
+    coord._watchdog.running = {0: (step, time.monotonic() - 60.0)}  # pylint: disable=protected-access
     coord._finish_part(step, 0, None, None)  # pylint: disable=protected-access
-    assert coord._running == {}  # pylint: disable=protected-access
-    assert coord._fail_hung_step(10.0) is None  # pylint: disable=protected-access
+    assert coord._watchdog.running == {}  # pylint: disable=protected-access
+    assert coord._watchdog.fail_hung_step(10.0) is None  # pylint: disable=protected-access
 
 
 def test_watchdog_thread_fires_within_the_limit_plus_one_poll():
     coord = _bare_coordinator(timeout=0.5)
     coord._stopped = threading.Event()  # pylint: disable=protected-access
     step = _step(coord, 2)
-    coord._running = {0: (step, time.monotonic())}  # pylint: disable=protected-access
-    thread = threading.Thread(target=coord._watchdog_loop, daemon=True)  # pylint: disable=protected-access
+    coord._watchdog.running = {0: (step, time.monotonic())}  # pylint: disable=protected-access
+    watchdog, stopped = coord._watchdog, coord._stopped  # pylint: disable=protected-access
+    thread = threading.Thread(target=watchdog.run, args=(coord.step_timeout_seconds, stopped),
+                              daemon=True)
     start = time.monotonic()
     thread.start()
     with coord._lock:  # pylint: disable=protected-access
@@ -205,7 +209,7 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     def run_parts(worker_index, *steps):
         q = __import__("queue").Queue()
         for step in steps:
-            q.put(coordinator_lib._StepPart(step, worker_index))  # pylint: disable=protected-access
+            q.put(step_values.StepPart(step, worker_index))
         q.put(coordinator_lib._STOP)  # pylint: disable=protected-access
         coord._worker_loop(_Worker(worker_index), q)  # pylint: disable=protected-access
 

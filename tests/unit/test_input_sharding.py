@@ -1,4 +1,4 @@
-"""Which inputs the coordinator shards by file: `coordinator._reads_files`.
+"""Which inputs the coordinator shards by file: `worker_datasets._reads_files`.
 
 The cluster tests (tests/cluster/test_finite_data.py, "file_sharding_*")
 check what each worker then reads; this checks the decision on the chief.
@@ -9,11 +9,11 @@ import os
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import coordinator_values
-from tf_psplugin.runtime import coordinator
+from tf_psplugin.runtime import worker_datasets
 
 
 def _reads_files(dataset):
-    return coordinator._reads_files(  # pylint: disable=protected-access
+    return worker_datasets._reads_files(  # pylint: disable=protected-access
         coordinator_values.serialize_dataset_to_graph(dataset))
 
 

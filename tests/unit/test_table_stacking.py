@@ -1,7 +1,7 @@
 """Table stacking (`table_stacking`) in one process.
 
 The strategy is stood in for by a variable creator that does what
-`HybridExtended._create_table` does: Keras `Embedding` tables become
+`VariableCreation._create_table` does: Keras `Embedding` tables become
 `StackedTable`s (stack_tables=True) or `InterleavedShardedVariable`s (off),
 on local "shards". Training must be the same either way, checkpoints must
 carry each table under its own key, and lookups must see each table alone.

@@ -164,7 +164,8 @@ def keras_private_module(name: str):
 _PSV2_EXTENDED = "parameter_server_strategy_v2.ParameterServerStrategyV2Extended"
 _TF1_COLLECTIVE_EXTENDED = "collective_all_reduce_strategy.CollectiveAllReduceExtended"
 PRIVATE_ATTRIBUTES = {
-    # -- runtime/strategy.py, cluster/connection.py: the hybrid ParameterServerStrategyV2. --
+    # -- runtime/strategy.py (its Extended's parts: runtime/variable_creation.py,
+    # runtime/reduction.py, runtime/updates.py), cluster/connection.py: the hybrid ParameterServerStrategyV2. --
     # Its __init__ mirrors ParameterServerStrategyV2.__init__ (TF 2.15-2.21) but
     # installs the hybrid Extended and connects with device filters that let
     # workers see each other; connection.py mirrors `_connect_to_cluster`.
@@ -254,9 +255,10 @@ PRIVATE_ATTRIBUTES = {
     "_aggregating_container": "ps_values.AggregatingVariable",
     "_get_save_slice_info": "tf_variables.Variable",  # asked by ShardedVariable's init
     "_slots": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
-    # -- runtime/coordinator.py: one closure dispatched to every worker. The stock
-    # Closure traces and wraps the function; we reuse its parts per role and
-    # set results/errors on TF's RemoteValueImpl the way Closure.execute_on does.
+    # -- runtime/coordinator.py (and runtime/watchdog.py, runtime/worker_datasets.py): one closure
+    # dispatched to every worker. The stock Closure traces and wraps the
+    # function; we reuse its parts per role and set results/errors on TF's
+    # RemoteValueImpl the way Closure.execute_on does.
     "_function": "cluster_coordinator.Closure",
     "_args": "cluster_coordinator.Closure",
     "_kwargs": "cluster_coordinator.Closure",

@@ -57,9 +57,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin.errors import ServingError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as model_dir_lib
-from tf_psplugin.errors import ServingError  # noqa: F401  (see errors.py)
 from tf_psplugin.state.model_dir import CheckpointInfo
 
 __all__ = ["SERVING_METADATA", "ServingError", "ServingModel", "serving_metadata"]

@@ -1,0 +1,328 @@
+"""Variable creation under the hybrid strategy: where each variable goes.
+
+`HybridExtended._create_variable` (what TF calls for every variable made in
+the strategy's scope) hands the decision here: an embedding table is sharded
+over the PS tasks (interleaved, contiguous, or into a stack), an optimizer
+slot follows its variable, any other variable becomes a `ReplicatedVariable`
+on the workers (or stays on a PS with ``dense_placement="ps"``). This module
+also keeps what that placement produced and other parts read: the placement
+records (the report), and which worker owns the sync updates of each table
+shard (its PS index mod the workers; see `update_role`).
+"""
+
+import contextlib
+import dataclasses
+import functools
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tf_psplugin._internal import patches
+from tf_psplugin._internal.tf_internal import ps_values
+from tf_psplugin._internal.tf_internal import sharded_variable
+from tf_psplugin.cluster.connection import StrategyError
+from tf_psplugin.cluster.devices import ps_device
+from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.tables import placement as placement_lib
+from tf_psplugin.tables import shard_init
+from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables import stacking as table_stacking
+
+# The coordinator's own device (it joins the cluster as job "chief").
+CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
+
+
+class VariableCreation:
+    """Where each variable made in the strategy's scope goes, and what that produced.
+
+    One per `HybridExtended` (its `creation`): TF calls the Extended's
+    `_create_variable`, which hands the variable here. Keeps the placement
+    records (`strategy.placement_report()`), the table stacks
+    (``stack_tables=True``) and, for every table shard, view and table slot,
+    the worker that applies its sync updates.
+
+    Example (what `HybridExtended._create_variable` does):
+
+    ```python
+    creation = VariableCreation(extended, num_workers=2, num_ps=2)
+    var = creation.create_variable(next_creator, stock_create, **kwargs)
+    creation.table_owner(var)  # 0 or 1 for a table shard, else None
+    ```
+
+    Args:
+        extended: The `HybridExtended` (its configuration: placement,
+            partitioner, modes; its stock creation hooks; its `updates`).
+        num_workers: Workers in the cluster.
+        num_ps: PS tasks in the cluster.
+    """
+
+    def __init__(self, extended, num_workers: int, num_ps: int):
+        self._extended = extended
+        self._num_workers = num_workers
+        self._num_ps = num_ps
+        self.placement_records: List[placement_lib.PlacementRecord] = []
+        self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
+        self._creating_table = False
+        self._creating_plain = False
+        self._creating_internal = False
+        # Set by `enable_table_stacking` (the strategy's stack_tables=True).
+        self.table_stacks: Optional[table_stacking.TableStacks] = None
+
+    def enable_table_stacking(self) -> None:
+        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        if self.table_stacks is None:
+            self.table_stacks = table_stacking.TableStacks(
+                shard_devices=self.table_shard_device, on_restack=self._restacked)
+            # Each table's gradient (Keras sees its own rows) merged into one
+            # apply per stack shard.
+            patches.install("keras_stacked_updates")
+
+    def _restacked(self, table, stack_name: str) -> None:
+        """A table moved to another stack before it was made (`TableStacks.separate`)."""
+        index = getattr(table, "_tf_psplugin_record", None)
+        if index is not None:
+            record = self.placement_records[index]
+            self.placement_records[index] = dataclasses.replace(record, stack=stack_name)
+
+    @property
+    def creates_unwrapped(self) -> bool:
+        """Whether the variable being made now gets no PSS wrapper (`_create_var_creator`).
+
+        Table shards are plain variables on their PS (no aggregation
+        wrapper): updates to them are routed by `HybridExtended._update`.
+        """
+        return self._creating_table or self._creating_plain
+
+    def create_variable(self, next_creator, stock_create, **kwargs):
+        """`HybridExtended._create_variable`: a table, a slot, a replica or a PS variable.
+
+        Args:
+            next_creator: The next variable creator (TF's creator stack).
+            stock_create: Stock `ParameterServerStrategyV2Extended._create_variable`
+                (bound), for what stays stock: per-worker variables, slots of
+                PS variables, contiguous tables, dense variables in ``"ps"`` mode.
+            **kwargs: The variable's arguments.
+
+        Returns:
+            The variable.
+
+        Raises:
+            StrategyError: a variable made inside `embedding_table_scope()`
+                that cannot be sharded.
+        """
+        if kwargs.get("per_worker_variable", False):
+            return stock_create(next_creator, **kwargs)
+        if self._creating_plain:
+            return next_creator(**kwargs)
+        colocate_with = kwargs.get("colocate_with", None)
+        if isinstance(colocate_with, variables_lib.ReplicatedVariable):
+            kwargs.pop("colocate_with")
+            return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
+        if colocate_with is not None:
+            if self.table_stacks is not None:
+                # An optimizer slot of a stack: no table joins that stack now.
+                self.table_stacks.seal(_unwrap(colocate_with))
+            var = stock_create(next_creator, **kwargs)
+            kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
+            if kind == "table-slot":
+                self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner[
+                    id(_unwrap(colocate_with))]
+            self._record(var, kind)
+            return var
+        name = kwargs.get("name")
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        dtype_size = dtype.size if dtype is not None else 4
+        if placement_lib.in_embedding_table_scope() and (
+                shape is None or not shape.rank or shape[0] is None):
+            raise StrategyError(
+                f"variable {name!r} with shape {shape} was created inside "
+                "embedding_table_scope(), but only variables of rank >= 1 with a known first "
+                "dimension can be sharded across PS tasks. Fix: create scalars and "
+                "unknown-shape variables outside embedding_table_scope(), or pass an explicit "
+                "`shape=` with the number of rows.")
+        placement = self._extended.placement
+        if shape is not None and shape.rank and shape.rank >= 1 and placement.is_table(
+                name, shape.as_list(), dtype_size):
+            return self._create_table(next_creator, stock_create, **kwargs)
+        if self._extended.dense_allreduce:
+            return self._create_replicated(next_creator, kind="dense",
+                                           record=not self._creating_internal, **kwargs)
+        var = stock_create(next_creator, **kwargs)
+        self._record(var, "ps")
+        return var
+
+    def _create_replicated(self, next_creator, kind: str, record: bool = True, **kwargs):
+        kwargs.pop("caching_device", None)
+        # The primary copy belongs on the chief even when the variable is
+        # created while a step is traced under a worker's device (optimizer
+        # slots are created in the first trace; see `tracing_worker_index`).
+        with tf.device(CHIEF_DEVICE):
+            extended, updates = self._extended, self._extended.updates
+            var = variables_lib.ReplicatedVariable(
+                extended._container_strategy(), next_creator,  # pylint: disable=protected-access
+                end_of_step_fn=updates.end_of_step, update_reduce_fn=updates.on_read_update,
+                graph_use_fn=updates.on_read_use, **kwargs)
+        if record:
+            self._record(var, kind, devices=var.worker_devices())
+        return var
+
+    def table_shard_device(self, shard: int) -> str:
+        """Shard `shard` of an interleaved table (or stack): round-robin from ps:0.
+
+        Every table with n shards has its shard s on the same PS, which fused
+        lookups, stacks and DynamicEmbedding's admission rely on.
+        """
+        return ps_device(shard % self._num_ps)
+
+    def _create_table(self, next_creator, stock_create, **kwargs):
+        """Creates an embedding table sharded over the PS tasks.
+
+        One shard per PS task, or as many as `table_partitioner` says
+        (`placement.table_shard_count`).
+        """
+        shape, dtype = shard_init.shape_and_dtype(kwargs)
+        num_shards = placement_lib.table_shard_count(
+            shape, dtype if dtype is not None else tf.float32, self._num_ps,
+            partitioner=self._extended.table_partitioner, name=kwargs.get("name"))
+        scheme = self._extended.placement.sharding
+        unstacked = ""
+        if self.table_stacks is not None:
+            if scheme != placement_lib.SHARDING_INTERLEAVED:
+                unstacked = f"{scheme} sharding"
+            elif kwargs.get("initial_value") is None:
+                unstacked = "no initial value"
+            else:
+                unstacked = self.table_stacks.why_not(shape, dtype, num_shards, kwargs) or ""
+        if num_shards < 2:
+            var = self._extended._create_variable_round_robin(  # pylint: disable=protected-access
+                next_creator, **kwargs)
+            self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
+            self._record(var, "table", unstacked=unstacked)
+            return var
+        self._creating_table = True
+        try:
+            if (scheme == placement_lib.SHARDING_INTERLEAVED and self.table_stacks is not None
+                    and kwargs.get("initial_value") is not None
+                    and self.table_stacks.eligible(shape, dtype, num_shards, kwargs)):
+                var = self.table_stacks.add(
+                    kwargs.get("name"), shape, dtype, num_shards,
+                    shard_values=functools.partial(
+                        sharding.shard_value_fn, kwargs.get("initial_value"), shape, dtype,
+                        num_shards=num_shards, name=kwargs.get("name")),
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs),
+                    on_replace=self._replace_table_shard)
+            elif scheme == placement_lib.SHARDING_INTERLEAVED:
+                var = sharding.create_interleaved(
+                    name=kwargs.get("name"), shape=shape, dtype=dtype,
+                    initial_value=kwargs.get("initial_value"), num_shards=num_shards,
+                    device_fn=self.table_shard_device,
+                    creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
+            else:
+                # Stock partitions it, told the shard count for this table only.
+                extended = self._extended
+                extended._variable_partitioner = (  # pylint: disable=protected-access
+                    sharded_variable.FixedShardsPartitioner(num_shards))
+                try:
+                    var = stock_create(next_creator, **kwargs)
+                finally:
+                    extended._variable_partitioner = None  # pylint: disable=protected-access
+        finally:
+            self._creating_table = False
+        if not isinstance(var, table_stacking.StackedTable):
+            # (A stack's shards are registered when they get their variables:
+            # `_replace_table_shard`.)
+            for shard in var.variables:
+                self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
+        else:
+            # Its views: what Keras lists, reduces and (weight decay) updates.
+            for view in var.views:
+                self._table_shard_owner[id(view)] = self._table_shard_owner_of(view)
+        self._record(var, "table", devices=[v.device for v in var.variables],
+                     stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
+        if isinstance(var, table_stacking.StackedTable):
+            var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
+        return var
+
+    def _replace_table_shard(self, old, new) -> None:
+        """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
+        if old is not None:
+            self._table_shard_owner.pop(id(old), None)
+        if new is not None:  # (None: the stack was split and its variable freed.)
+            self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
+
+    def _table_shard_owner_of(self, var) -> int:
+        """The worker that applies sync updates to a table shard: its PS index mod workers.
+
+        With as many workers as PS tasks, worker i updates exactly the shards
+        on ps:i; with more workers than PS tasks the extra workers update
+        nothing and share one trace of the step (see `update_role`).
+        """
+        return self.owner_of_ps(tf.DeviceSpec.from_string(_unwrap(var).device or "").task or 0)
+
+    def owner_of_ps(self, ps_index: int) -> int:
+        """The worker that applies sync updates to the table shards on ps:`ps_index`."""
+        return int(ps_index) % max(self._num_workers, 1)
+
+    def update_role(self, worker_index: int) -> tuple:
+        """The PS tasks whose table shards `worker_index` updates in sync mode.
+
+        Workers with equal roles run the same trace of a synchronous step,
+        so a step is traced at most min(workers, PS) + 1 times.
+        """
+        if self._extended.embedding_updates != "sync":
+            return ()
+        return tuple(p for p in range(self._num_ps) if self.owner_of_ps(p) == worker_index)
+
+    def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
+        """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
+        self._creating_plain = True
+        try:
+            with tf.device(device):
+                return tf.Variable(**kwargs)
+        finally:
+            self._creating_plain = False
+
+    def _record(self, var, kind: str, devices=None, stack: str = "", unstacked: str = ""):
+        try:
+            shape = tuple(int(d) if d is not None else -1 for d in var.shape.as_list())
+        except (ValueError, AttributeError):
+            shape = ()
+        dtype = tf.as_dtype(var.dtype)
+        n = 1
+        for d in shape:
+            n *= max(d, 0)
+        self.placement_records.append(placement_lib.PlacementRecord(
+            name=getattr(var, "name", "?"), kind=kind, shape=shape, dtype=dtype.name,
+            num_bytes=n * dtype.size, devices=tuple(devices or [getattr(var, "device", "")]),
+            stack=stack, unstacked="" if stack else unstacked))
+
+    def is_table_var(self, var) -> bool:
+        """Whether `var` (or the variable it wraps) is a table shard, a view or a table slot."""
+        return id(_unwrap(var)) in self._table_shard_owner
+
+    def table_owner(self, var) -> Optional[int]:
+        """The worker that applies `var`'s sync updates: a table shard's (or slot's), else None."""
+        return self._table_shard_owner.get(id(_unwrap(var)))
+
+    @contextlib.contextmanager
+    def internal_variables(self):
+        """Variables made inside are the plugin's own: replicated, but not recorded."""
+        self._creating_internal = True
+        try:
+            yield
+        finally:
+            self._creating_internal = False
+
+
+def _unwrap(var):
+    """The underlying resource variable of PSS wrappers (Aggregating/Caching)."""
+    seen = 0
+    while seen < 4:
+        seen += 1
+        if isinstance(var, ps_values.AggregatingVariable):
+            var = var.get()
+        elif isinstance(var, ps_values.CachingVariable):
+            var = var._v  # pylint: disable=protected-access
+        else:
+            break
+    return var
