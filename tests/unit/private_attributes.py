@@ -115,11 +115,76 @@ def scan(modules, tf_modules):
     return flagged
 
 
-def _other_object_use(node):
+def other_object_uses(modules, tf_modules):
+    """{name: [(path, line, "reads"|"sets")]}: TF private names used on other objects.
+
+    Stricter than `scan` about `self` and `cls`: they count as the object
+    itself only in a function defined in a class body (a method) and in the
+    functions and lambdas nested in it; a module-level function's `cls`
+    (a Keras class it patches) or the `self` of a replacement method defined
+    inside a function (the Keras object it runs on) is another object.
+
+    Args:
+      modules: (dotted module name, file path) of the modules to check.
+      tf_modules: TF/Keras modules whose private names count as TF's.
+    """
+    tf_names = set(_tf_names(modules, tf_modules))
+    flagged = collections.defaultdict(list)
+    for _, path in modules:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node, own in _walk_with_own_names(tree, frozenset()):
+            name, how = _other_object_use(node, own)
+            if name is not None and name in tf_names:
+                flagged[name].append((path, node.lineno, how))
+    return flagged
+
+
+def _tf_names(modules, tf_modules):
+    """The private names `scan` counts as TF's for these modules."""
+    names = set()
+    for module in tf_modules:
+        names |= source_names(module)
+    for dotted, path in modules:
+        try:
+            module = importlib.import_module(dotted)
+        except ImportError:  # e.g. tf_psplugin.estimator on TF >= 2.16.
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                cls = getattr(module, node.name, None)
+                if inspect.isclass(cls):
+                    names |= tf_ancestor_names(cls)
+    return names
+
+
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _walk_with_own_names(node, own, in_class=False):
+    """(node, names that mean the object itself there) for `node` and below."""
+    yield node, own
+    if isinstance(node, ast.ClassDef):
+        for child in ast.iter_child_nodes(node):
+            yield from _walk_with_own_names(child, own, in_class=True)
+        return
+    if isinstance(node, _FUNCTIONS):
+        params = {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+        if in_class and not isinstance(node, ast.Lambda):
+            own = frozenset({"self", "cls"})
+        else:
+            own = own - params  # A parameter named self/cls here is some other object.
+    for child in ast.iter_child_nodes(node):
+        yield from _walk_with_own_names(child, own)
+
+
+def _other_object_use(node, own=("self", "cls")):
     """(name, how) for `x._name` / getattr(x, "_name") with x not self/cls/super()."""
     if isinstance(node, ast.Attribute) and is_private(node.attr):
         value = node.value
-        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+        if isinstance(value, ast.Name) and value.id in own:
             return None, None
         if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
                 and value.func.id == "super"):
@@ -129,6 +194,7 @@ def _other_object_use(node):
             and node.func.id in _ATTR_FUNCTIONS and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
             and is_private(node.args[1].value)
-            and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")):
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id in own
+                     and node.args[0].id == "self")):
         return node.args[1].value, "sets" if node.func.id in ("setattr", "delattr") else "reads"
     return None, None

@@ -5,17 +5,23 @@ others replicated on workers, kept in sync by collectives", so the strategy
 subclasses ParameterServerStrategy internals. Every private module the
 plugin uses is imported here, with the reason, and every private attribute of
 a TF/Keras class or module it reads, sets or overrides is registered in
-`PRIVATE_ATTRIBUTES` below with the class that defines it, so that a TF
-upgrade has one file to audit. tests/unit/test_tf_internal.py enforces both
-and checks every entry against the installed TF; CI runs it on TF 2.15.1 and
-2.21.0 (same module paths from 2.16 on). `_compat` refuses TF minors newer
+`PRIVATE_ATTRIBUTES` below with the class that defines it. Reads and writes
+of those attributes on TF/Keras objects go through the named functions of
+`tf_objects.py` next to this module; outside `_internal/`, only the plugin's
+own subclasses of TF classes touch their inherited private state, through
+`self`/`cls` (that is part of subclassing); runtime/strategy.py and
+runtime/coordinator.py are still excepted until their class split (issue
+33). A TF upgrade therefore audits `_internal/` (and, for now, those two).
+tests/unit/test_tf_internal.py enforces all three and checks every entry
+against the installed TF; CI runs it on TF 2.15.1 and 2.21.0 (same module
+paths from 2.16 on). `_compat` refuses TF minors newer
 than the last one tested.
 """
 
 import importlib
 
 # ParameterServerStrategyV2 and its Extended: we subclass both (there is no
-# public extension point for variable creation or reduction). connection.py
+# public extension point for variable creation or reduction). tf_objects.py
 # also reads its `_SET_SERVER_DEF_RETRIES` (50 in TF 2.15.1 and 2.21.0), the
 # retry count stock PSS gives `context.set_server_def_retries`.
 from tensorflow.python.distribute import parameter_server_strategy_v2  # noqa: F401

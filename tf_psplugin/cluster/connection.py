@@ -16,7 +16,8 @@ import os
 from typing import Optional
 
 
-from tf_psplugin._internal.tf_internal import context, parameter_server_strategy_v2, remote, server_lib
+from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal.tf_internal import context, remote, server_lib
 from tf_psplugin.cluster import config as config_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.errors import RESTART_EXIT_CODE, StrategyError, TasksUnreachableError  # noqa: F401  (see errors.py)
@@ -78,7 +79,7 @@ def connect(cluster_resolver, coordinator_name: str, workers_see_each_other: boo
     # As stock PSS: retry setting the server def if a task is preempted while
     # the chief connects (ParameterServerStrategyV2._connect_to_cluster, the
     # last two statements, TF 2.15.1 and 2.21.0; the retry count is TF's).
-    context.set_server_def_retries(parameter_server_strategy_v2._SET_SERVER_DEF_RETRIES)  # pylint: disable=protected-access
+    context.set_server_def_retries(tf_objects.stock_server_def_retries())
     context.ensure_initialized()
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import tf_variables
 from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.tables import placement
@@ -179,10 +180,11 @@ def create_sharded_table(
         shards.append(create_on_device(next_creator, shard_kwargs, ps_device(i % num_ps)))
     full_name = _PART_SUFFIX.sub("", shards[0].op.name)
     for i, shard in enumerate(shards):
-        # Private API (TF 2.15.1): marks the shard as rows [offsets[i],
+        # Private API (TF 2.15.1, via the adapter): marks the shard as rows [offsets[i],
         # offsets[i+1]) of the checkpoint tensor `full_name`, exactly what
         # get_variable(partitioner=...) does. No public API sets it.
-        shard._set_save_slice_info(  # pylint: disable=protected-access
+        tf_objects.set_save_slice_info(
+            shard,
             tf.Variable.SaveSliceInfo(
                 full_name,
                 shape.as_list(),

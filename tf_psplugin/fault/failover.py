@@ -62,6 +62,7 @@ from typing import Dict, Optional, Set, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import context, executor
 from tf_psplugin.cluster import config as config_lib
 from tf_psplugin.cluster.liveness import accepts_connections, tasks_named_in
@@ -218,7 +219,7 @@ class FailoverController:
     def __init__(self, strategy, policy: FailoverPolicy):
         self._strategy = strategy
         self.policy = policy
-        spec = strategy._cluster_resolver.cluster_spec().as_dict()  # pylint: disable=protected-access
+        spec = tf_objects.strategy_cluster_resolver(strategy).cluster_spec().as_dict()
         self._addresses = {(job, i): addr for job in ("worker", "ps")
                            for i, addr in enumerate(spec.get(job, []))}
         self._hung: Set[Tuple[str, int]] = set()  # Accept connections, never answer.

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 
 # Marks a strategy whose fit/evaluate get the ProgressBar (set by the strategy).
@@ -185,7 +186,7 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     def _lookup_examples_per_step(self):
         self.examples_per_step = self._examples_per_step_arg
         if self.examples_per_step is None and self.model is not None:
-            coordinator = getattr(self.model, "_cluster_coordinator", None)
+            coordinator = tf_objects.model_cluster_coordinator(self.model)
             self.examples_per_step = getattr(coordinator, "examples_per_step", None)
 
     def _dynamic(self) -> bool:
@@ -277,8 +278,8 @@ def patch_keras_progress():
     training = _tf_internal.keras_private_module("engine.training")
     callbacks = _tf_internal.keras_private_module("callbacks")
     io_utils = _tf_internal.keras_private_module("utils.io_utils")
-    original_verbosity = training._get_verbosity
-    original_add_defaults = callbacks.CallbackList._add_default_callbacks
+    original_verbosity = tf_objects.keras_get_verbosity(training)
+    original_add_defaults = tf_objects.add_default_callbacks(callbacks.CallbackList)
 
     def _get_verbosity(verbose, distribute_strategy):
         if _uses_plugin(distribute_strategy) and verbose in (1, "auto"):
@@ -290,19 +291,19 @@ def patch_keras_progress():
     def _add_default_callbacks(self, add_history, add_progbar):
         passed = list(self.callbacks)
         original_add_defaults(self, add_history, add_progbar)
-        default = self._progbar
+        default = tf_objects.callback_list_progbar(self)
         if (default is not None and not any(default is cb for cb in passed)
                 and type(default) is callbacks.ProgbarLogger
                 and _uses_plugin(tf.distribute.get_strategy())):
             replacement = ProgressBar()
             self.callbacks[self.callbacks.index(default)] = replacement
-            self._progbar = replacement
+            tf_objects.set_callback_list_progbar(self, replacement)
 
-    training._get_verbosity = _get_verbosity
-    callbacks.CallbackList._add_default_callbacks = _add_default_callbacks
+    tf_objects.set_keras_get_verbosity(training, _get_verbosity)
+    tf_objects.set_add_default_callbacks(callbacks.CallbackList, _add_default_callbacks)
 
     def undo():
-        training._get_verbosity = original_verbosity
-        callbacks.CallbackList._add_default_callbacks = original_add_defaults
+        tf_objects.set_keras_get_verbosity(training, original_verbosity)
+        tf_objects.set_add_default_callbacks(callbacks.CallbackList, original_add_defaults)
 
     return undo

@@ -22,6 +22,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.numbers import to_float
 from tf_psplugin.state import model_dir as model_dir_lib
@@ -80,7 +81,7 @@ class TrainingSummaries(keras.callbacks.Callback):
         self._step = int(iterations.numpy()) if iterations is not None else 0
         self._last_step, self._last_time = self._step, time.monotonic()
         if self._examples_per_step_arg is None:  # The strategy's coordinator may know it.
-            coordinator = getattr(self.model, "_cluster_coordinator", None)
+            coordinator = tf_objects.model_cluster_coordinator(self.model)
             self.examples_per_step = getattr(coordinator, "examples_per_step", None)
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.train_dir)

@@ -54,6 +54,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin._internal.tf_internal import cancellation, cluster_coordinator, context
 from tf_psplugin._internal.tf_internal import coordinator_context
@@ -105,7 +106,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # Set by the strategy: a failover.FailoverController, or None.
         self.failover = None
         self.recovering = False
-        resolver = strategy._cluster_resolver  # pylint: disable=protected-access
+        resolver = tf_objects.strategy_cluster_resolver(strategy)
         spec = resolver.cluster_spec().as_dict()
         # Which parts run since when; fails those that hang (the watchdog thread).
         self._watchdog = watchdog_lib.StepWatchdog(
@@ -179,7 +180,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         closures = self._tracing.closures(fn, args, kwargs, manager)
         used = {}
         for closure in {id(c): c for c in closures}.values():  # Roles share closures.
-            concrete = getattr(closure, "_concrete_function", None)
+            concrete = tf_objects.closure_concrete_function(closure)
             if concrete is not None:
                 for var in variables_lib.replicated_variables_used_by(concrete):
                     used[id(var)] = var
@@ -193,9 +194,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         with self._lock:
             self._step_counter += 1
             step = step_values.SyncStep(self, self._step_counter,
-                             [c._function for c in closures],  # pylint: disable=protected-access
-                             first._args, first._kwargs,  # pylint: disable=protected-access
-                             first._output_type_spec, self._num_workers,  # pylint: disable=protected-access
+                             [tf_objects.closure_function(c) for c in closures],
+                             *tf_objects.closure_arguments(first),
+                             tf_objects.closure_output_type_spec(first), self._num_workers,
                              self._generation, manager)
             self._inflight += 1
         for i, q in enumerate(self._queues):
@@ -370,15 +371,15 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             del part, step, outputs, error
 
     def _execute(self, step, worker, worker_executor):
-        args = cluster_coordinator._select_worker_slice(worker.worker_index, step.args)  # pylint: disable=protected-access
-        kwargs = cluster_coordinator._select_worker_slice(worker.worker_index, step.kwargs)  # pylint: disable=protected-access
+        args = tf_objects.select_worker_slice(worker.worker_index, step.args)
+        kwargs = tf_objects.select_worker_slice(worker.worker_index, step.kwargs)
         # As the stock Closure.execute_on: a per-worker input (iterator) whose
         # creation failed is a ClosureInputError wrapping the original error
         # (the user's dataset error, or a dead worker's UnavailableError).
         with self._watchdog.creating_input(worker.worker_index):
             # Waits for the worker's input iterators to exist.
-            error = (cluster_coordinator._get_error_from_remote_values(args)  # pylint: disable=protected-access
-                     or cluster_coordinator._get_error_from_remote_values(kwargs))  # pylint: disable=protected-access
+            error = (tf_objects.error_from_remote_values(args)
+                     or tf_objects.error_from_remote_values(kwargs))
         if error is not None:
             if not isinstance(error, cluster_coordinator.ClosureInputError):
                 error = cluster_coordinator.ClosureInputError(error)
@@ -389,7 +390,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             with coordinator_context.with_dispatch_context(worker):
                 outputs = step.functions[worker.worker_index](*args, **kwargs)
         if worker.worker_index == 0:
-            step.remote_value._set_values(outputs)  # pylint: disable=protected-access
+            tf_objects.remote_value_set_values(step.remote_value, outputs)
             step.remote_value.get()  # Copy to the chief while the worker is alive.
         return outputs
 
@@ -426,10 +427,10 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if cancel_peers:
             self._cancel_waiting_peers(step, error)
         if error is not None and worker_index == 0:
-            step.remote_value._set_error(error)  # pylint: disable=protected-access
+            tf_objects.remote_value_set_error(step.remote_value, error)
         if finished:
-            if step.error is not None and step.remote_value._status is not None:  # pylint: disable=protected-access
-                step.remote_value._set_error(step.error)  # pylint: disable=protected-access
+            if step.error is not None and tf_objects.remote_value_status(step.remote_value) is not None:
+                tf_objects.remote_value_set_error(step.remote_value, step.error)
             step.done.set()
             with self._lock:
                 self._inflight -= 1

@@ -56,6 +56,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import coordinator_values, iterator_ops
 
 _local = threading.local()
@@ -329,9 +330,9 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
                    else (lambda: fn().cardinality()))
         # One resource closure per worker (they run in parallel on the stock
         # worker threads), as the stock class creates its iterators.
-        remote = self._coordinator._create_per_worker_resources(measure)  # pylint: disable=protected-access
+        remote = tf_objects.create_per_worker_resources(self._coordinator, measure)
         try:
-            return [int(v.fetch()) for v in remote._values]  # pylint: disable=protected-access
+            return [int(v.fetch()) for v in tf_objects.per_worker_values(remote)]
         except Exception as e:  # noqa: BLE001 - the iterator will raise it where TF raises it.
             logging.debug("tf_psplugin: could not read the input's length: %r", e)
             return None
@@ -381,14 +382,16 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         """Per-worker `AgreedIterator`s over this input (see the module docstring)."""
         fn = self._dataset_fn
         evaluation = self._evaluation
-        per_worker = self._coordinator._create_per_worker_resources(  # pylint: disable=protected-access
+        per_worker = tf_objects.create_per_worker_resources(
+            self._coordinator,
             lambda: AgreedIterator(fn(), evaluation=evaluation))
         # What a traced step sees of each worker's iterator (the stock class
         # sets the dataset's IteratorSpec here).
         spec = AgreedIteratorSpec(fn.structured_outputs.element_spec, evaluation)
-        for remote in per_worker._values:  # pylint: disable=protected-access
-            remote._type_spec = spec  # pylint: disable=protected-access
-        return coordinator_values.PerWorkerDistributedIterator(per_worker._values)  # pylint: disable=protected-access
+        for remote in tf_objects.per_worker_values(per_worker):
+            tf_objects.set_remote_type_spec(remote, spec)
+        return coordinator_values.PerWorkerDistributedIterator(
+            tf_objects.per_worker_values(per_worker))
 
 
 def patch_data_handler():
@@ -412,12 +415,12 @@ def patch_data_handler():
     original = data_adapter.get_data_handler
 
     def get_data_handler(*args, **kwargs):
-        coordinator = getattr(kwargs.get("model"), "_cluster_coordinator", None)
+        coordinator = tf_objects.model_cluster_coordinator(kwargs.get("model"))
         if not getattr(coordinator, "synchronous", False):
             return original(*args, **kwargs)
         with evaluation_inputs("pss_evaluation_shards" in kwargs):
             handler = original(*args, **kwargs)
-        dataset = getattr(handler, "_dataset", None)
+        dataset = tf_objects.data_handler_dataset(handler)
         if kwargs.get("steps_per_epoch") is None and isinstance(dataset, SyncPerWorkerDataset):
             steps = dataset.epoch_steps()
             if steps == 0:
@@ -427,14 +430,14 @@ def patch_data_handler():
                     f"{dataset.batches_per_worker()}). Fix: give at least one batch per "
                     "worker, or a smaller batch size.")
             if steps is not None:
-                handler._inferred_steps = steps  # pylint: disable=protected-access
+                tf_objects.set_data_handler_inferred_steps(handler, steps)
         elif isinstance(dataset, SyncPerWorkerDataset) and not dataset.evaluation:
             if kwargs.get("steps_per_epoch") == dataset.steps_per_pass():
                 # One pass over the data per epoch: Keras starts each
                 # epoch over only when steps_per_epoch equals the
                 # dataset's batches, but a step here reads one batch on
                 # every worker, so a pass is W times fewer steps.
-                adapter = handler._adapter  # pylint: disable=protected-access
+                adapter = tf_objects.data_handler_adapter(handler)
                 adapter.should_recreate_iterator = lambda: True
         return handler
 

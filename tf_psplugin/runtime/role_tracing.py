@@ -13,6 +13,7 @@ instance keys in every role's trace.
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import cluster_coordinator
 
 
@@ -75,7 +76,7 @@ class RoleTracing:
             fn, tf.types.experimental.ConcreteFunction)
         on_read = extended.on_read_updates
         with self._strategy.scope():
-            extended._being_scheduled = True  # pylint: disable=protected-access
+            tf_objects.set_being_scheduled(extended, True)
             extended.tracing_sync_step = True
             try:
                 if not per_role:
@@ -97,7 +98,7 @@ class RoleTracing:
                 return [by_leader[id(leader)] for leader in self._role_leaders()], []
             finally:
                 on_read.discard()
-                extended._being_scheduled = False  # pylint: disable=protected-access
+                tf_objects.set_being_scheduled(extended, False)
                 extended.tracing_sync_step = False
                 extended.tracing_worker_index = None
 

@@ -13,6 +13,7 @@ updates, then counts the step as committed (for failover).
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import distribute_lib
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.runtime.variable_creation import _unwrap
@@ -142,12 +143,12 @@ class Updates:
                 "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
         if isinstance(var, variables_lib.ReplicatedVariable):
             with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
-                select = self._extended._select_single_value  # pylint: disable=protected-access
+                select = tf_objects.single_value_selector(self._extended)
                 result = fn(var, *select(args), **select(kwargs))
             if group:
                 return result
             return tf.nest.map_structure(
-                self._extended._local_results, result)  # pylint: disable=protected-access
+                tf_objects.local_results_of(self._extended), result)
         stamps = self._row_stamps.get(id(_unwrap(var)))
         if stamps is None and self._creation.is_table_var(var) and not tf.executing_eagerly():
             self._traced_without_stamps.add(id(_unwrap(var)))
@@ -211,7 +212,7 @@ class Updates:
 
     def _gradient_of(self, args):
         """The gradient an optimizer's update of one variable was given (its first argument)."""
-        args = self._extended._select_single_value(args)  # pylint: disable=protected-access
+        args = tf_objects.single_value_selector(self._extended)(args)
         return args[0] if args else None
 
     def _stamped(self, result, stamps, args):

@@ -18,6 +18,7 @@ from typing import List, Optional
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.cluster.connection import StrategyError
@@ -159,7 +160,7 @@ class VariableCreation:
         with tf.device(CHIEF_DEVICE):
             extended, updates = self._extended, self._extended.updates
             var = variables_lib.ReplicatedVariable(
-                extended._container_strategy(), next_creator,  # pylint: disable=protected-access
+                tf_objects.extended_container_strategy(extended), next_creator,
                 end_of_step_fn=updates.end_of_step, update_reduce_fn=updates.on_read_update,
                 graph_use_fn=updates.on_read_use, **kwargs)
         if record:
@@ -194,7 +195,7 @@ class VariableCreation:
             else:
                 unstacked = self.table_stacks.why_not(shape, dtype, num_shards, kwargs) or ""
         if num_shards < 2:
-            var = self._extended._create_variable_round_robin(  # pylint: disable=protected-access
+            var = tf_objects.round_robin_creator(self._extended)(
                 next_creator, **kwargs)
             self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
             self._record(var, "table", unstacked=unstacked)
@@ -219,13 +220,12 @@ class VariableCreation:
                     creator=functools.partial(shard_init.create_shard, next_creator, kwargs))
             else:
                 # Stock partitions it, told the shard count for this table only.
-                extended = self._extended
-                extended._variable_partitioner = (  # pylint: disable=protected-access
-                    sharded_variable.FixedShardsPartitioner(num_shards))
+                tf_objects.set_variable_partitioner(
+                    self._extended, sharded_variable.FixedShardsPartitioner(num_shards))
                 try:
                     var = stock_create(next_creator, **kwargs)
                 finally:
-                    extended._variable_partitioner = None  # pylint: disable=protected-access
+                    tf_objects.set_variable_partitioner(self._extended, None)
         finally:
             self._creating_table = False
         if not isinstance(var, table_stacking.StackedTable):
@@ -322,7 +322,7 @@ def _unwrap(var):
         if isinstance(var, ps_values.AggregatingVariable):
             var = var.get()
         elif isinstance(var, ps_values.CachingVariable):
-            var = var._v  # pylint: disable=protected-access
+            var = tf_objects.aggregating_inner(var)
         else:
             break
     return var

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin.cluster import liveness
 
 
@@ -132,7 +133,7 @@ class StepWatchdog:
             set_remote_error = 0 in workers
         logging.error("%s", error.message)
         if set_remote_error:
-            step.remote_value._set_error(error)  # pylint: disable=protected-access
+            tf_objects.remote_value_set_error(step.remote_value, error)
         return error
 
     def why_no_progress(self, workers: List[int], creating: List[int], first_step: bool) -> str:

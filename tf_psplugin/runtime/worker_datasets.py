@@ -15,6 +15,7 @@ from typing import Optional
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import cluster_coordinator, coordinator_values, input_ops
 from tf_psplugin.runtime import epochs as epochs_lib
 
@@ -78,10 +79,10 @@ class WorkerDatasets:
                 # The user's function shards itself: its lengths may differ
                 # per worker, so the epoch length is agreed on (epochs.py).
                 return epochs_lib.SyncPerWorkerDataset(
-                    per_worker._dataset_fn, self._coordinator,  # pylint: disable=protected-access
+                    tf_objects.per_worker_dataset_fn(per_worker), self._coordinator,
                     evaluation)
             return per_worker  # E.g. Keras's DatasetCreator: steps are required.
-        original = getattr(dataset_fn, "_original_dataset", dataset_fn)
+        original = tf_objects.original_dataset_fn(dataset_fn)
         if not isinstance(original, tf.data.Dataset):
             return stock_create(dataset_fn)
         serialized = coordinator_values.serialize_dataset_to_graph(original)
@@ -135,9 +136,8 @@ class WorkerDatasets:
         tf_logger = std_logging.getLogger("tensorflow")
         tf_logger.addFilter(quiet)
         try:
-            create = self._coordinator._create_per_worker_resources  # pylint: disable=protected-access
-            remote = create(first_element)
-            for value in remote._values:  # pylint: disable=protected-access
+            remote = tf_objects.create_per_worker_resources(self._coordinator, first_element)
+            for value in tf_objects.per_worker_values(remote):
                 value.fetch()
         except (tf.errors.InvalidArgumentError, cluster_coordinator.ClosureInputError) as e:
             if "FILE based sharding" not in str(e):
@@ -195,5 +195,5 @@ def _static_batch_size(per_worker_dataset) -> Optional[int]:
 
 def _returns_dataset(per_worker) -> bool:
     """Whether a stock per-worker dataset's function returns a `tf.data.Dataset`."""
-    fn = getattr(per_worker, "_dataset_fn", None)
+    fn = tf_objects.per_worker_dataset_fn(per_worker)
     return isinstance(getattr(fn, "structured_outputs", None), tf.data.Dataset)

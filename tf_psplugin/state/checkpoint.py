@@ -56,6 +56,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin._internal import deprecation as _deprecation
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.state import checkpoint_write
 from tf_psplugin.state import incremental
@@ -180,7 +181,7 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
     # Keras 2 legacy optimizers have no public "create slots" call (they
     # create them in the first apply_gradients); `_create_all_weights` is what
     # that calls (tf.keras 2.15, tf-keras 2.16-2.21). New optimizers: `build`.
-    create = getattr(optimizer, "_create_all_weights", None)
+    create = tf_objects.create_all_weights_of(optimizer)
     if create is None:
         build = getattr(optimizer, "build", None)
         if build is not None:

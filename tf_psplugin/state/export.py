@@ -29,6 +29,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin.errors import ExportError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import checkpoint as checkpoint_lib
@@ -59,8 +60,7 @@ def logical_weights(model) -> List[np.ndarray]:
         # TF sets `_sharded_container` (a weakref) on every shard of a
         # ShardedVariable (2.15-2.21); Keras lists the shards, not the table.
         # (A stacked table sets it on its views, which Keras lists.)
-        container = getattr(weight, "_sharded_container", None)
-        container = container() if callable(container) else None
+        container = tf_objects.sharded_container(weight)
         if container is not None:
             if id(container) in seen:
                 continue

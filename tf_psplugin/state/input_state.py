@@ -36,6 +36,7 @@ from typing import Any, List, Optional
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin.errors import InputStateError  # noqa: F401  (see errors.py)
 
 # A pipeline with external state (a `py_function`, a stateful op whose state
@@ -57,14 +58,13 @@ def _worker_prefix(directory: str, worker: int) -> str:
 
 def _per_worker_iterators(iterator) -> Optional[List[Any]]:
     """Each worker's `OwnedIterator` behind a per-worker iterator, or None."""
-    values = getattr(iterator, "_values", None)  # PerWorkerValues / PerWorkerDistributedIterator
+    values = tf_objects.maybe_per_worker_values(iterator)  # PerWorkerValues / ...Iterator
     if not values:
         return None
     owned = []
     for value in values:
-        get = getattr(value, "_get_values", None)  # RemoteValueImpl: the worker's value
-        it = get() if get is not None else None
-        if getattr(it, "_iterator_resource", None) is None:
+        it = tf_objects.maybe_remote_value_local(value)  # RemoteValueImpl: the worker's value
+        if tf_objects.iterator_resource(it) is None:
             return None
         owned.append(it)
     return owned
@@ -104,7 +104,7 @@ def save(iterator, checkpoint_path: str) -> bool:
         for worker, it in enumerate(owned):
             with tf.device(_worker_device(worker)):
                 state = tf.raw_ops.SerializeIterator(
-                    resource_handle=it._iterator_resource,  # pylint: disable=protected-access
+                    resource_handle=tf_objects.iterator_resource(it),
                     external_state_policy=_FAIL_ON_EXTERNAL_STATE)
                 tf.raw_ops.SaveV2(prefix=_worker_prefix(directory, worker),
                                   tensor_names=[_TENSOR_NAME], shape_and_slices=[""],
@@ -180,7 +180,7 @@ def restore(iterator, checkpoint_path: str) -> bool:
         try:
             with tf.device(_worker_device(worker)):
                 tf.raw_ops.DeserializeIterator(
-                    resource_handle=it._iterator_resource,  # pylint: disable=protected-access
+                    resource_handle=tf_objects.iterator_resource(it),
                     serialized=state)
         except errors as e:
             if worker > 0:  # Earlier workers moved already: no consistent way back.

@@ -29,6 +29,7 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import context, coordinator_context, ps_values, save_context
 
@@ -139,8 +140,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         super().__init__(strategy, next_creator, **kwargs)
         primary = self._coordinator_instance
         self._trainable = bool(trainable)
-        self._unique_id = primary._unique_id  # pylint: disable=protected-access
-        self._handle_name = primary._handle_name  # pylint: disable=protected-access
+        self._unique_id = tf_objects.variable_unique_id(primary)
+        self._handle_name = tf_objects.variable_handle_name(primary)
         self._distribute_strategy = strategy
         self._synchronization = synchronization
         self._aggregation = kwargs.get("aggregation", tf.VariableAggregation.NONE)
@@ -160,7 +161,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         # them from plain arguments instead, starting at zeros.
         self._var_creator = functools.partial(
             _create_replica, shape=primary.shape, dtype=primary.dtype,
-            name=primary._shared_name)  # pylint: disable=protected-access
+            name=tf_objects.variable_shared_name(primary))
         self._maybe_create_per_worker_vars()
 
     # -- identity -------------------------------------------------------------
@@ -188,11 +189,12 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
 
     def worker_devices(self) -> List[str]:
         """Devices of the replicas, one per worker."""
-        return [w.device_name for w in self._coordinator._cluster.workers]  # pylint: disable=protected-access
+        return [w.device_name for w in tf_objects.coordinator_workers(self._coordinator)]
 
     def __repr__(self):
         return (f"<tf_psplugin.ReplicatedVariable '{self.name}' shape={self.shape} "
-                f"dtype={self.dtype.name} replicas={len(self._coordinator._cluster.workers)}>")  # pylint: disable=protected-access
+                f"dtype={self.dtype.name} "
+                f"replicas={len(tf_objects.coordinator_workers(self._coordinator))}>")
 
     # -- handle resolution ----------------------------------------------------
 
@@ -260,11 +262,11 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         # Checkpoints read the primary; TF may trace the read into a function,
         # so bring the primary up to date eagerly first.
         self._on_eager_access()
-        return self._coordinator_instance._serialize_to_tensors()  # pylint: disable=protected-access
+        return tf_objects.serialize_to_tensors(self._coordinator_instance)
 
     def _restore_from_tensors(self, restored_tensors):
         self._mark_written()
-        return self._coordinator_instance._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
+        return tf_objects.restore_from_tensors(self._coordinator_instance, restored_tensors)
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         self._mark_written()
@@ -319,7 +321,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     # -- chief <-> replicas synchronisation ------------------------------------
 
     def _remote_vars(self):
-        return [rv._get_values() for rv in self._per_worker_vars._values]  # pylint: disable=protected-access
+        return [tf_objects.remote_value_local(rv)
+                for rv in tf_objects.per_worker_values(self._per_worker_vars)]
 
     def _on_eager_access(self) -> None:
         if self._replicas_ahead:

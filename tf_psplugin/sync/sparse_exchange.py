@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
 from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.sync import collectives
 
@@ -89,7 +90,7 @@ def patch_keras_dedup():
     """
     optimizer_module = _tf_internal.keras_private_module("optimizers.optimizer")
     cls = optimizer_module.Optimizer
-    original = cls._deduplicate_sparse_grad
+    original = tf_objects.deduplicate_sparse_grad(cls)
 
     def _deduplicate_sparse_grad(self, grads):
         result = []
@@ -99,10 +100,10 @@ def patch_keras_dedup():
                 result.extend(original(self, [grad]))
         return result
 
-    cls._deduplicate_sparse_grad = _deduplicate_sparse_grad
+    tf_objects.set_deduplicate_sparse_grad(cls, _deduplicate_sparse_grad)
 
     def undo():
-        cls._deduplicate_sparse_grad = original
+        tf_objects.set_deduplicate_sparse_grad(cls, original)
 
     return undo
 

@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.tables import prefetched
 from tf_psplugin.tables import stacking as table_stacking
@@ -66,7 +67,7 @@ class _Run:
 
     def depth(self, node) -> Optional[int]:
         if self.depth_of is None:
-            self.depth_of = {id(n): d for d, nodes in self.model._nodes_by_depth.items()
+            self.depth_of = {id(n): d for d, nodes in tf_objects.nodes_by_depth(self.model).items()
                              for n in nodes}
         return self.depth_of.get(id(node))
 
@@ -99,9 +100,9 @@ def _one_stack(tables) -> bool:
 
 def _ids_of(node, tensor_dict):
     """The ids tensor `node` will be called with, without consuming it."""
-    if not node._single_positional_tensor_passed:
+    if not tf_objects.node_single_positional_tensor(node):
         return None
-    kt_id, _ = node._keras_inputs_ids_and_indices[0]
+    kt_id, _ = tf_objects.node_input_ids(node)[0]
     pending = tensor_dict.get(kt_id)
     return pending[-1] if pending else None
 
@@ -125,7 +126,7 @@ def _fusible_ids(ids) -> bool:
 
 def _prefetch(run: _Run, node, tensor_dict) -> None:
     depth = run.depth(node)
-    siblings = run.model._nodes_by_depth.get(depth, []) if depth is not None else []
+    siblings = tf_objects.nodes_by_depth(run.model).get(depth, []) if depth is not None else []
     groups: Dict[tuple, List[tuple]] = {}
     for sibling in siblings:
         run.fetched.add(id(sibling))
@@ -155,7 +156,7 @@ def patch_keras_functional():
     """
     functional = _tf_internal.keras_private_module("engine.functional").Functional
     node_cls = _tf_internal.keras_private_module("engine.node").Node
-    run_graph = functional._run_internal_graph
+    run_graph = tf_objects.functional_run_internal_graph(functional)
     map_arguments = node_cls.map_arguments
 
     def _run_internal_graph(self, inputs, training=None, mask=None):
@@ -178,11 +179,11 @@ def patch_keras_functional():
             _prefetch(runs[-1], self, tensor_dict)
         return map_arguments(self, tensor_dict)
 
-    functional._run_internal_graph = _run_internal_graph
+    tf_objects.set_functional_run_internal_graph(functional, _run_internal_graph)
     node_cls.map_arguments = _map_arguments
 
     def undo():
-        functional._run_internal_graph = run_graph
+        tf_objects.set_functional_run_internal_graph(functional, run_graph)
         node_cls.map_arguments = map_arguments
 
     return undo

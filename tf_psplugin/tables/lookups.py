@@ -16,6 +16,7 @@ from typing import List, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.tables import prefetched, stack_rows
 from tf_psplugin.tables.layout import shard_rows
@@ -324,7 +325,7 @@ def _stacked_gather(tables, views, stack_shard, local, physical, table_of):
     beside them, so that an optimizer given all of them unchanged applies it
     without putting them back together (`stack_rows.whole_gradient`).
     """
-    inner = stack_shard._v  # pylint: disable=protected-access
+    inner = tf_objects.aggregating_inner(stack_shard)
     shapes = [tf.constant(v.shape.as_list(), tf.int32) for v in views]
     whole_shape = tf.constant(inner.shape.as_list(), tf.int32)
     for view in views:

@@ -46,6 +46,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin._internal import patches
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import CheckpointInitialValueCallable, trackable_base
 from tf_psplugin._internal.tf_internal import resource_variable_ops, saveable_object, sharded_variable
@@ -133,7 +134,7 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         # ShardedVariable derives its id from shard 0's by replacing "part_0";
         # a shard not named ".../part_0" would share shard 0's id, and Keras
         # optimizers key slots by it (get_slot then recurses forever).
-        shard_id = self._variables[0]._unique_id  # pylint: disable=protected-access
+        shard_id = tf_objects.variable_unique_id(self._variables[0])
         if "part_0" in shard_id:
             return shard_id.replace("part_0", "sharded")
         return shard_id + "_interleaved_table"
@@ -150,11 +151,11 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         """For async checkpointing: like `ShardedVariable`'s, but keeps the layout."""
         if self in object_map:
             for v in self._variables:
-                v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+                tf_objects.copy_trackable_to_cpu(v, object_map)
             return
         copies = []
         for v in self._variables:
-            v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+            tf_objects.copy_trackable_to_cpu(v, object_map)
             copies.append(object_map[v])
         object_map[self] = InterleavedShardedVariable(copies, name=self.name)
 
@@ -421,7 +422,7 @@ def install_interleaved_slot_lookup(optimizer):
     if optimizer is None or getattr(optimizer, "_tf_psplugin_slot_fix", False):
         return optimizer
     original = getattr(optimizer, "get_slot", None)
-    if original is None or not hasattr(optimizer, "_create_slots_for_sharded_variables"):
+    if original is None or tf_objects.sharded_slot_creator(optimizer) is None:
         return optimizer
     cache = IdentityMap()  # table -> {slot name: its slots' wrapper}; dies with the table
 
@@ -448,7 +449,7 @@ def install_interleaved_slot_lookup(optimizer):
             cache[var] = {**wrappers, slot_name: cached}
         return cached
 
-    create_sharded_slots = optimizer._create_slots_for_sharded_variables
+    create_sharded_slots = tf_objects.sharded_slot_creator(optimizer)
 
     def _create_slots_for_sharded_variables(var_list):
         # Keras registers the sharded container of each shard (TF keeps one
@@ -457,16 +458,14 @@ def install_interleaved_slot_lookup(optimizer):
         # serve every table of the stack: register each (table_stacking).
         create_sharded_slots(var_list)
         for var in var_list:
-            container = getattr(var, "_sharded_container", None)
-            container = container() if callable(container) else None
+            container = tf_objects.sharded_container(var)
             stack = getattr(container, "stack", None)
             for table in list(stack.tables) if stack is not None else []:
-                optimizer._slots[table._unique_id] = {  # pylint: disable=protected-access
+                tf_objects.optimizer_slots(optimizer)[tf_objects.variable_unique_id(table)] = {
                     name: table for name in optimizer.get_slot_names()}
 
     optimizer.get_slot = get_slot
-    # pylint: disable-next=protected-access
-    optimizer._create_slots_for_sharded_variables = _create_slots_for_sharded_variables
+    tf_objects.set_sharded_slot_creator(optimizer, _create_slots_for_sharded_variables)
     optimizer._tf_psplugin_slot_fix = True  # pylint: disable=protected-access
     return optimizer
 

@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
@@ -256,7 +257,7 @@ def _install_new(cls):
             restore.append(_restorer(known, ("build",)))
             known.build = _substituting_build(vars(known)["build"])
     apply_gradients = cls.apply_gradients
-    distributed_apply = cls._distributed_apply_gradients_fn
+    distributed_apply = tf_objects.distributed_apply_gradients_fn(cls)
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -271,7 +272,7 @@ def _install_new(cls):
         return distributed_apply(self, distribution, merge(self, grads_and_vars), **kwargs)
 
     cls.apply_gradients = _apply_gradients
-    cls._distributed_apply_gradients_fn = _distributed_apply_gradients_fn
+    tf_objects.set_distributed_apply_gradients_fn(cls, _distributed_apply_gradients_fn)
     return lambda: [r() for r in reversed(restore)]
 
 
@@ -286,8 +287,8 @@ def _substituting_build(build):
 def _install_legacy(cls):
     restore = _restorer(cls, ("apply_gradients", "_create_all_weights", "_distributed_apply"))
     apply_gradients = cls.apply_gradients
-    create_all_weights = cls._create_all_weights
-    distributed_apply = cls._distributed_apply
+    create_all_weights = tf_objects.create_all_weights_of(cls)
+    distributed_apply = tf_objects.distributed_apply(cls)
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -302,7 +303,7 @@ def _install_legacy(cls):
         return distributed_apply(self, distribution, merge(self, grads_and_vars), *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
-    cls._create_all_weights = _create_all_weights
-    cls._distributed_apply = _distributed_apply
+    tf_objects.set_create_all_weights(cls, _create_all_weights)
+    tf_objects.set_distributed_apply(cls, _distributed_apply)
     return restore
 

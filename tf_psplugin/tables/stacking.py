@@ -73,6 +73,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import (
     ps_values, resource_variable_ops, save_context, sharded_variable, tf_dispatch)
@@ -147,7 +148,7 @@ class StackedTable(InterleavedShardedVariable):
             self._view_prefix = _scoped_name(name)
             self._views = [TableView(self, s) for s in range(n)]
             for view in self._views:
-                view._sharded_container = weakref.ref(self)  # pylint: disable=protected-access
+                tf_objects.set_sharded_container(view, self)
         # ShardedVariable made a saving placeholder of the stack's shape; the
         # table saves (tf.saved_model.save) as its own [V, D].
         self._saving_variable = resource_variable_ops.UninitializedVariable(
@@ -179,7 +180,7 @@ class StackedTable(InterleavedShardedVariable):
         """Moves this table into `stack` at `row_offsets` (`TableStacks.separate`)."""
         self._variables = list(stack.shards)
         for shard in self._variables:
-            shard._sharded_container = weakref.ref(self)  # pylint: disable=protected-access
+            tf_objects.set_sharded_container(shard, self)
         self._row_offsets = tuple(int(o) for o in row_offsets)
         self._stack = stack
         stack.tables.add(self)
@@ -198,7 +199,7 @@ class StackedTable(InterleavedShardedVariable):
     @property
     def _unique_id(self):
         # Every table of a stack shares shard 0: the id must name the table.
-        shard_id = self._variables[0]._unique_id  # pylint: disable=protected-access
+        shard_id = tf_objects.variable_unique_id(self._variables[0])
         return f"{shard_id}_stacked_{self._row_offsets[0]}"
 
     @property
@@ -214,7 +215,7 @@ class StackedTable(InterleavedShardedVariable):
             # Every time, as TF's ShardedVariable does: a copy made by an
             # earlier save must get this save's values (shared shards are
             # copied once per table of the stack; correctness first).
-            v._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+            tf_objects.copy_trackable_to_cpu(v, object_map)
             copies.append(object_map[v])
         if self not in object_map:
             object_map[self] = StackedTable(copies, self._row_offsets, int(self._shape[0]),
@@ -387,7 +388,7 @@ class TableView(tf.Variable):
     @property
     def stack_shard(self):
         """The stack's shard variable whose rows this view is."""
-        return self._table._variables[self._index]  # pylint: disable=protected-access
+        return tf_objects.sharded_shards(self._table)[self._index]
 
     @property
     def offset(self) -> int:
@@ -445,11 +446,11 @@ class TableView(tf.Variable):
 
     @property
     def _distribute_strategy(self):
-        return getattr(self.stack_shard, "_distribute_strategy", None)
+        return tf_objects.variable_distribute_strategy(self.stack_shard)
 
     @property
     def graph(self):
-        return self.stack_shard._v.graph  # pylint: disable=protected-access
+        return tf_objects.aggregating_inner(self.stack_shard).graph
 
     @property
     def _in_graph_mode(self):
@@ -471,7 +472,7 @@ class TableView(tf.Variable):
         graph, made on the stack shard's device so that passing it costs no
         transfer.
         """
-        inner = self.stack_shard._v  # pylint: disable=protected-access
+        inner = tf_objects.aggregating_inner(self.stack_shard)
         if tf.executing_eagerly():
             var, handle = self._eager_handle
             if var is not inner:
@@ -511,11 +512,11 @@ class TableView(tf.Variable):
             # saving variable (as TF saves any ShardedVariable), restored from
             # the table's checkpoint value on load; the stack is not saved.
             table = self._table
-            n = len(table._variables)  # pylint: disable=protected-access
+            n = len(tf_objects.sharded_shards(table))
             logical = tf.cast(local_ids, tf.int64) * n + self._index
-            return tf.gather(table._saving_variable, logical)  # pylint: disable=protected-access
+            return tf.gather(tf_objects.sharded_saving_variable(table), logical)
         stack_rows.watch(self)  # Every active tape now watches `self.handle`.
-        inner = self.stack_shard._v  # pylint: disable=protected-access
+        inner = tf_objects.aggregating_inner(self.stack_shard)
         local_ids, physical = self._physical(local_ids)
         dense_shape = tf.constant(self.shape.as_list(), tf.int32)
         dtype = self.dtype
@@ -767,7 +768,7 @@ class _Stack:
                         name=f"{self.name}/part_{s}", shape=[self.rows[s], self.width],
                         initial_value=functools.partial(_rows_of, old, pieces, self.dtype))
                 shard._inner = new  # pylint: disable=protected-access
-                new._aggregating_container = weakref.ref(shard)  # pylint: disable=protected-access
+                tf_objects.set_aggregating_container(new, shard)
                 self.pending[s] = []
                 self._on_replace(old, new)
         self.pending_tables = []
@@ -784,8 +785,8 @@ class _Stack:
                        self._creator, self._on_replace)
         for mine, theirs in zip(stack.shards, self.shards):
             mine._device = theirs._device  # pylint: disable=protected-access
-            # pylint: disable-next=protected-access
-            mine._distribute_strategy = theirs._distribute_strategy
+            tf_objects.set_variable_distribute_strategy(
+                mine, tf_objects.variable_distribute_strategy(theirs))
         stack.owner = self.owner
         return stack
 

@@ -1,0 +1,500 @@
+"""Named accessors for the private attributes the plugin reads or sets on TF/Keras objects.
+
+Why this module exists: `tf_internal.PRIVATE_ATTRIBUTES` lists every private
+TF/Keras name the plugin touches, but a list of names does not move the
+uses: before issue 33 about a hundred reads and writes such as
+`coordinator._cluster.workers` or `remote._type_spec = spec` sat in twenty
+modules, so a TF upgrade that renamed one meant a hunt through the package.
+Here each such use is one small function named after what it means
+(`coordinator_workers`, `set_remote_type_spec`, ...), whose docstring names
+the TF/Keras class that defines the attribute, why no public API will do,
+and the TF versions it was checked on. A TF upgrade audits `_internal/`:
+this module for attribute uses, `tf_internal.py` for private imports and the
+registry, `patches.py` for process-wide patches.
+
+What stays outside: a subclass of a TF class reading or setting its own
+inherited private state through `self` (or `cls`) -- `self._variables` in
+our ShardedVariable subclass, `self._extended` in the strategy -- and the
+private hooks such a subclass overrides (`def _create_variable`). That is
+what subclassing means, and the attribute is still registered in
+`PRIVATE_ATTRIBUTES`. tests/unit/test_tf_internal.py fails on any other use of
+a TF/Keras private attribute outside `_internal/`.
+
+"TF 2.15-2.21" below means checked on TF 2.15.1 (tf.keras 2.15) and TF 2.21.0
+(tf-keras 2.21), the two versions CI runs.
+"""
+
+import weakref
+from typing import Any, Callable, Optional
+
+from tf_psplugin._internal.tf_internal import cluster_coordinator, parameter_server_strategy_v2
+
+# -- Cluster, strategy and coordinator ----------------------------------------
+
+
+def stock_server_def_retries() -> int:
+    """ParameterServerStrategyV2's `_SET_SERVER_DEF_RETRIES`: the retry count stock PSS connects
+    with (50; TF 2.15-2.21).
+    """
+    return parameter_server_strategy_v2._SET_SERVER_DEF_RETRIES  # pylint: disable=protected-access
+
+
+def strategy_cluster_resolver(strategy):
+    """ParameterServerStrategyV2's `_cluster_resolver`: the resolver it was built with; no public
+    getter (TF 2.15-2.21).
+    """
+    return strategy._cluster_resolver  # pylint: disable=protected-access
+
+
+def model_cluster_coordinator(model) -> Optional[Any]:
+    """Keras Model's `_cluster_coordinator` (set by fit under PSS), or None; Keras has no public
+    getter (TF 2.15-2.21).
+    """
+    return getattr(model, "_cluster_coordinator", None)
+
+
+def coordinator_workers(coordinator) -> list:
+    """ClusterCoordinator's `_cluster.workers`: its Worker objects, one per worker task; no public
+    list (TF 2.15-2.21).
+    """
+    return coordinator._cluster.workers  # pylint: disable=protected-access
+
+
+def create_per_worker_resources(coordinator, fn: Callable):
+    """ClusterCoordinator's `_create_per_worker_resources(fn)`: `fn` run once on every worker (how
+    the stock per-worker dataset builds its iterators; TF 2.15-2.21).
+    """
+    return coordinator._create_per_worker_resources(fn)  # pylint: disable=protected-access
+
+
+# -- Per-worker and remote values ---------------------------------------------
+
+
+def per_worker_values(per_worker) -> tuple:
+    """PerWorkerValues' `_values`: its RemoteValue per worker; no public accessor (TF 2.15-2.21)."""
+    return per_worker._values  # pylint: disable=protected-access
+
+
+def maybe_per_worker_values(obj) -> Optional[tuple]:
+    """`_values` of a PerWorkerValues or PerWorkerDistributedIterator, or None for any other
+    object (TF 2.15-2.21).
+    """
+    return getattr(obj, "_values", None)
+
+
+def remote_value_local(remote):
+    """RemoteValueImpl's `_get_values()`: the worker's value without fetching it to the
+    coordinator (TF 2.15-2.21).
+    """
+    return remote._get_values()  # pylint: disable=protected-access
+
+
+def maybe_remote_value_local(obj):
+    """As `remote_value_local` for a RemoteValueImpl; None for any other object (TF 2.15-2.21)."""
+    get = getattr(obj, "_get_values", None)
+    return get() if get is not None else None
+
+
+def set_remote_type_spec(remote, spec) -> None:
+    """Sets RemoteValueImpl's `_type_spec`, as the stock per-worker iterator sets its own spec (TF
+    2.15-2.21).
+    """
+    remote._type_spec = spec  # pylint: disable=protected-access
+
+
+def iterator_resource(iterator) -> Optional[Any]:
+    """OwnedIterator's `_iterator_resource`, or None: the handle the raw (de)serialize ops need;
+    no public accessor (TF 2.15-2.21).
+    """
+    return getattr(iterator, "_iterator_resource", None)
+
+
+# -- Keras's DataHandler ------------------------------------------------------
+
+
+def data_handler_dataset(handler) -> Optional[Any]:
+    """Keras DataHandler's `_dataset` (the DatasetAdapter's dataset), or None (tf.keras 2.15, tf-
+    keras 2.21).
+    """
+    return getattr(handler, "_dataset", None)
+
+
+def set_data_handler_inferred_steps(handler, steps: int) -> None:
+    """Sets Keras DataHandler's `_inferred_steps`: the epoch length it cannot infer from a per-
+    worker dataset (tf.keras 2.15, tf-keras 2.21).
+    """
+    handler._inferred_steps = steps  # pylint: disable=protected-access
+
+
+def data_handler_adapter(handler):
+    """Keras DataHandler's `_adapter`, whose `should_recreate_iterator` decides a new pass
+    (tf.keras 2.15, tf-keras 2.21).
+    """
+    return handler._adapter  # pylint: disable=protected-access
+
+
+# -- Variables ----------------------------------------------------------------
+
+
+def variable_unique_id(variable) -> str:
+    """BaseResourceVariable's `_unique_id`: the key optimizers file slots under (TF 2.15-2.21)."""
+    return variable._unique_id  # pylint: disable=protected-access
+
+
+def variable_handle_name(variable) -> str:
+    """BaseResourceVariable's `_handle_name`: the name its checkpoint key is made from (TF
+    2.15-2.21).
+    """
+    return variable._handle_name  # pylint: disable=protected-access
+
+
+def variable_shared_name(variable) -> str:
+    """Variable's `_shared_name`: its name without the ":0" (TF 2.15-2.21)."""
+    return variable._shared_name  # pylint: disable=protected-access
+
+
+def variable_distribute_strategy(variable) -> Optional[Any]:
+    """BaseResourceVariable's `_distribute_strategy` (the strategy that made it), or None (TF
+    2.15-2.21).
+    """
+    return getattr(variable, "_distribute_strategy", None)
+
+
+def set_variable_distribute_strategy(variable, strategy) -> None:
+    """Sets BaseResourceVariable's `_distribute_strategy`; no public setter (TF 2.15-2.21)."""
+    variable._distribute_strategy = strategy  # pylint: disable=protected-access
+
+
+def set_save_slice_info(variable, save_slice_info) -> None:
+    """Variable's `_set_save_slice_info`: which slice of a checkpoint tensor it is; no public
+    setter (TF 2.15).
+    """
+    variable._set_save_slice_info(save_slice_info)  # pylint: disable=protected-access
+
+
+def copy_trackable_to_cpu(trackable, object_map) -> None:
+    """Trackable's `_copy_trackable_to_cpu`: its CPU copy for async checkpoints, into `object_map`
+    (TF 2.15-2.21).
+    """
+    trackable._copy_trackable_to_cpu(object_map)  # pylint: disable=protected-access
+
+
+def serialize_to_tensors(trackable) -> dict:
+    """Trackable's `_serialize_to_tensors`: its checkpoint values (TF 2.15-2.21)."""
+    return trackable._serialize_to_tensors()  # pylint: disable=protected-access
+
+
+def restore_from_tensors(trackable, restored_tensors):
+    """Trackable's `_restore_from_tensors`: restores its checkpoint values (TF 2.15-2.21)."""
+    return trackable._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
+
+
+def aggregating_inner(aggregating):
+    """AggregatingVariable's `_v`: the plain variable it wraps (TF 2.15-2.21)."""
+    return aggregating._v  # pylint: disable=protected-access
+
+
+def set_aggregating_container(variable, aggregating) -> None:
+    """Sets a variable's `_aggregating_container` (a weak reference), as AggregatingVariable does
+    for its own (TF 2.15-2.21).
+    """
+    variable._aggregating_container = weakref.ref(aggregating)  # pylint: disable=protected-access
+
+
+# -- ShardedVariable ----------------------------------------------------------
+
+
+def sharded_shards(sharded) -> list:
+    """ShardedVariable's `_variables`: its shard variables in order (TF 2.15-2.21)."""
+    return sharded._variables  # pylint: disable=protected-access
+
+
+def sharded_saving_variable(sharded):
+    """ShardedVariable's `_saving_variable`: the full-shape placeholder it saves under (TF
+    2.15-2.21).
+    """
+    return sharded._saving_variable  # pylint: disable=protected-access
+
+
+def sharded_container(variable) -> Optional[Any]:
+    """The ShardedVariable a shard belongs to (its `_sharded_container` weak reference), or None
+    (TF 2.15-2.21).
+    """
+    container = getattr(variable, "_sharded_container", None)
+    return container() if callable(container) else None
+
+
+def set_sharded_container(variable, sharded) -> None:
+    """Sets a shard's `_sharded_container` to a weak reference to `sharded`, as ShardedVariable's
+    init does (TF 2.15-2.21).
+    """
+    variable._sharded_container = weakref.ref(sharded)  # pylint: disable=protected-access
+
+
+# -- Keras optimizers (legacy OptimizerV2 and the new Optimizer) ---------------
+
+
+def optimizer_slots(optimizer) -> dict:
+    """Legacy OptimizerV2's `_slots`: {variable key: {slot name: slot}} (tf.keras 2.15, tf-keras
+    2.21).
+    """
+    return optimizer._slots  # pylint: disable=protected-access
+
+
+def sharded_slot_creator(optimizer) -> Optional[Callable]:
+    """Legacy OptimizerV2's `_create_slots_for_sharded_variables`, or None (tf.keras 2.15, tf-
+    keras 2.21).
+    """
+    return getattr(optimizer, "_create_slots_for_sharded_variables", None)
+
+
+def set_sharded_slot_creator(optimizer, fn: Callable) -> None:
+    """Sets legacy OptimizerV2's `_create_slots_for_sharded_variables` on one optimizer (tf.keras
+    2.15, tf-keras 2.21).
+    """
+    optimizer._create_slots_for_sharded_variables = fn  # pylint: disable=protected-access
+
+
+def create_all_weights_of(optimizer) -> Optional[Callable]:
+    """Legacy OptimizerV2's `_create_all_weights` (makes every slot now), or None for new
+    optimizers (tf.keras 2.15, tf-keras 2.21).
+    """
+    return getattr(optimizer, "_create_all_weights", None)
+
+
+# -- Keras functional models --------------------------------------------------
+
+
+def nodes_by_depth(model) -> dict:
+    """Keras Functional's `_nodes_by_depth`: {depth: [Node]} (tf.keras 2.15, tf-keras 2.21)."""
+    return model._nodes_by_depth  # pylint: disable=protected-access
+
+
+def node_single_positional_tensor(node) -> bool:
+    """Keras Node's `_single_positional_tensor_passed`: called with one tensor (tf.keras 2.15, tf-
+    keras 2.21).
+    """
+    return node._single_positional_tensor_passed  # pylint: disable=protected-access
+
+
+def node_input_ids(node) -> list:
+    """Keras Node's `_keras_inputs_ids_and_indices`: (tensor id, index) of its inputs (tf.keras
+    2.15, tf-keras 2.21).
+    """
+    return node._keras_inputs_ids_and_indices  # pylint: disable=protected-access
+
+
+# -- Patched Keras members (each patch is declared in `patches.PATCHES`) --------
+
+
+def functional_run_internal_graph(functional_cls) -> Callable:
+    """Keras Functional's `_run_internal_graph`, which runs a model's layers (tf.keras 2.15, tf-
+    keras 2.21).
+    """
+    return functional_cls._run_internal_graph  # pylint: disable=protected-access
+
+
+def set_functional_run_internal_graph(functional_cls, fn: Callable) -> None:
+    """Replaces Keras Functional's `_run_internal_graph` (patch "keras_functional_fusion";
+    tf.keras 2.15, tf-keras 2.21).
+    """
+    functional_cls._run_internal_graph = fn  # pylint: disable=protected-access
+
+
+def keras_get_verbosity(training_module) -> Callable:
+    """Keras `engine.training._get_verbosity`, which picks fit's verbosity (tf.keras 2.15, tf-
+    keras 2.21).
+    """
+    return training_module._get_verbosity  # pylint: disable=protected-access
+
+
+def set_keras_get_verbosity(training_module, fn: Callable) -> None:
+    """Replaces Keras `engine.training._get_verbosity` (patch "keras_progress_bar"; tf.keras 2.15,
+    tf- keras 2.21).
+    """
+    training_module._get_verbosity = fn  # pylint: disable=protected-access
+
+
+def add_default_callbacks(callback_list_cls) -> Callable:
+    """Keras CallbackList's `_add_default_callbacks`, which adds the progress bar (tf.keras 2.15,
+    tf- keras 2.21).
+    """
+    return callback_list_cls._add_default_callbacks  # pylint: disable=protected-access
+
+
+def set_add_default_callbacks(callback_list_cls, fn: Callable) -> None:
+    """Replaces Keras CallbackList's `_add_default_callbacks` (patch "keras_progress_bar";
+    tf.keras 2.15, tf-keras 2.21).
+    """
+    callback_list_cls._add_default_callbacks = fn  # pylint: disable=protected-access
+
+
+def callback_list_progbar(callback_list):
+    """Keras CallbackList's `_progbar`: the ProgbarLogger it added, or None (tf.keras 2.15,
+    tf-keras 2.21).
+    """
+    return callback_list._progbar  # pylint: disable=protected-access
+
+
+def set_callback_list_progbar(callback_list, progbar) -> None:
+    """Sets Keras CallbackList's `_progbar` to the plugin's progress bar (patch
+    "keras_progress_bar"; tf.keras 2.15, tf-keras 2.21).
+    """
+    callback_list._progbar = progbar  # pylint: disable=protected-access
+
+
+def deduplicate_sparse_grad(optimizer_cls) -> Callable:
+    """Keras Optimizer's `_deduplicate_sparse_grad`, which sums duplicate sparse rows (tf.keras
+    2.15, tf-keras 2.21).
+    """
+    return optimizer_cls._deduplicate_sparse_grad  # pylint: disable=protected-access
+
+
+def set_deduplicate_sparse_grad(optimizer_cls, fn: Callable) -> None:
+    """Replaces Keras Optimizer's `_deduplicate_sparse_grad` (patch "keras_dedup_on_ps"; tf.keras
+    2.15, tf-keras 2.21).
+    """
+    optimizer_cls._deduplicate_sparse_grad = fn  # pylint: disable=protected-access
+
+
+def distributed_apply_gradients_fn(optimizer_cls) -> Callable:
+    """Keras Optimizer's `_distributed_apply_gradients_fn`, which applies gradients under a
+    strategy (tf.keras 2.15, tf-keras 2.21).
+    """
+    return optimizer_cls._distributed_apply_gradients_fn  # pylint: disable=protected-access
+
+
+def set_distributed_apply_gradients_fn(optimizer_cls, fn: Callable) -> None:
+    """Replaces Keras Optimizer's `_distributed_apply_gradients_fn` (patch
+    "keras_stacked_updates"; tf.keras 2.15, tf-keras 2.21).
+    """
+    optimizer_cls._distributed_apply_gradients_fn = fn  # pylint: disable=protected-access
+
+
+def set_create_all_weights(optimizer_cls, fn: Callable) -> None:
+    """Replaces legacy OptimizerV2's `_create_all_weights` (patch "keras_stacked_updates";
+    tf.keras 2.15, tf-keras 2.21).
+    """
+    optimizer_cls._create_all_weights = fn  # pylint: disable=protected-access
+
+
+def distributed_apply(optimizer_cls) -> Callable:
+    """Legacy OptimizerV2's `_distributed_apply`, which applies gradients under a strategy
+    (tf.keras 2.15, tf-keras 2.21).
+    """
+    return optimizer_cls._distributed_apply  # pylint: disable=protected-access
+
+
+def set_distributed_apply(optimizer_cls, fn: Callable) -> None:
+    """Replaces legacy OptimizerV2's `_distributed_apply` (patch "keras_stacked_updates";
+    tf.keras 2.15, tf-keras 2.21).
+    """
+    optimizer_cls._distributed_apply = fn  # pylint: disable=protected-access
+
+
+# -- The strategy's Extended, read by its collaborators (runtime/) ------------
+# HybridExtended hands its jobs to VariableCreation, Reduction and Updates
+# (issue 33); what those read of the stock ParameterServerStrategyV2Extended
+# state goes through here, as it would for any other TF object.
+
+
+def extended_container_strategy(extended):
+    """StrategyExtendedV2's `_container_strategy()`: the strategy that owns it (TF 2.15-2.21)."""
+    return extended._container_strategy()  # pylint: disable=protected-access
+
+
+def set_being_scheduled(extended, scheduled: bool) -> None:
+    """Sets ParameterServerStrategyV2Extended's `_being_scheduled`: True while a function is
+    traced for `ClusterCoordinator.schedule` (variables must not be created then; TF 2.15-2.21).
+    """
+    extended._being_scheduled = scheduled  # pylint: disable=protected-access
+
+
+def round_robin_creator(extended) -> Callable:
+    """ParameterServerStrategyV2Extended's `_create_variable_round_robin`: the stock placement
+    of a variable on the PS tasks in turn (TF 2.15-2.21).
+    """
+    return extended._create_variable_round_robin  # pylint: disable=protected-access
+
+
+def set_variable_partitioner(extended, partitioner) -> None:
+    """Sets ParameterServerStrategyV2Extended's `_variable_partitioner`, which its variable
+    creation reads (TF 2.15-2.21).
+    """
+    extended._variable_partitioner = partitioner  # pylint: disable=protected-access
+
+
+def local_results_of(extended) -> Callable:
+    """StrategyExtendedV2's `_local_results`: a value's per-replica parts (TF 2.15-2.21)."""
+    return extended._local_results  # pylint: disable=protected-access
+
+
+def single_value_selector(extended) -> Callable:
+    """ParameterServerStrategyV2Extended's `_select_single_value`: the one value of a
+    (possibly mirrored) structure an update uses (TF 2.15-2.21).
+    """
+    return extended._select_single_value  # pylint: disable=protected-access
+
+
+# -- Closures and remote values of the coordinator ----------------------------
+
+
+def closure_function(closure) -> Callable:
+    """Closure's `_function`: the traced function it runs on a worker (TF 2.15-2.21)."""
+    return closure._function  # pylint: disable=protected-access
+
+
+def closure_arguments(closure) -> tuple:
+    """Closure's `_args` and `_kwargs`, as scheduled (TF 2.15-2.21)."""
+    return closure._args, closure._kwargs  # pylint: disable=protected-access
+
+
+def closure_output_type_spec(closure):
+    """Closure's `_output_type_spec`: the TypeSpec of its result (TF 2.15-2.21)."""
+    return closure._output_type_spec  # pylint: disable=protected-access
+
+
+def closure_concrete_function(closure) -> Optional[Any]:
+    """Closure's `_concrete_function` (the traced function), or None (TF 2.15-2.21)."""
+    return getattr(closure, "_concrete_function", None)
+
+
+def select_worker_slice(worker_index: int, structured):
+    """cluster_coordinator's `_select_worker_slice`: a worker's part of per-worker arguments
+    (TF 2.15-2.21).
+    """
+    return cluster_coordinator._select_worker_slice(worker_index, structured)  # pylint: disable=protected-access
+
+
+def error_from_remote_values(structured) -> Optional[BaseException]:
+    """cluster_coordinator's `_get_error_from_remote_values`: the error an input RemoteValue
+    holds, if any (TF 2.15-2.21).
+    """
+    return cluster_coordinator._get_error_from_remote_values(structured)  # pylint: disable=protected-access
+
+
+def remote_value_set_error(remote, error: BaseException) -> None:
+    """RemoteValueImpl's `_set_error`: the value fails with `error` (TF 2.15-2.21)."""
+    remote._set_error(error)  # pylint: disable=protected-access
+
+
+def remote_value_set_values(remote, values) -> None:
+    """RemoteValueImpl's `_set_values`: the value is ready (TF 2.15-2.21)."""
+    remote._set_values(values)  # pylint: disable=protected-access
+
+
+def remote_value_status(remote):
+    """RemoteValueImpl's `_status` (None until it is ready or failed; TF 2.15-2.21)."""
+    return remote._status  # pylint: disable=protected-access
+
+
+def per_worker_dataset_fn(per_worker) -> Optional[Callable]:
+    """PerWorkerDatasetFromDatasetFunction's `_dataset_fn`, or None (TF 2.15-2.21)."""
+    return getattr(per_worker, "_dataset_fn", None)
+
+
+def original_dataset_fn(dataset_fn) -> Callable:
+    """The user's dataset function behind TF's wrapper (`_original_dataset`), else itself
+    (TF 2.15-2.21).
+    """
+    return getattr(dataset_fn, "_original_dataset", dataset_fn)
