@@ -116,8 +116,9 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
 
     Subclass hooks (`stacking.StackedTable`, a table stored inside shards that
     hold other tables' rows too): `row_offsets`, `_physical_ids`,
-    `shares_shards` and `with_variables`. Reads, lookups, writes, scatters,
-    checkpoints and copies are written once, here, in their terms.
+    `shares_shards`, `with_variables` and `_write_shard`. Reads, lookups,
+    writes, scatters, checkpoints and copies are written once, here, in
+    their terms.
     """
 
     def __init__(self, variables, name="ShardedVariable"):
