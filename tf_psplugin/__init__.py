@@ -22,7 +22,7 @@ has no ParameterServerStrategy; the message says what to install.
 from tf_psplugin._internal import compat as _compat  # noqa: F401  (raises ImportError on Keras 3)
 from tf_psplugin._version import __version__
 from tf_psplugin.cluster.config import ClusterConfig
-from tf_psplugin.cluster.config import resolve as resolve_cluster
+from tf_psplugin.cluster.flags import resolve as resolve_cluster
 from tf_psplugin.errors import (RESTART_EXIT_CODE, CheckpointError, ConfigError, EvaluatorError,
                                 ExportError, FailoverError, ModelDirError, ServingError,
                                 StackingError, StrategyError, TaskFailedError,

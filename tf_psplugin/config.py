@@ -1,8 +1,10 @@
 """Public module: the cluster configuration (flags, `TF_CONFIG`), validated.
 
-The code lives in `tf_psplugin.cluster.config`; this module is its public
-face and the command `python -m tf_psplugin.config [flags]`, which prints
-the role and cluster as JSON or exits 2 with one line.
+The code lives in `tf_psplugin.cluster`: `config` (`ClusterConfig`,
+`TF_CONFIG`), `flags` (the absl flags and `resolve`) and `config_command`.
+This module is their public face and the command
+`python -m tf_psplugin.config [flags]`, which prints the role and cluster as
+JSON or exits 2 with one line.
 """
 
 import sys
@@ -10,13 +12,10 @@ import sys
 from tf_psplugin.cluster.config import (  # noqa: F401  (the public names)
     ClusterConfig,
     ConfigError,
-    FLAGS,
-    define_flags,
-    from_flags,
     from_tf_config,
     local,
-    resolve,
 )
+from tf_psplugin.cluster.flags import FLAGS, define_flags, from_flags, resolve  # noqa: F401
 
 __all__ = [
     "ClusterConfig",
@@ -31,6 +30,6 @@ __all__ = [
 
 
 if __name__ == "__main__":
-    from tf_psplugin.cluster.config import main as _main  # noqa: E402  (the command)
+    from tf_psplugin.cluster.config_command import main as _main  # noqa: E402  (the command)
 
     sys.exit(_main())

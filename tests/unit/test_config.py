@@ -10,6 +10,8 @@ import pytest
 from absl import flags
 
 from tf_psplugin.cluster import config as cfg
+from tf_psplugin.cluster import config_command
+from tf_psplugin.cluster import flags as cfg_flags
 from tf_psplugin.cluster.config import ClusterConfig, ConfigError
 
 A, B, C, D, E = ("h0:2222", "h1:2222", "h2:2222", "h3:2222", "h4:2222")
@@ -21,7 +23,7 @@ def tfc(cluster, task_type="worker", index=0, **extra):
 
 
 def resolve_flags(*args, environ=None):
-    return cfg.resolve(argv=["train.py", *args], environ=environ or {})
+    return cfg_flags.resolve(argv=["train.py", *args], environ=environ or {})
 
 
 # --- Malformed inputs: (id, input kind, input, expected field, text in the fix) ---
@@ -357,7 +359,7 @@ def test_to_json_dict():
 
 def test_resolve_uses_tf_config_without_flags():
     environ = {"TF_CONFIG": json.dumps(tfc(W2P1, "ps", 0))}
-    config = cfg.resolve(argv=["train.py", "--user_flag=1"], environ=environ)
+    config = cfg_flags.resolve(argv=["train.py", "--user_flag=1"], environ=environ)
     assert config.source == "TF_CONFIG" and config.task_type == "ps"
 
 
@@ -370,31 +372,31 @@ def test_resolve_flags_win_over_tf_config():
 
 def test_resolve_ignores_blank_tf_config_and_reparses_each_call():
     with pytest.raises(ConfigError) as info:
-        cfg.resolve(argv=["p"], environ={"TF_CONFIG": "  "})
+        cfg_flags.resolve(argv=["p"], environ={"TF_CONFIG": "  "})
     assert info.value.field == "TF_CONFIG"
     resolve_flags("--job_name=ps", f"--worker_hosts={A}", f"--ps_hosts={B}")
     with pytest.raises(ConfigError):  # No leftovers from the previous call.
-        cfg.resolve(argv=["p"], environ={})
+        cfg_flags.resolve(argv=["p"], environ={})
 
 
 def test_define_flags_on_user_flag_values_skips_existing():
     fv = flags.FlagValues()
     flags.DEFINE_string("job_name", "ps", "the user's own flag", flag_values=fv)
     flags.DEFINE_integer("steps", 10, "another user flag", flag_values=fv)
-    cfg.define_flags(fv)
-    cfg.define_flags(fv)  # Idempotent.
+    cfg_flags.define_flags(fv)
+    cfg_flags.define_flags(fv)  # Idempotent.
     assert fv["job_name"].help == "the user's own flag"
     fv(["train.py", "--steps=3", f"--worker_hosts={A}", f"--ps_hosts={B}"])
-    config = cfg.resolve(environ={}, flag_values=fv)
+    config = cfg_flags.resolve(environ={}, flag_values=fv)
     assert config.task_type == "ps" and config.source == "flags" and fv.steps == 3
 
 
 def test_from_flags_with_user_list_flag():
     fv = flags.FlagValues()
     flags.DEFINE_list("worker_hosts", [A, B], "list-typed", flag_values=fv)
-    cfg.define_flags(fv)
+    cfg_flags.define_flags(fv)
     fv(["train.py", "--job_name=worker", "--task_index=1", f"--ps_hosts={C}"])
-    assert cfg.from_flags(fv).task_address == B
+    assert cfg_flags.from_flags(fv).task_address == B
 
 
 # --- CLI ---------------------------------------------------------------------------
@@ -407,7 +409,7 @@ def test_from_flags_with_user_list_flag():
     ["--task_index", "--job_name=ps"], ["--ps_hosts=[::1]:2", "--job_name=ps", "--chief_hosts=c"],
 ])
 def test_cli_main_rejects_garbage_with_one_line(argv, capsys):
-    assert cfg.main(["tf_psplugin.config", *argv], environ={}) == 2
+    assert config_command.main(["tf_psplugin.config", *argv], environ={}) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("tf_psplugin.config: error: ")
@@ -416,10 +418,10 @@ def test_cli_main_rejects_garbage_with_one_line(argv, capsys):
 
 def test_cli_main_prints_json(capsys):
     environ = {"TF_CONFIG": json.dumps(tfc(W2P1, "worker", 1))}
-    assert cfg.main(["tf_psplugin.config"], environ=environ) == 0
+    assert config_command.main(["tf_psplugin.config"], environ=environ) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["task"] == "worker:0" and out["source"] == "TF_CONFIG"
-    assert cfg.main(["tf_psplugin.config", "--help"], environ={}) == 0
+    assert config_command.main(["tf_psplugin.config", "--help"], environ={}) == 0
     assert "--worker_hosts" in capsys.readouterr().out
 
 

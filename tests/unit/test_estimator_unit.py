@@ -66,10 +66,10 @@ def test_package_import_does_not_import_estimator():
 
 
 def _flag_values(*argv):
-    from tf_psplugin.cluster import config
+    from tf_psplugin.cluster import flags as cluster_flags
 
     fv = flags.FlagValues()
-    config.define_flags(fv)
+    cluster_flags.define_flags(fv)
     fv(["prog", *argv])
     return fv
 

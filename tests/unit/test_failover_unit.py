@@ -19,7 +19,7 @@ import weakref
 import pytest
 import tensorflow as tf
 
-from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.fault import elastic
 from tf_psplugin.fault import failover
@@ -439,7 +439,7 @@ def test_elastic_run_calls_again_after_a_task_failure_once_the_task_is_back(monk
     calls = []
 
     def train(x, y=0):
-        calls.append(os.environ[config_lib.CHIEF_RESTARTS_ENV])
+        calls.append(os.environ[restarts_lib.CHIEF_RESTARTS_ENV])
         if len(calls) < 3:
             raise _task_failed({"worker:1": address})
         return x + y

@@ -10,10 +10,12 @@ import sys
 import pytest
 
 from tf_psplugin.cluster import config as cfg
+from tf_psplugin.cluster import flags as cfg_flags
 from tf_psplugin.cluster import launch
 from tf_psplugin.cluster import server
 from tf_psplugin.cluster.config import ConfigError
 from tf_psplugin.cluster.launch import LocalCluster
+from tf_psplugin.errors import RESTART_EXIT_CODE
 
 PY = sys.executable
 
@@ -177,7 +179,7 @@ def test_stop_is_idempotent_and_kills_grandchildren():
 def test_server_start_returns_on_chief_and_exports_tf_config(monkeypatch):
     monkeypatch.delenv("GRPC_FAIL_FAST", raising=False)
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    config = cfg.resolve(argv=["x", "--job_name=worker", "--task_index=0",
+    config = cfg_flags.resolve(argv=["x", "--job_name=worker", "--task_index=0",
                                "--worker_hosts=h0:1,h1:2", "--ps_hosts=h2:3"], environ={})
     assert server.start(config) is config
     assert os.environ["GRPC_FAIL_FAST"] == "use_caller"
@@ -280,7 +282,7 @@ def test_budget_counts_own_failures_not_coordinated_restarts(monkeypatch):
         assert c.exit(dead, -signal.SIGKILL)  # Its own failure.
         assert c.exit(survivor, -signal.SIGABRT)  # Aborted by the chief's failover.
         assert c.exit(dead, -signal.SIGABRT)  # Its restarted process, aborted too.
-        assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # Coordinated: free.
+        assert c.chief_exit(RESTART_EXIT_CODE)  # Coordinated: free.
     assert c.failures() == {"ps:0": 0, "worker:0": 2, "worker:1": 2, "chief": 0}
     assert c.cluster.restarts() == {"ps:0": 0, "worker:0": 6, "worker:1": 6, "chief": 4}
     assert c.cluster.total_failures == 4
@@ -290,7 +292,7 @@ def test_budget_counts_own_failures_not_coordinated_restarts(monkeypatch):
     # worker stays down and the chief is not restarted to wait for it.
     assert not c.exit("worker:0", -signal.SIGKILL)
     assert "worker:0 exited (exit -9); no restarts left (2 used)" in c.log()
-    assert not c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert not c.chief_exit(RESTART_EXIT_CODE)
     assert "not restarting it: worker:0 will not come back" in c.log()
 
 
@@ -317,20 +319,20 @@ def test_sigabrt_with_no_failure_seen_counts(monkeypatch):
 def test_chief_restarts_count_unless_a_task_failure_caused_them(monkeypatch):
     c = _BudgetCluster(monkeypatch, max_restarts=2)
     assert c.chief_exit(-signal.SIGKILL)  # Killed: its own failure.
-    assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # 138 with no failed task seen: counted.
+    assert c.chief_exit(RESTART_EXIT_CODE)  # 138 with no failed task seen: counted.
     assert c.task("chief").failures == 2
     assert c.exit("ps:0", -signal.SIGKILL)
-    assert c.chief_exit(cfg.RESTART_EXIT_CODE)  # After a PS failure: free.
-    assert not c.chief_exit(cfg.RESTART_EXIT_CODE)  # Nothing failed since: budget spent.
+    assert c.chief_exit(RESTART_EXIT_CODE)  # After a PS failure: free.
+    assert not c.chief_exit(RESTART_EXIT_CODE)  # Nothing failed since: budget spent.
     assert "chief exited (exit 138); no restarts left (2 used)" in c.log()
 
 
 def test_cluster_wide_budget_ends_failures_spread_over_tasks(monkeypatch):
     c = _BudgetCluster(monkeypatch, max_restarts=5, max_total_restarts=2, workers=3)
     assert c.exit("worker:0", -signal.SIGKILL)
-    assert c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert c.chief_exit(RESTART_EXIT_CODE)
     assert c.exit("worker:1", -signal.SIGKILL)
-    assert c.chief_exit(cfg.RESTART_EXIT_CODE)
+    assert c.chief_exit(RESTART_EXIT_CODE)
     assert not c.exit("worker:2", -signal.SIGKILL)
     assert "the cluster's restart budget is spent (2 task failures restarted)" in c.log()
 

@@ -23,58 +23,40 @@ Two rules apply to both forms:
   (tensorflow issue 46169). It stays in `tf_config()` so that the exported
   TF_CONFIG is the standard form every scheduler writes.
 
-Command line: `python -m tf_psplugin.config [flags]` prints what this process
-would be as JSON; see `main()` and docs/cluster.md.
+The flag form and `resolve()` (flags first, then TF_CONFIG) are in
+`cluster/flags.py`; the command `python -m tf_psplugin.config` is in
+`cluster/config_command.py`.
 """
 
 import dataclasses
 import difflib
 import ipaddress
 import json
-import os
 import re
-import sys
 import types
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from absl import flags
-from absl import logging
-
-from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin.cluster import ports as _ports
-from tf_psplugin.errors import RESTART_EXIT_CODE, ConfigError  # noqa: F401  (see errors.py)
+from tf_psplugin.errors import ConfigError  # noqa: F401  (see errors.py)
 
 __all__ = [
     "ClusterConfig",
     "ConfigError",
-    "FLAGS",
-    "define_flags",
-    "from_flags",
     "from_tf_config",
     "local",
-    "resolve",
+    "validate_cluster_spec",
 ]
-
-# "1" if failed workers/PS tasks are restarted by something (the launcher's
-# --restart-failed, a scheduler), "0" if not. The launcher sets it for every
-# task; the chief's failover reads it (failover.FailoverPolicy.task_restarts).
-# Defined here, not in failover.py, so the launcher needs no TensorFlow import.
-TASK_RESTARTS_ENV = "TF_PSPLUGIN_TASK_RESTARTS"
-# How many times the chief was restarted after such a failure; set by the
-# launcher (and by tf_psplugin.elastic.run) for the restarted chief.
-CHIEF_RESTARTS_ENV = "TF_PSPLUGIN_CHIEF_RESTARTS"
 
 JOBS = ("chief", "worker", "ps", "evaluator")
 TRAINING_JOBS = ("chief", "worker", "ps")
-_SERVER_JOBS = ("worker", "ps")
-_TF_CONFIG_EXAMPLE = (
+SERVER_JOBS = ("worker", "ps")
+TF_CONFIG_EXAMPLE = (
     '\'{"cluster": {"worker": ["h1:2222"], "ps": ["h2:2222"]}, '
     '"task": {"type": "worker", "index": 0}}\''
 )
-_FLAGS_EXAMPLE = "--job_name=worker --task_index=0 --worker_hosts=h1:2222 --ps_hosts=h2:2222"
 
 
-class _Names:
+class FieldNames:
     """How to name fields, and phrase fixes, for one input form."""
 
     def __init__(self, source: str):
@@ -158,7 +140,7 @@ def _address_problem(address: Any) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _validate_cluster(cluster: Mapping[str, Sequence[str]], names: _Names) -> None:
+def validate_cluster(cluster: Mapping[str, Sequence[str]], names: FieldNames) -> None:
     """Validates jobs, addresses and counts of a cluster before chief promotion."""
     for job, hosts in cluster.items():
         for i, address in enumerate(hosts):
@@ -202,7 +184,7 @@ def _validate_cluster(cluster: Mapping[str, Sequence[str]], names: _Names) -> No
 
 
 def _validate_task(
-    cluster: Mapping[str, Sequence[str]], task_type: str, task_index: int, names: _Names
+    cluster: Mapping[str, Sequence[str]], task_type: str, task_index: int, names: FieldNames
 ) -> None:
     """Validates the task against the (unpromoted) cluster."""
     if task_type == "evaluator":
@@ -235,7 +217,7 @@ def _validate_task(
         )
 
 
-def _check_index(value: Any, names: _Names) -> int:
+def _check_index(value: Any, names: FieldNames) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         fix = 'write it as a JSON number, e.g. "index": 0' if names.source == "TF_CONFIG" else (
             "pass an int, e.g. 0")
@@ -247,7 +229,7 @@ def _check_index(value: Any, names: _Names) -> int:
     return value
 
 
-def _check_role(value: Any, names: _Names, allowed: Sequence[str] = JOBS) -> str:
+def check_role(value: Any, names: FieldNames, allowed: Sequence[str] = JOBS) -> str:
     if not isinstance(value, str):
         raise ConfigError(
             names.task_type(),
@@ -281,11 +263,11 @@ def _promote(
     return {job: out[job] for job in JOBS if job in out}, task_type, task_index, True
 
 
-def _build(
+def build_config(
     cluster: Mapping[str, Sequence[str]], task_type: str, task_index: int,
-    rpc_layer: str, names: _Names,
+    rpc_layer: str, names: FieldNames,
 ) -> "ClusterConfig":
-    _validate_cluster(cluster, names)
+    validate_cluster(cluster, names)
     _validate_task(cluster, task_type, task_index, names)
     promoted_cluster, task_type, task_index, promoted = _promote(cluster, task_type, task_index)
     return ClusterConfig(
@@ -330,7 +312,7 @@ class ClusterConfig:
     source: str = dataclasses.field(default="explicit", compare=False)
 
     def __post_init__(self):
-        names = _Names("explicit")
+        names = FieldNames("explicit")
         if not isinstance(self.cluster, Mapping):
             raise ConfigError("cluster", f"must be a mapping, got {type(self.cluster).__name__}",
                               "pass {'chief': [...], 'worker': [...], 'ps': [...]}")
@@ -341,12 +323,12 @@ class ClusterConfig:
                 raise ConfigError(f"cluster.{job}", "must be a sequence of 'host:port' strings",
                                   f"wrap it in a list: [{hosts!r}]")
         cluster = {job: tuple(self.cluster[job]) for job in JOBS if self.cluster.get(job)}
-        _validate_cluster(cluster, names)
+        validate_cluster(cluster, names)
         if "chief" not in cluster:
             raise ConfigError("cluster.chief", "is missing",
                               "add a chief, or use from_tf_config()/from_flags() to promote "
                               "worker 0")
-        _check_role(self.task_type, names)
+        check_role(self.task_type, names)
         _check_index(self.task_index, names)
         _validate_task(cluster, self.task_type, self.task_index, names)
         if not isinstance(self.rpc_layer, str) or not self.rpc_layer:
@@ -369,7 +351,7 @@ class ClusterConfig:
     @property
     def is_server(self) -> bool:
         """True for ps and worker tasks, which only run a tf.distribute.Server."""
-        return self.task_type in _SERVER_JOBS
+        return self.task_type in SERVER_JOBS
 
     @property
     def num_workers(self) -> int:
@@ -462,8 +444,8 @@ def from_tf_config(tf_config: Union[str, Mapping[str, Any]]) -> ClusterConfig:
     Raises:
       ConfigError: on any malformed or inconsistent input.
     """
-    names = _Names("TF_CONFIG")
-    fix_json = f"export a JSON object, e.g. TF_CONFIG={_TF_CONFIG_EXAMPLE}"
+    names = FieldNames("TF_CONFIG")
+    fix_json = f"export a JSON object, e.g. TF_CONFIG={TF_CONFIG_EXAMPLE}"
     if isinstance(tf_config, (str, bytes)):
         try:
             tf_config = json.loads(tf_config)
@@ -501,7 +483,7 @@ def from_tf_config(tf_config: Union[str, Mapping[str, Any]]) -> ClusterConfig:
                           names.set_task("worker", 0))
     if "type" not in task:
         raise ConfigError("TF_CONFIG.task.type", "is missing", names.set_task("worker", 0))
-    task_type = _check_role(task["type"], names)
+    task_type = check_role(task["type"], names)
     if "index" not in task:
         raise ConfigError("TF_CONFIG.task.index", "is missing", names.set_task(task_type, 0))
     task_index = _check_index(task["index"], names)
@@ -509,7 +491,7 @@ def from_tf_config(tf_config: Union[str, Mapping[str, Any]]) -> ClusterConfig:
     if not isinstance(rpc_layer, str) or not re.fullmatch(r"[a-z0-9+_]+", rpc_layer):
         raise ConfigError("TF_CONFIG.rpc_layer", f"{rpc_layer!r} is not a protocol name",
                           'use "grpc" or drop the key')
-    return _build(cluster, task_type, task_index, rpc_layer, names)
+    return build_config(cluster, task_type, task_index, rpc_layer, names)
 
 
 def validate_cluster_spec(cluster: Mapping[str, Any], source: str = "cluster_resolver") -> None:
@@ -546,178 +528,7 @@ def validate_cluster_spec(cluster: Mapping[str, Any], source: str = "cluster_res
             raise ConfigError(f"{field}[{job!r}]", f"must be a non-empty list of 'host:port', "
                               f"got {hosts!r}", f"list at least one address for {job}")
         plain[job] = list(hosts)
-    _validate_cluster(plain, _Names(source))
-
-
-# --- Flags -----------------------------------------------------------------
-
-_FLAG_HELP = {
-    "job_name": "This task's role: chief, worker, ps or evaluator. When set, the flags "
-    "below describe the cluster and TF_CONFIG is ignored.",
-    "ps_hosts": "Comma-separated host:port of the parameter servers.",
-    "worker_hosts": "Comma-separated host:port of the workers. Without --chief_hosts the "
-    "first worker is the chief.",
-    "chief_hosts": "host:port of the chief (at most one).",
-    "evaluator_hosts": "host:port of the evaluator (at most one; optional even with "
-    "--job_name=evaluator).",
-}
-_HOST_FLAGS = ("chief_hosts", "worker_hosts", "ps_hosts", "evaluator_hosts")
-
-
-def define_flags(flag_values: flags.FlagValues) -> None:
-    """Defines --job_name --task_index --{chief,worker,ps,evaluator}_hosts.
-
-    Flags already defined in `flag_values` are skipped, so this never collides
-    with a user's own flags of the same name.
-
-    Args:
-      flag_values: e.g. `absl.flags.FLAGS` in an `app.run` script.
-    """
-    for name, help_text in _FLAG_HELP.items():
-        if name not in flag_values:
-            flags.DEFINE_string(name, None, help_text, flag_values=flag_values)
-    if "task_index" not in flag_values:
-        flags.DEFINE_integer("task_index", None, "Index of this task within --job_name.",
-                             flag_values=flag_values)
-
-
-FLAGS = flags.FlagValues()
-define_flags(FLAGS)
-
-
-def _flag(flag_values: flags.FlagValues, name: str) -> Any:
-    return flag_values[name].value if name in flag_values else None
-
-
-def _split_hosts(value: Any, name: str) -> List[str]:
-    if value is None or value == "":
-        return []
-    if isinstance(value, (list, tuple)):  # A user's DEFINE_list flag of the same name.
-        return [str(v).strip() for v in value]
-    if not isinstance(value, str):
-        raise ConfigError(f"--{name}", f"must be a comma-separated string, got {value!r}",
-                          f"pass --{name}=host:port[,host:port...]")
-    return [part.strip() for part in value.split(",")]
-
-
-def from_flags(flag_values: Optional[flags.FlagValues] = None) -> ClusterConfig:
-    """Builds the config from --job_name/--task_index/--*_hosts.
-
-    Args:
-      flag_values: parsed flags holding the plugin's flags (see
-        `define_flags`); default: this module's `FLAGS`. If not parsed yet,
-        `sys.argv` is parsed into it, ignoring unknown flags.
-
-    Returns:
-      The validated, promoted `ClusterConfig` with source "flags".
-
-    Raises:
-      ConfigError: on missing, malformed or inconsistent flags.
-    """
-    fv = FLAGS if flag_values is None else flag_values
-    if not fv.is_parsed():
-        _parse(fv, sys.argv, known_only=True)
-    names = _Names("flags")
-    job_name = _flag(fv, "job_name")
-    if job_name in (None, ""):
-        raise ConfigError("--job_name", "is missing",
-                          f"pass the task's role, e.g. {_FLAGS_EXAMPLE}")
-    task_type = _check_role(job_name, names)
-    cluster = {}
-    for name in _HOST_FLAGS:
-        hosts = _split_hosts(_flag(fv, name), name)
-        if hosts:
-            cluster[name[: -len("_hosts")]] = hosts
-    _validate_cluster(cluster, names)  # Address errors first: they explain count errors.
-    index = _flag(fv, "task_index")
-    if isinstance(index, str):
-        if not index.strip().lstrip("-").isdigit():
-            raise ConfigError("--task_index", f"must be an integer, got {index!r}",
-                              "pass --task_index=0 (or another task number)")
-        index = int(index)
-    if index is None:
-        count = len(cluster.get(task_type, ()))
-        if task_type in _SERVER_JOBS and count > 1:
-            raise ConfigError("--task_index", f"is missing and --{task_type}_hosts lists {count} "
-                              "tasks", f"pass --task_index=N with N from 0 to {count - 1}")
-        index = 0
-    if index < 0:
-        raise ConfigError("--task_index", f"is {index}, negative", "use an index >= 0")
-    return _build(cluster, task_type, index, "grpc", names)
-
-
-def _parse(fv: flags.FlagValues, argv: Sequence[str], known_only: bool) -> List[str]:
-    """Parses argv into fv, turning absl's errors into ConfigError."""
-    try:
-        return fv(list(argv), known_only=known_only)
-    except flags.CantOpenFlagFileError as e:
-        raise ConfigError("--flagfile", str(e).replace("ERROR:: ", ""),
-                          "pass the path of an existing flags file") from None
-    except flags.Error as e:
-        name = getattr(e, "flagname", None)
-        match = re.search(r"--?([A-Za-z0-9_]+)", str(e))
-        field = f"--{name}" if name else (f"--{match.group(1)}" if match else "argv")
-        raise ConfigError(field, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                          "check the flag's spelling and value (python -m tf_psplugin.config "
-                          "--help lists the flags)") from None
-
-
-def _resolve_parsed(fv: flags.FlagValues, environ: Mapping[str, str]) -> ClusterConfig:
-    job_name = _flag(fv, "job_name")
-    tf_config = environ.get("TF_CONFIG", "")
-    if job_name not in (None, ""):
-        if tf_config.strip():
-            logging.warning("tf_psplugin: both --job_name and TF_CONFIG are set; "
-                            "the flags take precedence and TF_CONFIG is ignored.")
-        return from_flags(fv)
-    given = [f"--{n}" for n in ("task_index",) + _HOST_FLAGS if _flag(fv, n) not in (None, "")]
-    if given:
-        raise ConfigError("--job_name", f"is missing but {', '.join(given)} "
-                          f"{'was' if len(given) == 1 else 'were'} given",
-                          "pass --job_name=chief|worker|ps|evaluator with the host flags, "
-                          "or drop the flags and set TF_CONFIG")
-    if tf_config.strip():
-        return from_tf_config(tf_config)
-    raise ConfigError("TF_CONFIG", "is not set and no --job_name flag was given, so this "
-                      "process does not know its role",
-                      f"export TF_CONFIG={_TF_CONFIG_EXAMPLE} or pass {_FLAGS_EXAMPLE}")
-
-
-def resolve(
-    argv: Optional[Sequence[str]] = None,
-    environ: Optional[Mapping[str, str]] = None,
-    flag_values: Optional[flags.FlagValues] = None,
-) -> ClusterConfig:
-    """Finds this process's cluster config: the main entry point.
-
-    Precedence: if --job_name is given, the flags describe the cluster and
-    TF_CONFIG is ignored (with a warning if it is also set). Otherwise
-    TF_CONFIG is used. Any other cluster flag without --job_name is an error,
-    as is having neither.
-
-    Args:
-      argv: command line, program name first (absl convention). Default
-        `sys.argv`. Unknown flags are ignored (they belong to the script).
-      environ: where to read TF_CONFIG; default `os.environ`.
-      flag_values: the user's `FlagValues` holding the plugin flags (see
-        `define_flags`), already parsed or parsed here from `argv`. Default:
-        this module's `FLAGS`, re-parsed from `argv` on every call.
-
-    Returns:
-      The validated `ClusterConfig`.
-
-    Raises:
-      ConfigError: if neither source is given or the given one is invalid.
-    """
-    environ = os.environ if environ is None else environ
-    if flag_values is None:
-        with verbosity_lib.quiet_tf_info(verbosity_lib.ROOT_LOGGER):  # absl logs at INFO.
-            FLAGS.unparse_flags()
-        _parse(FLAGS, sys.argv if argv is None else argv, known_only=True)
-        flag_values = FLAGS
-    elif argv is not None or not flag_values.is_parsed():
-        _parse(flag_values, sys.argv if argv is None else argv, known_only=True)
-    return _resolve_parsed(flag_values, environ)
+    validate_cluster(plain, FieldNames(source))
 
 
 def local(
@@ -757,62 +568,3 @@ def local(
     if evaluator:
         cluster["evaluator"] = [next(addresses)]
     return ClusterConfig(cluster=cluster, task_type="chief", task_index=0)
-
-
-# --- Command line ----------------------------------------------------------
-
-_USAGE = f"""usage: python -m tf_psplugin.config [flags]
-
-Prints, as JSON, the role and cluster this process would get from its flags or
-from the TF_CONFIG environment variable (flags win when --job_name is given).
-Exits 2 with one line on stderr if the configuration is invalid.
-
-flags:
-  --job_name        {_FLAG_HELP['job_name']}
-  --task_index      Index of this task within --job_name.
-  --chief_hosts     {_FLAG_HELP['chief_hosts']}
-  --worker_hosts    {_FLAG_HELP['worker_hosts']}
-  --ps_hosts        {_FLAG_HELP['ps_hosts']}
-  --evaluator_hosts {_FLAG_HELP['evaluator_hosts']}
-"""
-
-
-def is_help(argv: Sequence[str]) -> bool:
-    """True if a command line (program name first) asks for help."""
-    return any(arg in ("-h", "--help", "-help", "--helpshort", "--helpfull") for arg in argv[1:])
-
-
-def resolve_strict(
-    argv: Sequence[str], environ: Optional[Mapping[str, str]] = None
-) -> ClusterConfig:
-    """Like `resolve()`, for command lines that hold only the plugin's flags.
-
-    Used by the `python -m tf_psplugin.config` and `python -m tf_psplugin.server`
-    command lines: unknown flags and positional arguments are errors here.
-
-    Raises:
-      ConfigError: on any invalid input, including unknown flags.
-    """
-    with verbosity_lib.quiet_tf_info(verbosity_lib.ROOT_LOGGER):  # absl logs at INFO.
-        FLAGS.unparse_flags()
-    extra = _parse(FLAGS, argv, known_only=False)[1:]
-    if extra:
-        raise ConfigError("argv", f"unexpected argument {extra[0]!r}",
-                          "pass only --flag=value arguments (or none, to use TF_CONFIG)")
-    return _resolve_parsed(FLAGS, os.environ if environ is None else environ)
-
-
-def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
-    """Runs the CLI; returns the exit code (0 ok, 2 invalid configuration)."""
-    argv = list(sys.argv if argv is None else argv)
-    if is_help(argv):
-        sys.stdout.write(_USAGE)
-        return 0
-    try:
-        config = resolve_strict(argv, environ)
-    except ConfigError as e:
-        sys.stderr.write(f"tf_psplugin.config: error: {e}\n")
-        return 2
-    sys.stdout.write(json.dumps(config.to_json_dict(), indent=2) + "\n")
-    return 0
-

@@ -19,6 +19,7 @@ from typing import Optional
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import context, remote, server_lib
 from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import flags as flags_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.errors import RESTART_EXIT_CODE, StrategyError, TasksUnreachableError  # noqa: F401  (see errors.py)
 
@@ -130,7 +131,7 @@ def resolve_cluster(cluster_resolver, config: Optional[config_lib.ClusterConfig]
         return cluster_resolver
     if config is None:
         try:
-            config = config_lib.resolve()
+            config = flags_lib.resolve()
         except config_lib.ConfigError as e:
             raise StrategyError(f"cannot resolve the cluster: {e}") from None
     if config.task_type != "chief":

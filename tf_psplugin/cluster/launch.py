@@ -45,7 +45,9 @@ from typing import Dict, IO, List, Optional, Sequence, Set
 
 from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster.config import ClusterConfig, ConfigError
+from tf_psplugin.errors import RESTART_EXIT_CODE
 
 __all__ = ["LocalCluster", "main"]
 
@@ -119,7 +121,7 @@ class LocalCluster:
       evaluator: add an evaluator task (it runs the chief's command).
       restart_failed: restart a ps/worker that exits before the chief
         finished, an evaluator that exits nonzero, and a chief that exits
-        with `config.RESTART_EXIT_CODE` (138: a task failed, resume from the
+        with `errors.RESTART_EXIT_CODE` (138: a task failed, resume from the
         checkpoint) or is killed by SIGKILL, with the same address, command
         and TF_CONFIG, within the budgets below.
       servers: "builtin" (ps/worker run `python -m tf_psplugin.server`) or
@@ -263,9 +265,9 @@ class LocalCluster:
         env[LAUNCH_ID_ENV] = self.launch_id
         # Tells the chief's failover whether a dead worker/PS will come back
         # (else it stops at once instead of waiting for it).
-        env[config_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
+        env[restarts_lib.TASK_RESTARTS_ENV] = "1" if self.restart_failed else "0"
         if task.task_type == "chief":
-            env[config_lib.CHIEF_RESTARTS_ENV] = str(task.restarts)
+            env[restarts_lib.CHIEF_RESTARTS_ENV] = str(task.restarts)
         return env
 
     def _spawn(self, task: _Task) -> None:
@@ -375,7 +377,7 @@ class LocalCluster:
         worker task will not come back (its budget is spent). Any other exit
         is the job's result.
         """
-        retryable = code in (config_lib.RESTART_EXIT_CODE, -signal.SIGKILL)
+        retryable = code in (RESTART_EXIT_CODE, -signal.SIGKILL)
         if not (self.restart_failed and retryable) or self._stopping.is_set():
             return False
         self._reap_exited()  # Survivors the chief aborted before exiting.
@@ -386,14 +388,14 @@ class LocalCluster:
                      f"{', '.join(gone)} will not come back")
             return False
         incident = self._open_incident(self._clock())
-        if code == config_lib.RESTART_EXIT_CODE and incident is not None:
+        if code == RESTART_EXIT_CODE and incident is not None:
             why = f"{incident} failed; not counted against the chief's budget"
         else:
             refused = self._charge(task)
             if refused:
                 self.log(f"chief exited ({_exit_text(code)}); {refused}")
                 return False
-            why = (f"{'a task failed' if code == config_lib.RESTART_EXIT_CODE else 'killed'}, "
+            why = (f"{'a task failed' if code == RESTART_EXIT_CODE else 'killed'}, "
                    f"restart {task.failures}/{self.max_restarts}")
         self._incident = None  # The restarted chief starts a new recovery cycle.
         task.restarts += 1

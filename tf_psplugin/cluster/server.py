@@ -34,7 +34,7 @@ import sys
 import threading
 from typing import Optional, Sequence
 
-from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import flags as flags_lib
 from tf_psplugin.cluster.config import ClusterConfig, ConfigError
 
 __all__ = ["start", "run_server"]
@@ -89,7 +89,7 @@ def start(
     """
     if config is None:
         try:
-            config = config_lib.resolve(argv=argv)
+            config = flags_lib.resolve(argv=argv)
         except ConfigError as e:
             _say(f"error: {e}")
             raise SystemExit(2) from None
@@ -156,7 +156,7 @@ def run_server(config: ClusterConfig) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m tf_psplugin.server`: serve a ps/worker task; 2 on bad input."""
     argv = list(sys.argv if argv is None else argv)
-    if config_lib.is_help(argv):
+    if flags_lib.is_help(argv):
         sys.stdout.write(
             "usage: python -m tf_psplugin.server [--job_name=ps|worker --task_index=N "
             "--worker_hosts=... --ps_hosts=... [--chief_hosts=...]]\n\n"
@@ -164,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "SIGTERM/SIGINT. The chief and the evaluator run the training/eval script instead.\n")
         return 0
     try:
-        config = config_lib.resolve_strict(argv)
+        config = flags_lib.resolve_strict(argv)
         if not config.is_server:
             raise ConfigError(
                 "task", f"{_describe(config)} does not run a server: the {config.task_type} "

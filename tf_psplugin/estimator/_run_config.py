@@ -33,6 +33,7 @@ from absl import flags, logging
 
 from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin.cluster import config as cluster_config_lib
+from tf_psplugin.cluster import flags as cluster_flags_lib
 from tf_psplugin.estimator import _strategy
 from tf_psplugin.tables import placement as placement_lib
 
@@ -67,9 +68,9 @@ def _resolve_cluster(
     """
     if cluster is not None:
         return cluster
-    fv = cluster_config_lib.FLAGS if flag_values is None else flag_values
+    fv = cluster_flags_lib.FLAGS if flag_values is None else flag_values
     try:
-        return cluster_config_lib.resolve(flag_values=flag_values)
+        return cluster_flags_lib.resolve(flag_values=flag_values)
     except cluster_config_lib.ConfigError as e:
         job_name = fv["job_name"].value if "job_name" in fv else None
         nothing_given = (

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 
-from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.fault import failover as failover_lib
 
@@ -69,7 +69,7 @@ def run(train_fn: Callable[..., Any], *args, max_restarts: int = 20,
     """
     restarts = 0
     while True:
-        os.environ[config_lib.CHIEF_RESTARTS_ENV] = str(restarts)
+        os.environ[restarts_lib.CHIEF_RESTARTS_ENV] = str(restarts)
         try:
             return train_fn(*args, **kwargs)
         except failover_lib.TaskFailedError as e:

@@ -64,15 +64,15 @@ from absl import logging
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import context, executor
-from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster.liveness import accepts_connections, tasks_named_in
-from tf_psplugin.errors import FailoverError, TaskFailedError  # noqa: F401  (see errors.py)
+from tf_psplugin.errors import RESTART_EXIT_CODE, FailoverError, TaskFailedError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import checkpoint as checkpoint_lib
 from tf_psplugin.state import model_dir as model_dir_lib
 
-RESTARTS_ENV = config_lib.CHIEF_RESTARTS_ENV
-# Read when FailoverPolicy.task_restarts is None (see config.py).
-TASK_RESTARTS_ENV = config_lib.TASK_RESTARTS_ENV
+RESTARTS_ENV = restarts_lib.CHIEF_RESTARTS_ENV
+# Read when FailoverPolicy.task_restarts is None (see cluster/restarts.py).
+TASK_RESTARTS_ENV = restarts_lib.TASK_RESTARTS_ENV
 # How long recovery waits for in-flight step parts to end before going on
 # without them. A survivor's part blocks in its next collective with the dead
 # peer (measured on TF 2.15: it never errors out without a per-op timeout) and
@@ -80,9 +80,6 @@ TASK_RESTARTS_ENV = config_lib.TASK_RESTARTS_ENV
 # the step's last collective finish its updates, so the step counters read
 # for the emergency checkpoint are settled.
 _SETTLE_SECONDS = 10.0
-
-
-RESTART_EXIT_CODE = config_lib.RESTART_EXIT_CODE
 
 
 @dataclasses.dataclass(frozen=True)

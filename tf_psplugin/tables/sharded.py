@@ -37,6 +37,7 @@ enough):
   `SaveSpec` callable is what keeps a restore from running the save gathers.
 """
 
+import contextlib
 import functools
 import inspect
 from typing import Callable, Optional
@@ -113,6 +114,12 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     Not supported: ``as_ref`` conversion (raises NotImplementedError); slice
     assignment (``table[2:4]`` is a Tensor: use `assign` or `scatter_update`);
     iterating yields the shard variables, as for `ShardedVariable`.
+
+    Subclass hooks (`stacking.StackedTable`, a table stored inside shards that
+    hold other tables' rows too): `row_offsets`, `_physical_ids`,
+    `shares_shards`, `with_variables` and `_write_shard`. Reads, lookups,
+    writes, scatters, checkpoints and copies are written once, here, in
+    their terms.
     """
 
     def __init__(self, variables, name="ShardedVariable"):
@@ -139,6 +146,35 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
             return shard_id.replace("part_0", "sharded")
         return shard_id + "_interleaved_table"
 
+    # -- the layout hooks (a whole table: its shards hold it alone) -------------
+
+    @property
+    def shares_shards(self) -> bool:
+        """True if the shard variables hold other tables' rows too (a stacked table).
+
+        Such a table reads its shards even inside `tf.saved_model.save`, where
+        `variables` is the one saving variable, and names itself as its
+        checkpoint saveable's op (its stack's tables share shard 0).
+        """
+        return False
+
+    @property
+    def row_offsets(self) -> tuple:
+        """Row of each shard where this table's rows start: 0 for a whole table."""
+        return (0,) * len(self._variables)
+
+    def _physical_ids(self, ids):
+        """Logical ids -> ids whose "mod" lookup on the shards finds this table's rows."""
+        return ids
+
+    def _row_variables(self):
+        """The variables this table's rows are read from (`shares_shards`)."""
+        return self._variables if self.shares_shards else self.variables
+
+    def with_variables(self, variables, name: Optional[str] = None) -> "InterleavedShardedVariable":
+        """The same rows of other shard variables (e.g. an optimizer's slots, a CPU copy)."""
+        return InterleavedShardedVariable(variables, name=name or self.name)
+
     # -- TypeSpec / async checkpoint copies keep the subclass ------------------
 
     @property
@@ -149,15 +185,15 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
 
     def _copy_trackable_to_cpu(self, object_map):
         """For async checkpointing: like `ShardedVariable`'s, but keeps the layout."""
-        if self in object_map:
-            for v in self._variables:
-                tf_objects.copy_trackable_to_cpu(v, object_map)
-            return
         copies = []
         for v in self._variables:
+            # Every time, as TF's ShardedVariable does: a copy made by an
+            # earlier save must get this save's values (a stack's shared
+            # shards are copied once per table of the stack).
             tf_objects.copy_trackable_to_cpu(v, object_map)
             copies.append(object_map[v])
-        object_map[self] = InterleavedShardedVariable(copies, name=self.name)
+        if self not in object_map:
+            object_map[self] = self.with_variables(copies)
 
     # -- reads in logical order -----------------------------------------------
 
@@ -172,12 +208,9 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
 
     def _read_rows(self, begin: int, end: int) -> tf.Tensor:
         """Logical rows ``[begin, end)``, reading only those rows from each shard."""
-        shards = self.variables
+        shards = self._row_variables()
         plan = _range_plan(len(shards), begin, end)
-        pieces = [
-            shards[s].sparse_read(tf.range(first, first + count, dtype=tf.int64))
-            for s, first, count in plan
-        ]
+        pieces = _read_planned(shards, self.row_offsets, plan)
         return _interleave(pieces, [count for _, _, count in plan], end - begin)
 
     def value(self):
@@ -204,7 +237,8 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
 
     def sparse_read(self, indices, name=None):
         """Gathers logical rows ``indices`` (any shape); gradients are IndexedSlices."""
-        return tf.compat.v1.nn.embedding_lookup(self.variables, indices, "mod", name=name)
+        return tf.compat.v1.nn.embedding_lookup(
+            self._row_variables(), self._physical_ids(indices), "mod", name=name)
 
     def __getitem__(self, slice_spec):
         """Indexes the table like a Tensor in logical order.
@@ -261,29 +295,37 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         # The strided slice runs where `value` lives; only shard s's rows reach shard s.
         return [value[s::n] for s in range(n)]
 
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        """Assigns a full LOGICAL ``[V, ...]`` value; returns self."""
-        for v, part in zip(self._variables, self._per_shard(value, "assign")):
-            v.assign(part, use_locking=use_locking)
+    def _write(self, value, method: str, use_locking):
+        """Writes a full LOGICAL value with `method` (assign, assign_add, assign_sub)."""
+        for s, part in enumerate(self._per_shard(value, method)):
+            self._write_shard(s, part, method, use_locking)
         return self
+
+    def _write_shard(self, s: int, part, method: str, use_locking) -> None:
+        """Writes shard ``s``'s rows of a logical value: the whole shard, for a whole table."""
+        getattr(self._variables[s], method)(part, use_locking=use_locking)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        """Assigns a full LOGICAL ``[V, ...]`` value (this table's rows only); returns self."""
+        return self._write(value, "assign", use_locking)
 
     def assign_add(self, delta, use_locking=False, name=None, read_value=True):
         """Adds a full LOGICAL ``[V, ...]`` delta; returns self."""
-        for v, part in zip(self._variables, self._per_shard(delta, "assign_add")):
-            v.assign_add(part, use_locking=use_locking)
-        return self
+        return self._write(delta, "assign_add", use_locking)
 
     def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
         """Subtracts a full LOGICAL ``[V, ...]`` delta; returns self."""
-        for v, part in zip(self._variables, self._per_shard(delta, "assign_sub")):
-            v.assign_sub(part, use_locking=use_locking)
-        return self
+        return self._write(delta, "assign_sub", use_locking)
 
     def _decompose_indices(self, indices):
         """Logical ids -> (per-shard local ids, shard of each id), "mod" layout.
 
         `ShardedVariable`'s scatter_* methods call this, so they follow it.
+        The ids are mapped by `_physical_ids` first, so that an id outside
+        ``[0, V)`` of a stacked table stays out of every shard's range (a
+        scatter then fails as it does on a whole table).
         """
+        indices = self._physical_ids(indices)
         if indices.shape.rank != 1:
             raise ValueError(
                 f"InterleavedShardedVariable: scatter indices must be 1-D, got {indices.shape}."
@@ -306,7 +348,10 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
         """
 
         def _saveable_factory(name=self.name):
-            return _LogicalTableSaveable(list(self._variables), self.name, name)
+            return _LogicalTableSaveable(list(self._variables), self.name, name,
+                                         row_offsets=self.row_offsets,
+                                         num_rows=int(self._shape[0]),
+                                         op=self if self.shares_shards else None)
 
         return {trackable_base.VARIABLE_VALUE_KEY: _saveable_factory}
 
@@ -360,12 +405,7 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
         shards = self._shards
         if tf.executing_eagerly() and not all(v.is_initialized() for v in shards):
             return None  # Like ResourceVariableSaveable: recorded, no value saved.
-        pieces = []
-        for s, first, count in self._plans[c]:
-            with tf.device(shards[s].device):
-                start = first + self._offsets[s]
-                ids = tf.range(start, start + count, dtype=tf.int64)
-                pieces.append(shards[s].sparse_read(ids))
+        pieces = _read_planned(shards, self._offsets, self._plans[c], on_shard_devices=True)
         with tf.device(shards[c].device):
             counts = [count for _, _, count in self._plans[c]]
             return tf.identity(_interleave(pieces, counts, size))
@@ -390,6 +430,26 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
                 if not tf.executing_eagerly():
                     assign_ops.append(updated.op)
         return tf.group(*assign_ops) if assign_ops else None
+
+
+def _read_planned(shards, offsets, plan, on_shard_devices: bool = False):
+    """Each ``(s, first, count)`` of a `_range_plan`: that many rows of shard s.
+
+    Args:
+        shards: The shard variables.
+        offsets: Row of each shard where the table's rows start.
+        plan: ``(shard, first local row, count)`` triples.
+        on_shard_devices: Build each read (and its ids) on its shard's device.
+
+    Returns:
+        One ``[count, ...]`` tensor per plan entry.
+    """
+    pieces = []
+    for s, first, count in plan:
+        with tf.device(shards[s].device) if on_shard_devices else contextlib.nullcontext():
+            start = first + offsets[s]
+            pieces.append(shards[s].sparse_read(tf.range(start, start + count, dtype=tf.int64)))
+    return pieces
 
 
 def install_interleaved_slot_lookup(optimizer):
@@ -427,7 +487,7 @@ def install_interleaved_slot_lookup(optimizer):
     cache = IdentityMap()  # table -> {slot name: its slots' wrapper}; dies with the table
 
     def get_slot(var, slot_name):
-        if hasattr(var, "with_variables"):
+        if isinstance(var, InterleavedShardedVariable) and var.shares_shards:
             # A stacked table (table_stacking): the same rows of its stack
             # shards' slots. Keras knows only the shards' slots.
             shard_slots = [original(shard, slot_name) for shard in var.variables]
@@ -445,7 +505,7 @@ def install_interleaved_slot_lookup(optimizer):
         wrappers = cache.get(var) or {}
         cached = wrappers.get(slot_name)
         if cached is None or any(a is not b for a, b in zip(cached.variables, slot.variables)):
-            cached = InterleavedShardedVariable(list(slot.variables), name=slot.name)
+            cached = var.with_variables(list(slot.variables), name=slot.name)
             cache[var] = {**wrappers, slot_name: cached}
         return cached
 

@@ -78,9 +78,9 @@ from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import (
     ps_values, resource_variable_ops, save_context, sharded_variable, tf_dispatch)
 from tf_psplugin.tables import stack_rows
-from tf_psplugin.tables.layout import _interleave, _range_plan, shard_rows
+from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
-from tf_psplugin.tables.sharded import InterleavedShardedVariable, _LogicalTableSaveable
+from tf_psplugin.tables.sharded import InterleavedShardedVariable
 
 __all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
            "unstacked"]
@@ -94,6 +94,9 @@ MAX_TABLE_BYTES = 32 << 20
 MAX_STACK_BYTES = 1 << 30
 
 _UNSTACKED = ThreadScope()
+# A table's logical write, per stack shard: a scatter into its rows only.
+_SCATTER_OF = {"assign": "scatter_update", "assign_add": "scatter_add",
+               "assign_sub": "scatter_sub"}
 
 
 def unstacked():
@@ -192,6 +195,11 @@ class StackedTable(InterleavedShardedVariable):
         return iter(self._views if self._views is not None else self._variables)
 
     @property
+    def shares_shards(self) -> bool:
+        """True: the stack's shards hold the other tables' rows too."""
+        return True
+
+    @property
     def row_offsets(self) -> tuple:
         """Row of each stack shard where this table's rows start."""
         return self._row_offsets
@@ -207,19 +215,6 @@ class StackedTable(InterleavedShardedVariable):
         return StackedTableSpec(
             self._row_offsets, int(self._shape[0]), self.name,
             *(resource_variable_ops.VariableSpec(v.shape, v.dtype) for v in self._variables))
-
-    def _copy_trackable_to_cpu(self, object_map):
-        """For async checkpointing: a `StackedTable` over copies of the stack shards."""
-        copies = []
-        for v in self._variables:
-            # Every time, as TF's ShardedVariable does: a copy made by an
-            # earlier save must get this save's values (shared shards are
-            # copied once per table of the stack; correctness first).
-            tf_objects.copy_trackable_to_cpu(v, object_map)
-            copies.append(object_map[v])
-        if self not in object_map:
-            object_map[self] = StackedTable(copies, self._row_offsets, int(self._shape[0]),
-                                            name=self.name)
 
     def with_variables(self, variables, name: Optional[str] = None) -> "StackedTable":
         """The same rows of other shard variables (e.g. an optimizer's slots of the stack)."""
@@ -271,56 +266,18 @@ class StackedTable(InterleavedShardedVariable):
             return tf.convert_to_tensor(self.variables[0])
         return self._read_rows(0, int(self._shape[0]))
 
-    def _read_rows(self, begin: int, end: int) -> tf.Tensor:
-        shards = self._variables
-        plan = _range_plan(len(shards), begin, end)
-        pieces = []
-        for s, first, count in plan:
-            start = first + self._row_offsets[s]
-            pieces.append(shards[s].sparse_read(tf.range(start, start + count, dtype=tf.int64)))
-        return _interleave(pieces, [count for _, _, count in plan], end - begin)
-
     def sparse_read(self, indices, name=None):
+        """Gathers logical rows ``indices``: through the views, for the tape (a copy: the shards)."""
         if self._views is None:
-            return tf.compat.v1.nn.embedding_lookup(
-                self._variables, self._physical_ids(indices), "mod", name=name)
+            return super().sparse_read(indices, name=name)
         return tf.compat.v1.nn.embedding_lookup(self._views, indices, "mod", name=name)
 
-    def _decompose_indices(self, indices):
-        # Shifted first, so that an id outside [0, V) stays out of every
-        # shard's range (a scatter then fails as it does on an unstacked table).
-        return super()._decompose_indices(self._physical_ids(indices))
-
-    def _write(self, value, op_name: str, method: str):
-        for s, (v, part) in enumerate(zip(self._variables, self._per_shard(value, op_name))):
-            start = self._row_offsets[s]
-            rows = tf.range(start, start + self._shard_counts[s], dtype=tf.int64)
-            getattr(v, method)(tf.IndexedSlices(part, rows))
-        return self
-
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        """Assigns a full LOGICAL ``[V, ...]`` value (this table's rows only); returns self."""
-        return self._write(value, "assign", "scatter_update")
-
-    def assign_add(self, delta, use_locking=False, name=None, read_value=True):
-        """Adds a full LOGICAL ``[V, ...]`` delta; returns self."""
-        return self._write(delta, "assign_add", "scatter_add")
-
-    def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
-        """Subtracts a full LOGICAL ``[V, ...]`` delta; returns self."""
-        return self._write(delta, "assign_sub", "scatter_sub")
-
-    def _gather_saveables_for_checkpoint(self):
-        """The table's logical rows under its own key, as an unstacked table saves them."""
-
-        def _saveable_factory(name=self.name):
-            return _LogicalTableSaveable(list(self._variables), self.name, name,
-                                         row_offsets=self._row_offsets,
-                                         num_rows=int(self._shape[0]), op=self)
-
-        from tf_psplugin._internal.tf_internal import trackable_base  # pylint: disable=g-import-not-at-top
-
-        return {trackable_base.VARIABLE_VALUE_KEY: _saveable_factory}
+    def _write_shard(self, s: int, part, method: str, use_locking) -> None:
+        """Writes this table's rows of stack shard ``s`` only (a scatter, not the whole shard)."""
+        del use_locking
+        start = self._row_offsets[s]
+        rows = tf.range(start, start + self._shard_counts[s], dtype=tf.int64)
+        getattr(self._variables[s], _SCATTER_OF[method])(tf.IndexedSlices(part, rows))
 
 
 def _scoped_name(name: str) -> str:
