@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 
-from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster import liveness
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.fault import failover as failover_lib
 
 

@@ -14,6 +14,7 @@ updates, then counts the step as committed (for failover).
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import distribute_lib
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.runtime.variable_creation import _unwrap
@@ -49,15 +50,15 @@ class Updates:
     def __init__(self, extended, creation):
         self._extended = extended
         self._creation = creation
-        # id(table shard) -> ops its owner runs after the shard's sync update
+        # Table shard -> ops its owner runs after the shard's sync update
         # (layers.DynamicEmbedding admits new keys there).
-        self._after_update = {}
-        # id(table shard) -> incremental.RowStamps: every optimizer apply to
-        # the shard also stamps the rows it touched (incremental checkpoints).
-        self._row_stamps = {}
+        self._after_update = IdentityMap()
+        # Table shard -> incremental.RowStamps: every optimizer apply to the
+        # shard also stamps the rows it touched (incremental checkpoints).
+        self._row_stamps = IdentityMap()
         # Table shards whose update was traced without stamps: tracking them
-        # now would miss that trace's updates.
-        self._traced_without_stamps = set()
+        # now would miss that trace's updates. (Entries die with the shard.)
+        self._traced_without_stamps = IdentityMap()
 
     def _sync_embeddings(self) -> bool:
         return self._extended.embedding_updates == "sync"
@@ -74,7 +75,7 @@ class Updates:
         if not self._creation.is_table_var(shard):
             raise StrategyError(f"run_after_update: {getattr(shard, 'name', shard)!r} is not "
                                 "a table shard of this strategy.")
-        self._after_update[id(_unwrap(shard))] = fn
+        self._after_update[_unwrap(shard)] = fn
 
     def track_updated_rows(self, shard, stamps) -> None:
         """Makes every optimizer apply to table `shard` also call `stamps.mark(grad)`.
@@ -88,7 +89,7 @@ class Updates:
                 a step updating it was already traced (its updates would go
                 unrecorded).
         """
-        key = id(_unwrap(shard))
+        key = _unwrap(shard)
         if not self._creation.is_table_var(shard):
             raise StrategyError(f"track_updated_rows: {getattr(shard, 'name', shard)!r} is not "
                                 "a table shard of this strategy.")
@@ -149,9 +150,9 @@ class Updates:
                 return result
             return tf.nest.map_structure(
                 tf_objects.local_results_of(self._extended), result)
-        stamps = self._row_stamps.get(id(_unwrap(var)))
+        stamps = self._row_stamps.get(_unwrap(var))
         if stamps is None and self._creation.is_table_var(var) and not tf.executing_eagerly():
-            self._traced_without_stamps.add(id(_unwrap(var)))
+            self._traced_without_stamps[_unwrap(var)] = True
         if not self._extended.in_sync_step():
             return self._stamped(stock_update(var, fn, args, kwargs, group), stamps, args)
         table_owner = self._creation.table_owner(var)
@@ -169,7 +170,7 @@ class Updates:
                 result = stock_update(var, fn, args, kwargs, True)
             if stamps is not None:  # A write: `done` below waits for it too.
                 stamps.mark(self._gradient_of(args))
-            after = self._after_update.get(id(_unwrap(var)))
+            after = self._after_update.get(_unwrap(var))
             if after is not None:
                 updated = [op for op in graph.get_operations()[first:] if not op.outputs]
                 with tf.control_dependencies(

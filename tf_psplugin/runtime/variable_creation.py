@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import patches
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.cluster.connection import StrategyError
@@ -62,7 +63,8 @@ class VariableCreation:
         self._num_workers = num_workers
         self._num_ps = num_ps
         self.placement_records: List[placement_lib.PlacementRecord] = []
-        self._table_shard_owner = {}  # id(shard variable or its slot) -> owning worker
+        # Shard variable, view or slot -> owning worker; an entry dies with its variable.
+        self._table_shard_owner: IdentityMap[int] = IdentityMap()
         self._creating_table = False
         self._creating_plain = False
         self._creating_internal = False
@@ -124,10 +126,10 @@ class VariableCreation:
                 # An optimizer slot of a stack: no table joins that stack now.
                 self.table_stacks.seal(_unwrap(colocate_with))
             var = stock_create(next_creator, **kwargs)
-            kind = "table-slot" if id(_unwrap(colocate_with)) in self._table_shard_owner else "ps"
+            kind = "table-slot" if _unwrap(colocate_with) in self._table_shard_owner else "ps"
             if kind == "table-slot":
-                self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner[
-                    id(_unwrap(colocate_with))]
+                self._table_shard_owner[_unwrap(var)] = self._table_shard_owner[
+                    _unwrap(colocate_with)]
             self._record(var, kind)
             return var
         name = kwargs.get("name")
@@ -197,7 +199,7 @@ class VariableCreation:
         if num_shards < 2:
             var = tf_objects.round_robin_creator(self._extended)(
                 next_creator, **kwargs)
-            self._table_shard_owner[id(_unwrap(var))] = self._table_shard_owner_of(var)
+            self._table_shard_owner[_unwrap(var)] = self._table_shard_owner_of(var)
             self._record(var, "table", unstacked=unstacked)
             return var
         self._creating_table = True
@@ -232,11 +234,11 @@ class VariableCreation:
             # (A stack's shards are registered when they get their variables:
             # `_replace_table_shard`.)
             for shard in var.variables:
-                self._table_shard_owner[id(_unwrap(shard))] = self._table_shard_owner_of(shard)
+                self._table_shard_owner[_unwrap(shard)] = self._table_shard_owner_of(shard)
         else:
             # Its views: what Keras lists, reduces and (weight decay) updates.
             for view in var.views:
-                self._table_shard_owner[id(view)] = self._table_shard_owner_of(view)
+                self._table_shard_owner[view] = self._table_shard_owner_of(view)
         self._record(var, "table", devices=[v.device for v in var.variables],
                      stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
         if isinstance(var, table_stacking.StackedTable):
@@ -246,9 +248,9 @@ class VariableCreation:
     def _replace_table_shard(self, old, new) -> None:
         """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
         if old is not None:
-            self._table_shard_owner.pop(id(old), None)
+            self._table_shard_owner.pop(old, None)
         if new is not None:  # (None: the stack was split and its variable freed.)
-            self._table_shard_owner[id(new)] = self._table_shard_owner_of(new)
+            self._table_shard_owner[new] = self._table_shard_owner_of(new)
 
     def _table_shard_owner_of(self, var) -> int:
         """The worker that applies sync updates to a table shard: its PS index mod workers.
@@ -298,11 +300,11 @@ class VariableCreation:
 
     def is_table_var(self, var) -> bool:
         """Whether `var` (or the variable it wraps) is a table shard, a view or a table slot."""
-        return id(_unwrap(var)) in self._table_shard_owner
+        return _unwrap(var) in self._table_shard_owner
 
     def table_owner(self, var) -> Optional[int]:
         """The worker that applies `var`'s sync updates: a table shard's (or slot's), else None."""
-        return self._table_shard_owner.get(id(_unwrap(var)))
+        return self._table_shard_owner.get(_unwrap(var))
 
     @contextlib.contextmanager
     def internal_variables(self):
