@@ -140,6 +140,9 @@ class _TraceState:
 
     def __init__(self):
         self.now_by_graph = weakref.WeakKeyDictionary()  # traced graph -> clock read
+        # Per shard, `mark(local_rows)` -> op: incremental checkpoints record
+        # the rows admission, eviction and expiry write (`track_changed_rows`).
+        self.row_marks = ()
 
 
 class _ShardState:
@@ -339,6 +342,29 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             row.update({k: int(v) for k, v in zip(_STAT_NAMES, values)})
             out.append(row)
         return out
+
+    def track_changed_rows(self, marks) -> None:
+        """Makes admission, eviction and expiry report the rows they write.
+
+        For incremental checkpoints (`tf_psplugin.incremental_dynamic`): in
+        each traced step, shard s's admission calls ``marks[s](local_rows)``
+        (on that shard's PS) for the rows it fills or frees, and expiry for
+        the rows it frees. Set it before the first training step is traced.
+
+        Args:
+            marks: One callable per shard, taking int64 local row ids and
+                returning the op that records them (or None).
+        """
+        self._require_built("track_changed_rows")
+        if len(marks) != self.num_shards:
+            raise ValueError(f"track_changed_rows: {len(marks)} marks for {self.num_shards} "
+                             "shards.")
+        self._trace.row_marks = tuple(marks)
+
+    def _mark_changed(self, s: int, local) -> list:
+        """The op recording that shard `s`'s `local` rows changed (none if untracked)."""
+        op = self._trace.row_marks[s](local) if self._trace.row_marks else None
+        return [] if op is None else [op]
 
     def _require_built(self, what):
         if not self.built:
@@ -610,6 +636,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
+            ops += self._mark_changed(s, tf.concat([slots, spare], 0))
             ops += _scatter(slots, [(emb, values, "update"),
                                     (last_var, tf.fill(tf.shape(slots), now), "update"),
                                     (hits_var, seen[:taken], "update")])
@@ -649,6 +676,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         forgotten = self._forget(_find(st.rows, rows), rows)
         with tf.control_dependencies([forgotten]):
             ops = [st.rows.remove(rows)]
+        ops += self._mark_changed(s, local)
         ops += _scatter(local, [(last_var, tf.zeros_like(local), "update"),
                                 (hits_var, tf.zeros_like(local), "update")])
         return tf.size(local, out_type=tf.int64), tf.group([o for o in ops if o is not None])
