@@ -102,7 +102,11 @@ class _KeyIndex(_tf_internal.trackable_base.Trackable):
         """Replaces every map's content with these (key, row) pairs."""
         cleared = []
         for st in self._states:
-            old_keys, old_rows = st.map.export()
+            # Each map by its own keys: after a restore into another PS count
+            # a key's map entry and its row's reverse entry are on different
+            # shards, so the map's rows are not the reverse map's.
+            old_keys, _ = st.map.export()
+            old_rows, _ = st.rows.export()
             cleared += [st.map.remove(old_keys), st.rows.remove(old_rows)]
         n = len(self._states)
         with tf.control_dependencies([c for c in cleared if c is not None]):
