@@ -10,8 +10,9 @@ directory (the reference). The test checks that
 
 * the deltas hold freed rows (deletions) and sketch counters,
 * restoring full + deltas into a fresh model on the same cluster (2 PS),
-* and into a plain single-process model (`load_into`: one shard, another
-  PS count, as full checkpoints of the layer allow),
+* into a cluster of 3 PS (another PS count, as full checkpoints of the
+  layer allow; the chain is restored by a second, 1-worker cluster),
+* and into a plain single-process model (`load_into`: one shard),
 
 give exactly (np.testing.assert_array_equal) every variable the full save
 holds for the layer (rows, Adagrad slots, last use, hits, admission sketch,
@@ -24,6 +25,7 @@ import json
 import pytest
 
 from tests.cluster import _cluster_util as cu
+from tf_psplugin.launch import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -142,6 +144,25 @@ with open(os.path.join(out, "report.json"), "w") as f:
 print("RESULT ok")
 """
 
+RESTORE = COMMON + """
+config = tf_psplugin.start_server()
+incr_dir, out = sys.argv[1], sys.argv[2]
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+with strategy.scope():
+    model = make_model()
+manager = ckpt_lib.CheckpointManager(incr_dir, model=model, optimizer=model.optimizer,
+                                     full_every=ROUNDS)
+info = manager.restore()
+dyn = model.get_layer("dyn")
+np.savez(os.path.join(out, "restored3.npz"), **state(model))
+report = {"restored": [info.name, info.kind], "shards": dyn.num_shards,
+          "problems": dyn.check_consistency()}
+# Training goes on in the new layout (keys admitted, evicted, expired).
+model.fit(round_data(ROUNDS), epochs=1, steps_per_epoch=STEPS_PER_ROUND, verbose=0)
+report["problems_after_training"] = dyn.check_consistency()
+print("RESULT", json.dumps(report))
+"""
+
 PLAIN = COMMON + """
 out = sys.argv[1]
 assert "TF_CONFIG" not in os.environ
@@ -155,20 +176,32 @@ print("RESULT", json.dumps(result))
 """
 
 
-@pytest.mark.timeout(240)
-def test_dynamic_embedding_full_plus_deltas_restore_exactly_like_a_full_save(
-        tmp_path, make_cluster, procs):
-    incr_dir, full_dir, out = tmp_path / "incr", tmp_path / "full", tmp_path / "out"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Runs TRAIN once on chief + 2 workers + 2 PS; yields its directories and report."""
+    root = tmp_path_factory.mktemp("incr_dynamic")
+    incr_dir, full_dir, out = root / "incr", root / "full", root / "out"
     out.mkdir()
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, cu.python_script(tmp_path, TRAIN, "train.py"),
-                                str(incr_dir), str(full_dir), str(out)], timeout=200)
-    assert result.returncode == 0, result.stdout[-8000:]
-    cluster.stop()
+    tracker = cu.ProcessTracker()
+    cluster = LocalCluster(2, 2, env=tracker.env())
+    try:
+        cluster.start_servers()
+        result = cluster.run_chief([cu.PYTHON, cu.python_script(root, TRAIN, "train.py"),
+                                    str(incr_dir), str(full_dir), str(out)], timeout=200)
+        assert result.returncode == 0, result.stdout[-8000:]
+    finally:
+        cluster.stop()
+        tracker.cleanup()
     with open(out / "report.json") as f:
         report = json.load(f)
     print("REPORT", json.dumps(report))
+    yield {"incr": incr_dir, "full": full_dir, "out": out, "report": report}
+
+
+@pytest.mark.timeout(240)
+def test_dynamic_embedding_full_plus_deltas_restore_exactly_like_a_full_save(trained, procs,
+                                                                            tmp_path):
+    report, out = trained["report"], trained["out"]
     assert report["kinds"] == ["full", "delta", "delta", "delta"], report
     first, last = report["stats"][0], report["stats"][-1]
     # Keys were admitted, evicted and expired after the full save.
@@ -186,10 +219,24 @@ def test_dynamic_embedding_full_plus_deltas_restore_exactly_like_a_full_save(
     assert report["restored_problems"] == []
     cu.assert_same_npz(out / "restored.npz", out / "live.npz")
     # One process, one shard: the chain and the reference full save load identically.
-    res = procs.run([cu.PYTHON, cu.python_script(tmp_path, PLAIN, "plain.py"), str(out),
-                     "plain_incr", str(incr_dir), "plain_full", str(full_dir)], timeout=120)
+    res = procs.run([cu.PYTHON, cu.python_script(tmp_path, PLAIN, "plain.py"), str(tmp_path),
+                     "plain_incr", str(trained["incr"]), "plain_full", str(trained["full"])],
+                    timeout=120)
     assert res.returncode == 0, res.stdout[-6000:]
     assert json.loads(cu.result_line(res.stdout)) == {"plain_incr": ["delta-8", []],
                                                       "plain_full": ["ckpt-8", []]}
-    cu.assert_same_npz(out / "plain_full.npz", out / "live.npz")
-    cu.assert_same_npz(out / "plain_incr.npz", out / "plain_full.npz")
+    cu.assert_same_npz(tmp_path / "plain_full.npz", out / "live.npz")
+    cu.assert_same_npz(tmp_path / "plain_incr.npz", tmp_path / "plain_full.npz")
+
+
+@pytest.mark.timeout(240)
+def test_dynamic_embedding_chain_restores_exactly_into_3_ps(trained, make_cluster, tmp_path):
+    cluster = make_cluster(num_workers=1, num_ps=3)
+    cluster.start_servers()
+    result = cluster.run_chief([cu.PYTHON, cu.python_script(tmp_path, RESTORE, "restore.py"),
+                                str(trained["incr"]), str(tmp_path)], timeout=200)
+    assert result.returncode == 0, result.stdout[-8000:]
+    report = json.loads(cu.result_line(result.stdout))
+    assert report == {"restored": ["delta-8", "delta"], "shards": 3, "problems": [],
+                      "problems_after_training": []}, report
+    cu.assert_same_npz(tmp_path / "restored3.npz", trained["out"] / "live.npz")
