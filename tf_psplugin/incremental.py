@@ -281,8 +281,8 @@ class IncrementalSaver:
         for dynamic in self.dynamic:
             table = by_key[dynamic.table_key]
             table.dynamic = dynamic
-            table_devices = {shard.device for shard in table.shards}
-            if not set(dynamic.sketch_devices()) <= table_devices:
+            table_tasks = {_task_name(shard.device) for shard in table.shards}
+            if not {_task_name(d) for d in dynamic.sketch_devices()} <= table_tasks:
                 raise CheckpointError(
                     f"incremental checkpoints: the admission sketch of {dynamic.layer.name} "
                     "is not on its table's PS tasks. Fix: drop full_every for this model.")

@@ -15,14 +15,15 @@ What a delta holds per layer, and how the changes are found (on each PS,
 at the save, with no step in flight):
 
 * **Dirty rows** of each shard: rows the optimizer updated (the table's
-  `incremental.RowStamps`, as for any table); rows admission filled or
-  evicted and rows expiry freed (the layer stamps them itself, with the same
-  stamps and generation, in its admission step on the PS:
-  `DynamicEmbedding.track_changed_rows`; one scatter of the rows admitted or
-  freed, none per looked-up key); and rows a training step used (recency,
-  hits): their ``row_last_used`` is at least the ``clock`` value read at the
-  previous save, so they are found at the save by a scan, at no cost in the
-  step. For each dirty row the delta holds the table row and its slots
+  `incremental.RowStamps`, as for any table); rows a training step used
+  (recency, hits) and rows admission gave a key (new or evicted and
+  reused): their ``row_last_used`` is at least the ``clock`` value read at
+  the previous save, so they are found at the save by a scan, at no cost in
+  the step; and rows eviction or expiry freed (``row_last_used`` 0: the
+  clock cannot tell), which the layer stamps itself, with the same stamps
+  and generation, in its admission step on the PS
+  (`DynamicEmbedding.track_changed_rows`: one scatter of the freed rows per
+  shard and step, usually empty; none per looked-up key). For each dirty row the delta holds the table row and its slots
   (generic), its ``row_last_used`` and ``row_hits``, the key it holds now
   and whether it holds one (a freed row holds none: its old key is deleted).
 * **The sketch**, whose counters only grow: the counters that differ from a

@@ -352,8 +352,11 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
         For incremental checkpoints (`tf_psplugin.incremental_dynamic`): in
         each traced step, shard s's admission calls ``marks[s](local_rows)``
-        (on that shard's PS) for the rows it fills or frees, and expiry for
-        the rows it frees. Set it before the first training step is traced.
+        (on that shard's PS) for the rows eviction frees without giving them
+        to a new key, and expiry for the rows it frees: a freed row's last
+        use is 0, so nothing else tells it changed. (Rows given a key get
+        the step's clock as their last use.) Set it before the first
+        training step is traced.
 
         Args:
             marks: One callable per shard, taking int64 local row ids and
@@ -640,7 +643,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
-            ops += self._mark_changed(s, tf.concat([slots, spare], 0))
+            # Freed rows only: rows given a key now are marked used now, which
+            # incremental checkpoints see without a mark.
+            ops += self._mark_changed(s, spare)
             ops += _scatter(slots, [(emb, values, "update"),
                                     (last_var, tf.fill(tf.shape(slots), now), "update"),
                                     (hits_var, seen[:taken], "update")])
