@@ -23,9 +23,10 @@ at the save, with no step in flight):
   clock cannot tell), which the layer stamps itself, with the same stamps
   and generation, in its admission step on the PS
   (`DynamicEmbedding.track_changed_rows`: one scatter of the freed rows per
-  shard and step, usually empty; none per looked-up key). For each dirty row the delta holds the table row and its slots
-  (generic), its ``row_last_used`` and ``row_hits``, the key it holds now
-  and whether it holds one (a freed row holds none: its old key is deleted).
+  shard and step, usually empty; none per looked-up key). For each dirty
+  row the delta holds the table row and its slots (generic), its
+  ``row_last_used`` and ``row_hits``, the key it holds now and whether it
+  holds one (a freed row holds none: its old key is deleted).
 * **The sketch**, whose counters only grow: the counters that differ from a
   copy of the sketch taken at the previous save (kept on the PS beside each
   sketch shard, as large as it), found by a scan at the save; again no work
@@ -41,7 +42,9 @@ or one process), the sketch by logical counter, and the keys as: drop every
 (key, row) pair whose row is a dirty row of the delta, then add (key, row)
 for each dirty row that holds a key; the maps are then reloaded whole
 (`_KeyIndex.load`, as a full restore does), so they land on the shards the
-current PS count names. The format is in `incremental`'s module docstring.
+current PS count names; this passes every pair through the chief once per
+delta, as a full restore does once. The format is in `incremental`'s module
+docstring.
 """
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
