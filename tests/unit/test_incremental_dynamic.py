@@ -49,6 +49,12 @@ def test_merge_with_string_keys_and_nothing_held():
     assert new_keys.tolist() == [b"a"] and new_rows.tolist() == [4]
 
 
+def layer_model(**kwargs):
+    inp = tf.keras.Input((2,), dtype=kwargs.get("key_dtype", tf.int64))
+    layer = layers.DynamicEmbedding(2, name="dyn", **kwargs)
+    return layer, tf.keras.Model(inp, layer(inp))
+
+
 def saved_state(layer):
     """Per row: (embedding row, last use, hits, key or None)."""
     emb = layer.embeddings.numpy()
@@ -61,9 +67,12 @@ def saved_state(layer):
 
 def tracked_layer(**kwargs):
     """A built layer, its RowStamps and DynamicTable, as `IncrementalSaver` sets them up."""
-    inp = tf.keras.Input((2,), dtype=tf.int64)
-    layer = layers.DynamicEmbedding(2, name="dyn", **kwargs)
-    model = tf.keras.Model(inp, layer(inp))
+    return tracked_model(**kwargs)[1:]
+
+
+def tracked_model(**kwargs):
+    """`tracked_layer`'s results, after the model."""
+    layer, model = layer_model(**kwargs)
     variables, _, paths = incremental.object_keys(tf.train.Checkpoint(model=model))
     keys_by_id = {id(v): k for k, v in variables.items()}
     [(path, found)] = incremental_dynamic.find_layers(tf.train.Checkpoint(model=model), paths)
@@ -73,7 +82,7 @@ def tracked_layer(**kwargs):
                                    tf.Variable(tf.zeros([layer.capacity], tf.int32)))
     table = incremental_dynamic.DynamicTable(path, layer, keys_by_id, paths)
     table.install([stamps], lambda device, **kw: tf.Variable(**kw))
-    return layer, table, stamps, generation
+    return model, layer, table, stamps, generation
 
 
 def start_save(table, generation, full):
@@ -155,3 +164,39 @@ def test_an_unbuilt_layer_is_refused():
     root = tf.train.Checkpoint(layer=layer)
     with pytest.raises(CheckpointError, match="not built"):
         incremental_dynamic.find_layers(root, {id(layer): "layer"})
+
+
+def test_pieces_applied_to_the_full_save_give_the_layer_now_with_string_keys(tmp_path):
+    kwargs = dict(capacity=6, eviction="lru", expire_after_steps=2, key_dtype=tf.string)
+    model, layer, table, stamps, generation = tracked_model(**kwargs)
+    keys = np.array([f"k{i}".encode() for i in range(30)], object)
+    rng = np.random.RandomState(1)
+    for _ in range(4):
+        layer(tf.constant(rng.choice(keys[:8], size=(3, 2))), training=True)
+    prefix = tf.train.Checkpoint(model=model).write(str(tmp_path / "full"))
+    start_save(table, generation, full=True)
+    for step in range(2):  # Keys 8.. replace the first ones (evicted)...
+        layer(tf.constant(keys[8 + 6 * step:14 + 6 * step].reshape(3, 2)), training=True)
+    for _ in range(3):  # ...then only key 20 is used: the others expire.
+        layer(tf.constant([[keys[20], keys[20]]]), training=True)
+    stats = layer.table_stats()[0]
+    assert stats["evicted"] > 0 and stats["expired"] > 0, stats
+    since = start_save(table, generation, full=False)
+    local = table.dirty_rows(0, stamps, since)
+    parts = {}
+
+    def add(name, tensor):
+        parts.setdefault(name, []).append(tensor.numpy())
+
+    add(table.table_key + "/.DELTA/ids", local)
+    table.add_row_pieces(0, local, local, add)
+    reader, reader_model = layer_model(**kwargs)
+    reader_root = tf.train.Checkpoint(model=reader_model)
+    reader_root.read(prefix).assert_existing_objects_matched()
+    variables, _, paths = incremental.object_keys(reader_root)
+    variables[table.table_key].scatter_update(tf.IndexedSlices(
+        tf.gather(layer.embeddings, local), local))
+    incremental_dynamic.apply(reader_root, {table.path: table.manifest()}, parts,
+                              variables.get, paths, "test")
+    assert saved_state(reader) == saved_state(layer)
+    assert reader.check_consistency() == []
