@@ -24,7 +24,7 @@ TARGET_MAX_OVER_MEAN = 1.1
 
 
 def shard_lookup_counts(ids, num_rows: int, num_shards: int, scheme: str) -> np.ndarray:
-    """Lookups each shard serves; uses tf_psplugin.sharding's version when present.
+    """Lookups each shard serves; uses tf_psplugin.tables.sharded's version when present.
 
     Args:
         ids: Array-like of ids in ``[0, num_rows)``.
@@ -36,7 +36,7 @@ def shard_lookup_counts(ids, num_rows: int, num_shards: int, scheme: str) -> np.
         int64 array of length `num_shards`.
     """
     try:
-        from tf_psplugin import sharding  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables import sharded as sharding  # pylint: disable=g-import-not-at-top
 
         return np.asarray(sharding.shard_lookup_counts(ids, num_rows, num_shards, scheme))
     except (ImportError, AttributeError):

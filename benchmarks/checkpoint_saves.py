@@ -3,7 +3,7 @@
 Why this module exists: the 60-minute soak showed the chief's and the PS
 tasks' RSS rising with every checkpoint. TF's eager `MultiDeviceSaver.save`
 traces a new `tf.function` per save when variables span several devices,
-and the remote tasks never release it. `tf_psplugin.checkpoint_write`
+and the remote tasks never release it. `tf_psplugin.state.checkpoint_write`
 writes through one traced function instead. This benchmark saves the same
 variables N times with each writer, side by side in one run, on a fresh
 cluster per writer (2 PS + 1 worker servers on loopback, chief in this
@@ -39,7 +39,7 @@ _SERVER = ("import json, os, tensorflow as tf\n"
 _CHIEF = """
 import json, os, sys, time
 import tensorflow as tf
-from tf_psplugin import checkpoint_write
+from tf_psplugin.state import checkpoint_write
 
 writer, saves, out_dir, pids = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 warmup = int(sys.argv[6])

@@ -1,7 +1,7 @@
-"""`python -m benchmarks.incremental`: a delta checkpoint vs a full one, for a 10M-row table.
+"""`python -m benchmarks.incremental`: delta vs full saves of a 10M-row table; serving freshness.
 
 Why this module exists: incremental checkpoints (`CheckpointManager(
-full_every=K)`, `tf_psplugin.incremental`) are worth having only if a delta
+full_every=K)`, `tf_psplugin.state.incremental`) are worth having only if a delta
 of the rows a job touched between saves is much smaller and faster than a
 full save, and restores exactly. This measures both on one loopback
 cluster (chief, 1 worker, 2 PS): one table of ``--rows`` x ``--dim``
@@ -18,21 +18,44 @@ delta) and is compared
 with the trained one on the PS tasks, shard by shard (table, accumulator)
 and every dense variable (`restore_exact`: all bitwise equal).
 
+Freshness, with a real serving process. After the first full save the
+chief exports it (`export_from_checkpoint`) and starts a separate process
+(no ``TF_CONFIG``, no cluster) that loads the export as a
+`tf_psplugin.ServingModel` and follows the model directory on its own:
+every ``--serving_poll_seconds`` (0.5) it polls; after a poll that applied
+something it answers a request (the model's output for 8 ids the step
+touched, ids the chief left in a probe file before the step) and reports
+its step, the answer and the wall time. Before each fraction's step the
+chief waits until the serving process is at the full save (later
+fractions: it reloaded that full checkpoint). ``serving_freshness_seconds``
+is the time from the step's update being on the PS tasks (the
+coordinator's join returned) to the serving process answering at the
+delta's step: the delta save, up to one poll interval, reading and
+applying the delta, the request. ``serving_exact``: that answer is the
+delta's step and equals the trained rows through the trained Dense layer
+(computed on the chief, ``rtol`` 1e-5).
+
 JSON lines (kind ``incremental``): ``rows``, ``dim``, ``touched_fraction``,
 ``delta_rows`` (ids in the delta), ``full_bytes``, ``delta_bytes`` (every
 file of each, markers excluded), ``full_seconds``, ``delta_seconds`` (the
 `save` call: join, pull, write, commit), ``restore_seconds`` (full + delta
 into the second model), ``restore_exact``, ``peak_rss_mb`` (every process,
-at the end of the run), ``serving_freshness_seconds``
-(null: no serving-side loader exists yet, ``serving_loader``: "not
-implemented"). A summary line checks the targets at 1%: delta bytes <= 5%
-and delta seconds <= 10% of the full save's, restore exact. ``--chart``
-draws bytes and seconds.
+at the end of the run; the serving process's when it answered),
+``serving_freshness_seconds``, ``serving_exact``, ``serving_apply_seconds``
+(the serving process's `poll` that applied the delta),
+``serving_poll_seconds``, ``export_seconds`` (the export the serving
+process starts from), ``serving_load_seconds`` (loading it),
+``serving_reload_seconds`` and ``serving_reloaded`` (from the second
+fraction on: the serving process's poll that reloaded the new full
+checkpoint, and what it applied). A summary line checks the targets at
+1%: delta bytes <= 5% and delta seconds <= 10% of the full save's, restore
+exact; and, over every fraction, the worst freshness <= 30 s and every
+serving answer exact. ``--chart`` draws bytes and seconds.
 
 ``--saves N`` instead runs N delta saves (each after a step) of a 200k x
 16 table and reports every process's RSS growth per 100 saves: a save
 path that leaves state behind on the PS tasks shows up there (see
-`tf_psplugin.checkpoint_write` for the leak full saves once had).
+`tf_psplugin.state.checkpoint_write` for the leak full saves once had).
 """
 
 import argparse
@@ -48,27 +71,34 @@ from benchmarks import procs
 RESULT_PREFIX = "INCREMENTAL_RESULT "
 TARGET_BYTES_RATIO = 0.05
 TARGET_SECONDS_RATIO = 0.10
+TARGET_FRESHNESS_SECONDS = 30.0
 
 CHIEF = r'''
-import gc, json, os, sys, time
+import gc, json, os, queue, subprocess, sys, threading, time
+import numpy as np
 import tensorflow as tf
 import tf_psplugin
 from benchmarks.procs import peak_rss_mb
 
 rows, dim, fractions, model_dir = (int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]),
                                    sys.argv[4])
+serving_script, export_dir, poll_seconds = sys.argv[5], sys.argv[6], float(sys.argv[7])
 tf_psplugin.start_server()
 strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 
+def architecture(seed):
+    return tf.keras.Sequential([
+        tf.keras.Input((None,), dtype=tf.int64, name="ids"),
+        tf.keras.layers.Embedding(rows, dim, name="table", embeddings_initializer=(
+            tf.keras.initializers.RandomUniform(seed=seed))),
+        tf.keras.layers.Dense(1, name="out")])
+
+
 def build(seed):
     with strategy.scope():
-        model = tf.keras.Sequential([
-            tf.keras.layers.Embedding(rows, dim, name="table", embeddings_initializer=(
-                tf.keras.initializers.RandomUniform(seed=seed))),
-            tf.keras.layers.Dense(1, name="out")])
-        model.build((None, None))
+        model = architecture(seed)
         optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
     return model, optimizer
 
@@ -122,49 +152,166 @@ def equal_on_ps(a, b):
     return ok
 
 
+class Serving:
+    """The serving process: follows model_dir on its own, answers the probe after each poll."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # No cluster.
+        self.proc = subprocess.Popen(
+            [sys.executable, serving_script, export_dir, model_dir, probe_path,
+             str(poll_seconds)], stdout=subprocess.PIPE, text=True, env=env)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("SERVING "):
+                self.lines.put(json.loads(line[len("SERVING "):]))
+            else:
+                print("[serving] " + line, end="", flush=True)
+        self.lines.put(None)
+
+    def wait_for(self, step, timeout=600):
+        """The first line of the serving process at `step` or later."""
+        deadline = time.time() + timeout
+        while True:
+            line = self.lines.get(timeout=max(1.0, deadline - time.time()))
+            if line is None:
+                raise RuntimeError(f"the serving process exited ({self.proc.wait()})")
+            if line.get("step") is not None and line["step"] >= step:
+                return line
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+probe_path = os.path.join(os.path.dirname(export_dir), "probe.json")
+
+
+def probe_ids(start):
+    return [int((start + i * STRIDE) % rows) for i in range(8)]
+
+
+def write_probe(ids):
+    with open(probe_path + ".tmp", "w") as f:
+        json.dump({"ids": ids}, f)
+    os.replace(probe_path + ".tmp", probe_path)
+
+
+def expected_output(ids):
+    """What serving must answer for `ids` now: the trained rows through the trained Dense."""
+    table = model.get_layer("table").embeddings
+    found = tf.nn.embedding_lookup(table, tf.constant(ids, tf.int64)).numpy()
+    kernel, bias = [w.numpy() for w in model.get_layer("out").weights]
+    return (found @ kernel + bias).ravel()
+
+
 assert rows % STRIDE, "rows must not be a multiple of 7919"
-for n, fraction in enumerate(fractions):
-    # Before the full save (so not in the delta): the first one traces the
-    # step and creates the slots.
-    step(0.001, 2 * n)
-    iterations = int(optimizer.iterations.numpy())
+serving, export_seconds, serving_load_seconds = None, None, None
+try:
+    for n, fraction in enumerate(fractions):
+        # Before the full save (so not in the delta): the first one traces the
+        # step and creates the slots.
+        step(0.001, 2 * n)
+        iterations = int(optimizer.iterations.numpy())
+        start = time.perf_counter()
+        full = manager.save(iterations)
+        full_seconds = time.perf_counter() - start
+        assert full.kind == "full", full
+        if serving is None:
+            # The export the serving process starts from, made from the full checkpoint.
+            start = time.perf_counter()
+            tf_psplugin.export_from_checkpoint(lambda: architecture(0), model_dir, export_dir)
+            export_seconds = time.perf_counter() - start
+            serving = Serving()
+        ready = serving.wait_for(full.step)  # Loaded the export, or reloaded this full save.
+        serving_load_seconds = ready.get("load_seconds", serving_load_seconds)
+        ids = probe_ids(2 * n + 1)
+        write_probe(ids)
+        touched = step(fraction, 2 * n + 1)
+        applied_on_ps = time.time()  # The step's update is on the PS tasks (join returned).
+        start = time.perf_counter()
+        delta = manager.save(iterations + 1)
+        delta_seconds = time.perf_counter() - start
+        assert delta.kind == "delta", delta
+        answer = serving.wait_for(delta.step)
+        freshness = answer["answered"] - applied_on_ps
+        serving_exact = (answer["checkpoint"] == delta.name and answer["ids"] == ids and
+                         bool(np.allclose(answer["output"], expected_output(ids), rtol=1e-5,
+                                          atol=1e-6)))
+        delta_rows = sum(
+            shape[0] for f in sorted(n for n in delta.files if n.endswith(".index") and "/ps-" in n)
+            for name, shape in tf.train.load_checkpoint(
+                os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
+            if name.endswith("/.DELTA/ids"))
+        other = build(2)  # Dropped after the check: it never coexists with a full save.
+        restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
+        start = time.perf_counter()
+        restored = restorer.restore()
+        restore_seconds = time.perf_counter() - start
+        table = model.get_layer("table").embeddings
+        other_table = other[0].get_layer("table").embeddings
+        exact = (restored.path == delta.path
+                 and equal_on_ps(table, other_table)
+                 and equal_on_ps(optimizer.get_slot(table, "accumulator"),
+                                 other[1].get_slot(other_table, "accumulator"))
+                 and all(equal_on_ps(a, b) for a, b in zip(model.get_layer("out").weights,
+                                                           other[0].get_layer("out").weights))
+                 and int(other[1].iterations.numpy()) == int(optimizer.iterations.numpy()))
+        print("INCREMENTAL_RESULT " + json.dumps({
+            "rows": rows, "dim": dim, "touched_fraction": fraction, "touched_rows": touched,
+            "delta_rows": int(delta_rows),
+            "full_bytes": sum(full.files.values()), "delta_bytes": sum(delta.files.values()),
+            "full_seconds": round(full_seconds, 3), "delta_seconds": round(delta_seconds, 3),
+            "restore_seconds": round(restore_seconds, 3), "restore_exact": bool(exact),
+            "peak_rss_mb": {"chief": round(peak_rss_mb(), 1),
+                            "serving": answer.get("peak_rss_mb")},
+            "serving_freshness_seconds": round(freshness, 3),
+            "serving_exact": serving_exact,
+            "serving_apply_seconds": answer["apply_seconds"],
+            "serving_poll_seconds": poll_seconds,
+            "export_seconds": round(export_seconds, 3),
+            "serving_load_seconds": serving_load_seconds,
+            "serving_reload_seconds": ready.get("apply_seconds") if n else None,
+            "serving_reloaded": ready.get("applied")}), flush=True)
+        del other, restorer, restored, other_table
+        gc.collect()
+finally:
+    if serving is not None:
+        serving.stop()
+'''
+
+
+SERVING = r'''
+import json, os, sys, time
+import tensorflow as tf
+import tf_psplugin
+from benchmarks.procs import peak_rss_mb
+
+export_dir, model_dir, probe_path, poll_seconds = sys.argv[1:4] + [float(sys.argv[4])]
+assert "TF_CONFIG" not in os.environ
+start = time.perf_counter()
+serving = tf_psplugin.ServingModel(export_dir, model_dir=model_dir)
+print("SERVING " + json.dumps({"step": serving.step, "checkpoint": serving.checkpoint,
+                               "load_seconds": round(time.perf_counter() - start, 3)}),
+      flush=True)
+while True:
+    time.sleep(poll_seconds)
     start = time.perf_counter()
-    full = manager.save(iterations)
-    full_seconds = time.perf_counter() - start
-    assert full.kind == "full", full
-    touched = step(fraction, 2 * n + 1)
-    start = time.perf_counter()
-    delta = manager.save(iterations + 1)
-    delta_seconds = time.perf_counter() - start
-    assert delta.kind == "delta", delta
-    delta_rows = sum(
-        shape[0] for f in sorted(n for n in delta.files if n.endswith(".index") and "/ps-" in n)
-        for name, shape in tf.train.load_checkpoint(
-            os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
-        if name.endswith("/.DELTA/ids"))
-    other = build(2)  # Dropped after the check: it never coexists with a full save.
-    restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
-    start = time.perf_counter()
-    restored = restorer.restore()
-    restore_seconds = time.perf_counter() - start
-    table, other_table = model.get_layer("table").embeddings, other[0].get_layer("table").embeddings
-    exact = (restored.path == delta.path
-             and equal_on_ps(table, other_table)
-             and equal_on_ps(optimizer.get_slot(table, "accumulator"),
-                             other[1].get_slot(other_table, "accumulator"))
-             and all(equal_on_ps(a, b) for a, b in zip(model.get_layer("out").weights,
-                                                       other[0].get_layer("out").weights))
-             and int(other[1].iterations.numpy()) == int(optimizer.iterations.numpy()))
-    print("INCREMENTAL_RESULT " + json.dumps({
-        "rows": rows, "dim": dim, "touched_fraction": fraction, "touched_rows": touched,
-        "delta_rows": int(delta_rows),
-        "full_bytes": sum(full.files.values()), "delta_bytes": sum(delta.files.values()),
-        "full_seconds": round(full_seconds, 3), "delta_seconds": round(delta_seconds, 3),
-        "restore_seconds": round(restore_seconds, 3), "restore_exact": bool(exact),
-        "peak_rss_mb": {"chief": round(peak_rss_mb(), 1)},
-        "serving_freshness_seconds": None, "serving_loader": "not implemented"}), flush=True)
-    del other, restorer, restored, other_table
-    gc.collect()
+    applied = serving.poll()
+    if not applied:
+        continue
+    apply_seconds = time.perf_counter() - start
+    line = {"step": serving.step, "checkpoint": serving.checkpoint,
+            "applied": [i.name for i in applied], "apply_seconds": round(apply_seconds, 3),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
+    if os.path.exists(probe_path):  # A request for the rows the last step touched.
+        with open(probe_path) as f:
+            ids = json.load(f)["ids"]
+        output = serving(tf.constant([ids], tf.int64)).numpy().ravel()
+        line.update(ids=ids, output=[float(x) for x in output], answered=time.time())
+    print("SERVING " + json.dumps(line), flush=True)
 '''
 
 
@@ -291,12 +438,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--chart", default="", help="PNG of bytes and seconds, full vs delta")
     p.add_argument("--log_dir", default=None)
     p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--serving_poll_seconds", type=float, default=0.5,
+                   help="how often the serving process polls the model directory")
     p.add_argument("--saves", type=int, default=0,
                    help="instead: RSS of every process over this many delta saves (leaks)")
     args = p.parse_args(argv)
     args.fraction_list = [float(x) for x in args.fractions.split(",") if x]
     if not args.fraction_list or not all(0 < f <= 1 for f in args.fraction_list):
         p.error("--fractions must be in (0, 1]")
+    if args.serving_poll_seconds <= 0:
+        p.error("--serving_poll_seconds must be > 0")
     if args.rows < 100 or args.dim < 1 or args.rows % 7919 == 0:
         p.error("--rows must be >= 100 and not a multiple of 7919, --dim >= 1")
     return args
@@ -328,8 +479,9 @@ def write_chart(records: List[dict], path: str) -> str:
 
 
 def summary(records: List[dict]) -> dict:
-    """The targets at the smallest fraction (1% by default), and exactness everywhere."""
+    """The targets at the smallest fraction (1% by default), exactness and freshness everywhere."""
     low = min(records, key=lambda r: r["touched_fraction"])
+    freshness = max(r["serving_freshness_seconds"] for r in records)
     bytes_ratio = low["delta_bytes"] / low["full_bytes"]
     seconds_ratio = low["delta_seconds"] / low["full_seconds"]
     return {"kind": "incremental_summary", "at_fraction": low["touched_fraction"],
@@ -337,7 +489,10 @@ def summary(records: List[dict]) -> dict:
             "delta_to_full_seconds": round(seconds_ratio, 4),
             "bytes_target_met": bytes_ratio <= TARGET_BYTES_RATIO,
             "seconds_target_met": seconds_ratio <= TARGET_SECONDS_RATIO,
-            "restore_exact": all(r["restore_exact"] for r in records)}
+            "restore_exact": all(r["restore_exact"] for r in records),
+            "serving_freshness_seconds": freshness,
+            "freshness_target_met": freshness <= TARGET_FRESHNESS_SECONDS,
+            "serving_exact": all(r["serving_exact"] for r in records)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -350,12 +505,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         procs.json_lines_emitter(args.output)(run_saves(args.saves, log_dir))
         return 0
     model_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_ckpt_")
+    serving_dir = tempfile.mkdtemp(prefix="tf_psplugin_incremental_serving_")
     emit = procs.json_lines_emitter(args.output)
     records = []
     try:
         script = os.path.join(log_dir, "incremental_chief.py")
         with open(script, "w", encoding="utf-8") as f:
             f.write(CHIEF)
+        serving_script = os.path.join(log_dir, "incremental_serving.py")
+        with open(serving_script, "w", encoding="utf-8") as f:
+            f.write(SERVING)
         log = os.path.join(log_dir, "incremental.log")
         with open(log, "w", encoding="utf-8") as out:
             with LocalCluster(num_workers=1, num_ps=2, servers="builtin",
@@ -366,7 +525,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             if role != "chief"}
                 result = cluster.run_chief(
                     [sys.executable, script, str(args.rows), str(args.dim),
-                     json.dumps(args.fraction_list), model_dir], timeout=args.timeout)
+                     json.dumps(args.fraction_list), model_dir, serving_script,
+                     os.path.join(serving_dir, "export"), str(args.serving_poll_seconds)],
+                    timeout=args.timeout)
                 text = "".join(cluster.output("chief"))
                 peaks = {role: round(procs.peak_rss_mb(str(pid)), 1)
                          for role, pid in servers.items()}
@@ -382,6 +543,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 emit(record)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.rmtree(serving_dir, ignore_errors=True)
     emit(summary(records))
     if args.chart:
         print(f"chart: {write_chart(records, args.chart)}", file=sys.stderr)

@@ -16,7 +16,7 @@ Variants used by the profile (`--variant`):
 * ``fused``: one table of ``26 * vocab_size`` rows with per-feature id offsets:
   one lookup (and one sparse gradient) per step instead of 26.
 * ``multitable``: the 26 tables of the baseline, looked up together with
-  `tf_psplugin.table_lookups.lookup_tables` (one round trip per PS for all
+  `tf_psplugin.tables.lookups.lookup_tables` (one round trip per PS for all
   of them): what `fuse_lookups=True` does for the baseline model.
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
@@ -145,7 +145,7 @@ class MultiTableEmbedding(tf.keras.layers.Layer):
         super().build(input_shape)
 
     def call(self, ids):
-        from tf_psplugin.table_lookups import lookup_tables  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables.lookups import lookup_tables  # pylint: disable=g-import-not-at-top
 
         columns = lookup_tables([layer.embeddings for layer in self.tables],
                                 tf.unstack(ids, axis=1))
@@ -177,7 +177,7 @@ def raw_keys(ids: tf.Tensor) -> tf.Tensor:
 
 def _raw_key_embedding(spec: ModelSpec, cat_in):
     if spec.variant == "hashed":
-        from tf_psplugin import key_hashing  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables import key_hashing  # pylint: disable=g-import-not-at-top
 
         rows = tf.keras.layers.Lambda(
             lambda k: key_hashing.bucket(key_hashing.key_hash(k), spec.capacity),

@@ -152,7 +152,7 @@ def run_ps_cluster(job: dict, num_workers: int, num_ps: int, log_dir: str,
     """Starts chief + workers + PS on loopback, runs the chief, reads every peak RSS.
 
     A server that cannot bind its port (the free-port race documented in
-    `tf_psplugin._ports`) makes the whole cluster restart on fresh ports, at
+    `tf_psplugin.cluster.ports`) makes the whole cluster restart on fresh ports, at
     most `attempts` times.
 
     Returns:

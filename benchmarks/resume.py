@@ -8,7 +8,7 @@ loopback), at several positions (steps already done):
 * ``skip``: build the dataset with `Dataset.skip(position)` (what
   keras_examples/ctr.py did for Criteo files): each worker reads and
   parses every skipped record again;
-* ``restore``: `tf_psplugin.input_state` (what `ChiefCheckpoint(
+* ``restore``: `tf_psplugin.state.input_state` (what `ChiefCheckpoint(
   save_input_position=True)` does): each worker restores its iterator's
   saved state, a seek to the saved file offset.
 
@@ -41,8 +41,8 @@ CHIEF = r'''
 import json, os, sys, time
 import tensorflow as tf
 import tf_psplugin
-from tf_psplugin import input_state
 from tf_psplugin.data import criteo_tsv_dataset
+from tf_psplugin.state import input_state
 
 files, batch, positions, scratch = (json.loads(sys.argv[1]), int(sys.argv[2]),
                                     json.loads(sys.argv[3]), sys.argv[4])

@@ -3,35 +3,47 @@
 The public API is listed here and only here (see `__all__`). The command-line
 modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch`,
 the opt-in in-process recovery `tf_psplugin.elastic`, the Keras layers in
-`tf_psplugin.layers` (`DynamicEmbedding`), the data helpers in
-`tf_psplugin.data` and the test helpers in `tf_psplugin.testing` are public
-too; everything else is private and may change.
+`tf_psplugin.layers` (`DynamicEmbedding`), every public exception in
+`tf_psplugin.errors`, the data helpers in `tf_psplugin.data`, the test
+helpers in `tf_psplugin.testing` and the Estimator front-end in
+`tf_psplugin.estimator` are public too; everything else is private and may
+change.
+
+The private code is in subpackages by layer, each importing only from the
+layers below it (`tests/unit/test_package_layers.py` checks this):
+`_internal` (TF adapter, patches, compat) < `cluster` < `sync` < `tables` <
+`state` < `fault` < `keras` < `runtime` (the strategy and coordinator).
+See docs/modules.md.
 
 Importing this package raises ImportError when `tf.keras` is Keras 3, which
 has no ParameterServerStrategy; the message says what to install.
 """
 
-from tf_psplugin import _compat  # noqa: F401  (raises ImportError on Keras 3)
+from tf_psplugin._internal import compat as _compat  # noqa: F401  (raises ImportError on Keras 3)
 from tf_psplugin._version import __version__
-from tf_psplugin.checkpoint import (CheckpointError, CheckpointInfo, CheckpointManager,
-                                    ChiefCheckpoint, build_optimizer_slots, latest_checkpoint,
-                                    list_checkpoints, load_into)
-from tf_psplugin.config import ClusterConfig, ConfigError
-from tf_psplugin.config import resolve as resolve_cluster
-from tf_psplugin.coordinator import HybridClusterCoordinator
-from tf_psplugin.evaluator import EvaluatorError, run_evaluator, wait_for_evaluation
-from tf_psplugin.export import ExportError, export_from_checkpoint, export_saved_model
-from tf_psplugin import elastic
-from tf_psplugin import layers
-from tf_psplugin.failover import (RESTART_EXIT_CODE, FailoverError, FailoverPolicy,
-                                  TaskFailedError)
-from tf_psplugin.model_dir import ModelDirError
-from tf_psplugin.placement import PlacementPolicy, embedding_table_scope
-from tf_psplugin.progress import ProgressBar
-from tf_psplugin.connection import TasksUnreachableError
-from tf_psplugin.strategy import HybridParameterServerStrategy, StrategyError
-from tf_psplugin.summaries import TrainingSummaries
-from tf_psplugin.variables import ReplicatedVariable, current_worker_index
+from tf_psplugin.cluster.config import ClusterConfig
+from tf_psplugin.cluster.config import resolve as resolve_cluster
+from tf_psplugin.errors import (RESTART_EXIT_CODE, CheckpointError, ConfigError, EvaluatorError,
+                                ExportError, FailoverError, ModelDirError, ServingError,
+                                StackingError, StrategyError, TaskFailedError,
+                                TasksUnreachableError)
+from tf_psplugin.fault.failover import FailoverPolicy
+from tf_psplugin.keras.progress import ProgressBar
+from tf_psplugin.keras.summaries import TrainingSummaries
+from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
+from tf_psplugin.runtime.strategy import HybridParameterServerStrategy
+from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager, ChiefCheckpoint,
+                                          build_optimizer_slots, latest_checkpoint,
+                                          list_checkpoints, load_into)
+from tf_psplugin.state.evaluator import run_evaluator, wait_for_evaluation
+from tf_psplugin.state.export import export_from_checkpoint, export_saved_model
+from tf_psplugin.state.serving import ServingModel
+from tf_psplugin.sync.replicated import ReplicatedVariable, current_worker_index
+from tf_psplugin.tables.placement import PlacementPolicy, embedding_table_scope
+# The public modules that are also names of this package (not the CLIs:
+# `python -m tf_psplugin.config` must not find its module already imported).
+from tf_psplugin.fault import elastic
+from tf_psplugin.tables import dynamic as layers
 
 
 
@@ -42,9 +54,7 @@ def start_server(config=None, argv=None):
     evaluator it returns the task's `ClusterConfig`. Call it first in every
     training script so the same script runs under every role.
     """
-    # Imported here so `python -m tf_psplugin.server` does not find the module
-    # already imported by the package (runpy warns about that).
-    from tf_psplugin import server  # pylint: disable=g-import-not-at-top
+    from tf_psplugin.cluster import server  # pylint: disable=g-import-not-at-top
 
     return server.start(config=config, argv=argv)
 
@@ -67,6 +77,9 @@ __all__ = [
     "ProgressBar",
     "RESTART_EXIT_CODE",
     "ReplicatedVariable",
+    "ServingError",
+    "ServingModel",
+    "StackingError",
     "StrategyError",
     "TaskFailedError",
     "TasksUnreachableError",

@@ -28,10 +28,10 @@ import importlib.util, json, os, sys
 import numpy as np
 import tensorflow as tf
 import tf_psplugin
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import checkpoint_write
-from tf_psplugin import export as export_lib
 from tf_psplugin.data import SyntheticCTR
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import checkpoint_write
+from tf_psplugin.state import export as export_lib
 # The model of keras_examples/ctr.py (a script, so loaded from its path).
 _spec = importlib.util.spec_from_file_location(
     "ctr_example", os.path.join({repo!r}, "keras_examples", "ctr.py"))

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin.state import checkpoint as ckpt_lib
 
 pytestmark = pytest.mark.cluster
 

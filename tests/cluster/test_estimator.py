@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin import _compat
+from tf_psplugin._internal import compat as _compat
 
 pytestmark = [
     pytest.mark.cluster,

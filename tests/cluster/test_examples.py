@@ -10,6 +10,9 @@ the README documents.
 `dynamic_ctr.py` runs on generated raw ids and on Criteo-format raw string
 ids, restarted with another PS count from its checkpoint.
 
+`online_ctr.py` trains on its endless stream with incremental checkpoints,
+the evaluator and the serving process following.
+
 Not here: keras_examples/ctr.py (tests/cluster/test_ctr_example.py) and
 estimator_examples/ (tests/cluster/test_estimator.py) have their own modules. These tests run in both CI environments (TF 2.15 and
 the newest TF with tf-keras, `make test`), so they hold the examples to both.
@@ -136,3 +139,37 @@ def test_dynamic_ctr_string_ids_resume_on_another_ps_count(procs, tmp_path):
     assert result.returncode == 0, result.stdout
     assert "per PS: /job:ps/replica:0/task:0" in result.stdout
     assert "/job:ps/replica:0/task:1" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_online_ctr_with_deltas_evaluator_and_serving(procs, tmp_path):
+    model_dir = tmp_path / "online"
+    cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "1", "--evaluator",
+           "--timeout", "130", "--", cu.PYTHON, os.path.join(EXAMPLES, "online_ctr.py"),
+           "--model_dir", str(model_dir), "--epochs", "3", "--steps_per_epoch", "10",
+           "--save_every_steps", "5", "--full_every", "3", "--steps_per_execution", "5",
+           "--batch_size", "64", "--vocab_size", "1000", "--serve",
+           "--serving_poll_seconds", "0.3", "--serving_timeout_seconds", "100",
+           "--wait_for_evaluator_seconds", "100", "--eval_steps", "2",
+           "--eval_batch_size", "128", "--eval_idle_timeout_seconds", "100"]
+    result = procs.run(cmd, timeout=140, cwd=cu.REPO_ROOT)
+    out = result.stdout
+    assert_clean_exit(result.returncode, out)
+    assert "[chief] Epoch 3/3" in out, out
+    # Saves every 5 steps, every 3rd full: ckpt-5, delta-10, delta-15, ckpt-20, delta-25,
+    # delta-30 (the final one); max_to_keep=2 keeps both chains.
+    assert ("[chief] online_ctr: trained to step 30; last save delta-30 (delta); saves in "
+            "model_dir: ckpt-20, ckpt-5, delta-10, delta-15, delta-25, delta-30") in out, out
+    # The evaluator follows the deltas: it scores the final one, then the chief exits.
+    assert re.search(r"^\[chief\] online_ctr: the evaluator scored step 30: AUC 0\.\d+$",
+                     out, re.M), out
+    # The serving process (started by the chief, no cluster) applied deltas in place and
+    # answered after each update, up to the final step.
+    served = re.findall(r"^\[chief\] online_ctr serving: step (\d+) \(applied ([^)]*)\) "
+                        r"answered (\d+\.\d+) s after the chief committed it; mean "
+                        r"predicted CTR (0\.\d+)$", out, re.M)
+    assert served, out
+    assert any("delta-" in applied for _, applied, _, _ in served), out
+    assert served[-1][0] == "30", out
+    assert "[chief] online_ctr serving: done at the final step 30" in out, out
+    assert "[chief] online_ctr: the serving process exited (0)" in out, out

@@ -151,7 +151,7 @@ _SMALL_JOB = '''
         # apart, and a log line from a coordinator thread can land between them.
         sys.stdout.write(" ".join(str(p) for p in parts) + "\\n")
     import numpy as np, tensorflow as tf, tf_psplugin
-    from tf_psplugin import failover
+    from tf_psplugin.fault import failover
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
         collective_timeout_seconds=10,
@@ -177,7 +177,7 @@ _SMALL_JOB = '''
 # The small job without a handler: the uncaught TaskFailedError ends it.
 _UNCAUGHT_JOB = '''
     import tensorflow as tf, tf_psplugin
-    from tf_psplugin import failover
+    from tf_psplugin.fault import failover
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
         collective_timeout_seconds=10, failover=failover.FailoverPolicy(task_restarts=True))
@@ -203,7 +203,7 @@ _ELASTIC_JOB = '''
         # apart, and a log line from a coordinator thread can land between them.
         sys.stdout.write(" ".join(str(p) for p in parts) + "\\n")
     import tensorflow as tf, tf_psplugin
-    from tf_psplugin import failover
+    from tf_psplugin.fault import failover
     tf_psplugin.start_server()
 
     def train():

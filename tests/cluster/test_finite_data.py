@@ -2,7 +2,7 @@
 
 One chief runs every check against one cluster (tests/cluster/scripts/
 finite_data.py); each is asserted here by name. What an epoch is:
-tf_psplugin/epochs.py and docs/concepts.md.
+tf_psplugin/runtime/epochs.py and docs/concepts.md.
 """
 
 import os

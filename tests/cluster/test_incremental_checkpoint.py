@@ -10,6 +10,8 @@ another directory (the reference). The test checks that
 * restoring full + deltas into a fresh model on the same cluster,
 * and into a plain single-process model (`load_into`: tables as one
   variable, i.e. another shard count than the 2-PS writer's),
+* and into an export of the full checkpoint followed by a
+  `tf_psplugin.ServingModel` (the serving loader) through both deltas,
 
 give exactly (np.testing.assert_array_equal) the weights, table slots and
 step of the full save, and that the deltas hold only the touched rows.
@@ -103,6 +105,20 @@ for name, model_dir in zip(sys.argv[2::2], sys.argv[3::2]):
     info = ckpt_lib.load_into(model, model_dir, include_optimizer=True)
     np.savez(os.path.join(out, name + ".npz"), **state(model))
     result[name] = [info.step, info.kind]
+# A serving process follows the same chain from an export of its full checkpoint.
+incr = sys.argv[3]
+export = tf_psplugin.export_from_checkpoint(model_fn, os.path.join(incr, "ckpt-2"),
+                                            os.path.join(out, "export"))
+serving = tf_psplugin.ServingModel(export, model_dir=incr)
+result["serving"] = [i.name for i in serving.poll()] + [serving.step]
+reference = new_model()
+ckpt_lib.load_into(reference, incr)
+result["serving_same_weights"] = all(
+    np.array_equal(a.numpy(), b) for a, b in zip(serving.loaded.variables,
+                                                 reference.get_weights()))
+features, _ = next(iter(SyntheticCTR(vocab_size=V, seed=9).dataset(16)))
+result["serving_same_output"] = bool(np.allclose(serving(features).numpy(),
+                                                 reference(features).numpy(), rtol=1e-5))
 print("RESULT", json.dumps(result))
 """
 
@@ -146,7 +162,10 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     res = procs.run([cu.PYTHON, cu.script(tmp_path, PLAIN, "plain.py"), str(out),
                      "plain_incr", str(incr_dir), "plain_full", str(full_dir)], timeout=120)
     assert res.returncode == 0, res.stdout[-6000:]
-    assert json.loads(cu.result_line(res.stdout)) == {"plain_incr": [6, "delta"],
-                                                      "plain_full": [6, "full"]}
+    assert json.loads(cu.result_line(res.stdout)) == {
+        "plain_incr": [6, "delta"], "plain_full": [6, "full"],
+        # tf_psplugin.ServingModel applied the two deltas the cluster wrote, in order.
+        "serving": ["delta-4", "delta-6", 6], "serving_same_weights": True,
+        "serving_same_output": True}
     cu.assert_same_npz(out / "plain_full.npz", out / "live6.npz")
     cu.assert_same_npz(out / "plain_incr.npz", out / "plain_full.npz")

@@ -34,7 +34,7 @@ import json, os, sys
 import numpy as np
 import tensorflow as tf
 import tf_psplugin
-from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin import layers
 
 FEATURES, BATCH, DIM, CAPACITY = 3, 8, 4, 24

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 # server.start() serves there and never returns.
 PSS_SCRIPT = """
 import json, sys
-from tf_psplugin import server
+from tf_psplugin.cluster import server
 
 config = server.start()  # tf_psplugin: ps/worker tasks block here.
 import tensorflow as tf

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tests.cluster import _cluster_util as cu
 from tf_psplugin import RESTART_EXIT_CODE
-from tf_psplugin import checkpoint as ckpt_lib
+from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin.testing import hosts as hosts_lib
 
 pytestmark = pytest.mark.cluster

@@ -35,8 +35,8 @@ import time
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import model_dir as md
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import model_dir as md
 from tf_psplugin.testing import hosts as hosts_lib
 
 pytest.importorskip("yaml", reason="PyYAML (test extra) parses the manifest")

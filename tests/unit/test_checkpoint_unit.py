@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import model_dir as md
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import model_dir as md
 
 VOCAB, DIM = 20, 3
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf_psplugin import checkpoint_write
+from tf_psplugin.state import checkpoint_write
 
 
 class _IntValue:

@@ -7,7 +7,7 @@ different functions must not share one.
 
 import tensorflow as tf
 
-from tf_psplugin.collectives import CollectiveGroup
+from tf_psplugin.sync.collectives import CollectiveGroup
 
 
 def _keys_of_trace(group, n):

@@ -1,4 +1,4 @@
-"""The version gate (`tf_psplugin._compat`): Keras 2 or a clear ImportError.
+"""The version gate (`tf_psplugin._internal.compat`): Keras 2 or a clear ImportError.
 
 `make test` runs this file in both CI environments, and each covers
 something different. Be precise about which:
@@ -27,7 +27,7 @@ import types
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import _compat
+from tf_psplugin._internal import compat as _compat
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TF_MINOR = tuple(int(p) for p in tf.__version__.split(".")[:2])

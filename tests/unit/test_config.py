@@ -9,8 +9,8 @@ import sys
 import pytest
 from absl import flags
 
-from tf_psplugin import config as cfg
-from tf_psplugin.config import ClusterConfig, ConfigError
+from tf_psplugin.cluster import config as cfg
+from tf_psplugin.cluster.config import ClusterConfig, ConfigError
 
 A, B, C, D, E = ("h0:2222", "h1:2222", "h2:2222", "h3:2222", "h4:2222")
 

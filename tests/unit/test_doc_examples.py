@@ -31,8 +31,8 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import _compat
-from tf_psplugin import _deprecation
+from tf_psplugin._internal import compat as _compat
+from tf_psplugin._internal import deprecation as _deprecation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PUBLIC_MODULES = ("config", "server", "launch", "elastic", "layers", "data")

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import key_hashing
-from tf_psplugin import layers
+from tf_psplugin.tables import dynamic as layers
+from tf_psplugin.tables import key_hashing
 
 
 def make(**kwargs):
@@ -296,7 +296,7 @@ def test_shards_are_balanced_under_zipf_keys():
 
 
 def test_contiguous_sharding_is_refused_with_the_fix(monkeypatch):
-    from tf_psplugin import _tf_internal
+    from tf_psplugin._internal import tf_internal as _tf_internal
 
     original = layers.DynamicEmbedding.add_weight
 

@@ -1,4 +1,4 @@
-"""The pieces of a synchronous epoch (tf_psplugin/epochs.py) without a cluster.
+"""The pieces of a synchronous epoch (tf_psplugin/runtime/epochs.py) without a cluster.
 
 The cluster behaviour (fit/evaluate/custom loops on finite data) is in
 tests/cluster/test_finite_data.py.
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import epochs
-from tf_psplugin._compat import keras
+from tf_psplugin._internal import patches
+from tf_psplugin._internal.compat import keras
+from tf_psplugin.runtime import epochs
 
 
 def _count(dataset):
@@ -121,8 +122,8 @@ def test_evaluation_marker_is_scoped_and_restored():
 
 
 def test_data_handler_hook_leaves_models_without_the_strategy_alone():
-    epochs.install_data_handler_hook()
-    epochs.install_data_handler_hook()  # Idempotent.
+    patches.install("keras_data_handler")
+    patches.install("keras_data_handler")  # Idempotent.
     model = keras.Sequential([keras.layers.Dense(1, input_shape=(2,))])
     model.compile("sgd", "mse")
     x = np.ones((7, 2), "float32")

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from absl import flags
 
-from tf_psplugin import _compat
+from tf_psplugin._internal import compat as _compat
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_estimator = pytest.mark.skipif(
@@ -66,7 +66,7 @@ def test_package_import_does_not_import_estimator():
 
 
 def _flag_values(*argv):
-    from tf_psplugin import config
+    from tf_psplugin.cluster import config
 
     fv = flags.FlagValues()
     config.define_flags(fv)
@@ -189,7 +189,7 @@ def test_run_config_rejects_conflicting_arguments(monkeypatch, kwargs, match):
 @needs_estimator
 def test_run_config_cluster_without_ps_is_rejected(monkeypatch):
     import tf_psplugin.estimator as est
-    from tf_psplugin import config
+    from tf_psplugin.cluster import config
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     fv = _flag_values("--job_name=worker", "--worker_hosts=localhost:1001")
@@ -200,7 +200,7 @@ def test_run_config_cluster_without_ps_is_rejected(monkeypatch):
 @needs_estimator
 def test_run_config_invalid_cluster_is_an_error_not_local(monkeypatch):
     import tf_psplugin.estimator as est
-    from tf_psplugin import config
+    from tf_psplugin.cluster import config
 
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with pytest.raises(config.ConfigError):
@@ -244,7 +244,7 @@ def test_already_partitioned_names(tables):
 
 
 def test_is_table_request_uses_the_shared_policy(tables):
-    from tf_psplugin import placement
+    from tf_psplugin.tables import placement
 
     policy = placement.PlacementPolicy()
     assert tables.is_table_request(policy, _table_kwargs("embedding_weights", 10, 4))
@@ -321,7 +321,7 @@ def test_placement_records_label_tables_slots_and_dense(tables):
 
 @needs_estimator
 def test_strategy_copies_start_with_no_tables():
-    from tf_psplugin import placement
+    from tf_psplugin.tables import placement
     from tf_psplugin.estimator import _strategy
 
     strategy = _strategy.make_strategy("hybrid", placement.PlacementPolicy(), "sync")

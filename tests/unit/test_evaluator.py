@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import evaluator as ev
-from tf_psplugin import model_dir as md
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import evaluator as ev
+from tf_psplugin.state import model_dir as md
 
 VOCAB = 12
 
@@ -281,3 +281,45 @@ def test_wait_for_evaluation_times_out_and_skips_torn_lines(tmp_path):
                                   clock=fake.clock, sleep=fake.sleep) is None
     assert fake.sleeps == [2.0, 2.0, 2.0]  # Looked at t=0, 2, 4, 6 (past 5): gave up.
     assert ev.wait_for_evaluation(str(tmp_path), 3, timeout_seconds=0)["loss"] == 0.5
+
+
+def test_follows_incremental_checkpoints_through_their_deltas(tmp_path):
+    """With full_every, the evaluator scores chain ends too, and exits on a final delta."""
+    from tests.unit import test_incremental_unit as inc
+
+    def tiny_compiled():
+        model = inc.tiny_model()
+        model.compile(tf.keras.optimizers.legacy.Adagrad(0.5), "mse")
+        return model
+
+    def tiny_data():
+        ids = np.arange(2 * 16).reshape(16, 2) % inc.VOCAB
+        return tf.data.Dataset.from_tensor_slices((ids, np.ones([16, 1], "float32"))).batch(8)
+
+    model_dir = str(tmp_path)
+    trained = inc.tiny_model()
+    # Trained once: its optimizer has its hyperparameter variables, which the
+    # deltas then hold (the evaluator's never-trained optimizer has not).
+    trained.fit(tiny_data(), epochs=1, steps_per_epoch=1, verbose=0)
+    inc.write_full(model_dir, 2, trained)
+    table = trained.get_layer("table").embeddings
+    rows = np.full([2, inc.DIM], 0.5, np.float32)
+    table.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant([1, 2], tf.int64)))
+
+    def write_deltas():
+        inc.write_delta(model_dir, 4, "ckpt-2", "ckpt-2", model=trained, ids=[1, 2], rows=rows)
+        inc.write_delta(model_dir, 6, "ckpt-2", "delta-4", model=trained, ids=[], rows=None)
+        md.write_training_done(model_dir, 6, os.path.join(model_dir, "delta-6"))
+
+    fake = FakeTime([write_deltas])
+    records = ev.run_evaluator(tiny_compiled, tiny_data, model_dir, evaluate_all=True,
+                               poll_interval_seconds=1.0, idle_timeout_seconds=30.0,
+                               clock=fake.clock, sleep=fake.sleep)
+    # delta-4 was read with its chain (already at delta-6): scored once, at step 6.
+    assert [(r["step"], os.path.basename(r["checkpoint"])) for r in records] == [
+        (2, "ckpt-2"), (6, "delta-6")]
+    reference = tiny_compiled()
+    ckpt_lib.load_into(reference, model_dir)
+    expected = reference.evaluate(tiny_data(), verbose=0, return_dict=True)
+    assert records[-1]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert records[0]["loss"] != pytest.approx(records[-1]["loss"], rel=1e-6)

@@ -19,10 +19,12 @@ import weakref
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import config as config_lib
-from tf_psplugin import coordinator as coordinator_lib
-from tf_psplugin import elastic
-from tf_psplugin import failover
+from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import liveness
+from tf_psplugin.fault import elastic
+from tf_psplugin.fault import failover
+from tf_psplugin.runtime import coordinator as coordinator_lib
+from tf_psplugin.state import checkpoint as checkpoint_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,7 +52,7 @@ def _bare_coordinator(num_workers=2, timeout=5.0):
 def listening(monkeypatch):
     """Two addresses: one that accepts connections, one that does not (probes faked)."""
     alive, dead = "10.0.0.1:1", "10.0.0.2:1"
-    monkeypatch.setattr(failover, "accepts_connections", lambda address, timeout=1.0: {
+    monkeypatch.setattr(liveness, "accepts_connections", lambda address, timeout=1.0: {
         alive: True, dead: False}[address])
     return alive, dead
 
@@ -96,8 +98,8 @@ def test_watchdog_fails_a_step_stuck_longer_than_the_limit_and_names_its_workers
     error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
     assert isinstance(error, tf.errors.DeadlineExceededError)
     assert "step 7 made no progress for 10 s" in error.message
-    assert failover.is_task_failure(error)
-    assert failover.tasks_named_in(error) == {("worker", 0), ("worker", 1)}
+    assert liveness.is_task_failure(error)
+    assert liveness.tasks_named_in(error) == {("worker", 0), ("worker", 1)}
     assert coord._error is error and step.error is error  # pylint: disable=protected-access
     # Worker 0's part carries the step's result: its RemoteValue fails too.
     assert step.remote_value._status_available_event.is_set()  # pylint: disable=protected-access
@@ -121,7 +123,7 @@ def test_watchdog_names_only_the_workers_still_in_the_oldest_hung_step():
                       0: (new, now - 20.0)}
     error = coord._fail_hung_step(10.0)  # pylint: disable=protected-access
     assert "step 3 " in error.message
-    assert failover.tasks_named_in(error) == {("worker", 1), ("worker", 2)}
+    assert liveness.tasks_named_in(error) == {("worker", 1), ("worker", 2)}
     # Worker 0 is not in the failed step: step 3's result is not worker 0's to fail.
     assert not old.remote_value._status_available_event.is_set()  # pylint: disable=protected-access
 
@@ -273,7 +275,7 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     controller = failover.FailoverController(
         _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=False,
                                                      recovery_timeout_seconds=300))
-    monkeypatch.setattr(failover, "_checkpointers", [])
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
     monkeypatch.setattr(controller, "_restart_surviving_workers",
                         lambda *a: aborts.append(a) or set())
     error = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
@@ -305,7 +307,7 @@ def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monke
     controller = failover.FailoverController(
         _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=True,
                                                      recovery_timeout_seconds=300))
-    monkeypatch.setattr(failover, "_checkpointers", [])
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
     monkeypatch.setattr(controller, "_restart_surviving_workers",
                         lambda *a: {("worker", 0)})
     execs = []
@@ -369,8 +371,8 @@ def test_emergency_checkpoint_needs_every_survivor_at_the_same_committed_step(
     coordinator = _FakeCoordinator()
     coordinator.num_workers = 3
     saver = _Saver(coordinator)
-    monkeypatch.setattr(failover, "_checkpointers", [])
-    failover.register_checkpointer(saver)
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
+    checkpoint_lib.register_checkpointer(saver)
     path = controller._save_what_survives(coordinator, {("worker", 1)})
     assert saver.saved_from == saved_from
     assert path == ("/m/ckpt-emergency" if saved_from else None)
@@ -388,10 +390,11 @@ def _run_python(code, tmp_path):
 def test_uncaught_task_failed_error_exits_138_with_one_line_after_cleanup(tmp_path):
     result = _run_python("""
         import atexit
-        from tf_psplugin import failover
+        from tf_psplugin.fault import failover
         atexit.register(lambda: print("atexit ran", flush=True))
-        failover.install_exit_hook()
-        failover.install_exit_hook()  # Idempotent.
+        from tf_psplugin._internal import patches
+        patches.install("exit_on_failover_error")
+        patches.install("exit_on_failover_error")  # Idempotent.
         try:
             raise failover.TaskFailedError("worker:1 at h:1 failed; Fix: restart",
                                            ["worker:1"], {"worker:1": "h:1"}, None)
@@ -411,8 +414,8 @@ def test_uncaught_task_failed_error_exits_138_with_one_line_after_cleanup(tmp_pa
 
 def test_uncaught_other_errors_keep_their_traceback_and_status(tmp_path):
     result = _run_python("""
-        from tf_psplugin import failover
-        failover.install_exit_hook()
+        from tf_psplugin._internal import patches
+        patches.install("exit_on_failover_error")
         raise ValueError("a user bug")
     """, tmp_path)
     assert result.returncode == 1
@@ -509,19 +512,19 @@ def test_elastic_run_passes_other_errors_through_unchanged():
 
 def test_registered_checkpointers_do_not_outlive_their_owner(monkeypatch):
     """A notebook that builds many models must not keep every one alive."""
-    monkeypatch.setattr(failover, "_checkpointers", [])
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
 
     class Checkpointer:
         def save_emergency(self):
             return None
 
     kept, dropped = Checkpointer(), Checkpointer()
-    failover.register_checkpointer(kept)
-    failover.register_checkpointer(dropped)
-    failover.register_checkpointer(kept)  # Once only.
-    assert failover._live_checkpointers() == [kept, dropped]  # pylint: disable=protected-access
+    checkpoint_lib.register_checkpointer(kept)
+    checkpoint_lib.register_checkpointer(dropped)
+    checkpoint_lib.register_checkpointer(kept)  # Once only.
+    assert checkpoint_lib.live_checkpointers() == [kept, dropped]
     probe = weakref.ref(dropped)
     del dropped
     gc.collect()
     assert probe() is None
-    assert failover._live_checkpointers() == [kept]  # pylint: disable=protected-access
+    assert checkpoint_lib.live_checkpointers() == [kept]

@@ -107,7 +107,7 @@ def test_the_plugins_commands_still_drop_tensorflows_import_info_lines():
 def test_building_a_strategy_installs_the_exit_hook_and_the_keras_hooks():
     """What docs/api.md ("What building a strategy changes") lists, checked."""
     code = PROBE.replace("after = state()", textwrap.dedent("""
-        from tf_psplugin import _ports
+        from tf_psplugin.cluster import ports as _ports
         ports = _ports.pick_free_ports(4)
         cluster = tf.train.ClusterSpec({
             "chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],

@@ -1,4 +1,4 @@
-"""benchmarks/incremental.py: arguments, summary, chart, and one real mini run."""
+"""benchmarks/incremental.py: arguments, summary, chart, and one real mini run (with serving)."""
 
 import json
 import os
@@ -15,25 +15,35 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def test_arguments():
     args = incremental.parse_args(["--quick"])
     assert (args.rows, args.dim, args.fraction_list) == (10_000_000, 16, [0.01, 0.1])
+    assert args.serving_poll_seconds == 0.5
+    with pytest.raises(SystemExit):
+        incremental.parse_args(["--serving_poll_seconds", "0"])
     with pytest.raises(SystemExit):
         incremental.parse_args(["--fractions", "0"])
     with pytest.raises(SystemExit):
         incremental.parse_args(["--rows", str(7919 * 100)])
 
 
-def record(fraction, delta_bytes, delta_seconds, exact=True):
+def record(fraction, delta_bytes, delta_seconds, exact=True, freshness=2.0, served=True):
     return {"rows": 1000, "dim": 4, "touched_fraction": fraction, "full_bytes": 1000,
             "delta_bytes": delta_bytes, "full_seconds": 10.0, "delta_seconds": delta_seconds,
-            "restore_exact": exact}
+            "restore_exact": exact, "serving_freshness_seconds": freshness,
+            "serving_exact": served}
 
 
 def test_summary_checks_the_targets_at_the_smallest_fraction():
     ok = incremental.summary([record(0.1, 200, 3.0), record(0.01, 50, 1.0)])
     assert ok["at_fraction"] == 0.01 and ok["bytes_target_met"] and ok["seconds_target_met"]
     assert ok["restore_exact"] is True
-    bad = incremental.summary([record(0.01, 51, 1.01, exact=False)])
+    assert ok["serving_freshness_seconds"] == 2.0 and ok["freshness_target_met"]
+    assert ok["serving_exact"] is True
+    bad = incremental.summary([record(0.01, 51, 1.01, exact=False),
+                               record(0.1, 50, 1.0, freshness=30.5, served=False)])
     assert not bad["bytes_target_met"] and not bad["seconds_target_met"]
     assert bad["restore_exact"] is False
+    # Freshness: the worst fraction counts.
+    assert bad["serving_freshness_seconds"] == 30.5 and not bad["freshness_target_met"]
+    assert bad["serving_exact"] is False
 
 
 def test_chart(tmp_path):
@@ -57,10 +67,16 @@ def test_real_mini_run(tmp_path):
     assert runs[0.01]["delta_rows"] == 200 and runs[0.5]["delta_rows"] == 10000
     assert all(r["restore_exact"] for r in runs.values())
     assert runs[0.01]["delta_bytes"] < runs[0.5]["delta_bytes"] < runs[0.5]["full_bytes"]
-    assert runs[0.01]["serving_freshness_seconds"] is None
-    assert runs[0.01]["serving_loader"] == "not implemented"
+    # A separate serving process answered with each step's rows.
+    for run in runs.values():
+        assert 0 < run["serving_freshness_seconds"] < 60, run
+        assert run["serving_exact"] is True, run
+    # The second fraction's full save was reloaded whole by the serving process.
+    assert runs[0.01]["serving_reloaded"] is None
+    assert [n.split("-")[0] for n in runs[0.5]["serving_reloaded"]] == ["ckpt"], runs[0.5]
     summary = [r for r in lines if r["kind"] == "incremental_summary"][0]
-    assert summary["restore_exact"] is True
+    assert summary["restore_exact"] is True and summary["serving_exact"] is True
+    assert summary["freshness_target_met"] is True
 
 
 @pytest.mark.slow

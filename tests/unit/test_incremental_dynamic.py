@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import incremental
-from tf_psplugin import incremental_dynamic
+from tf_psplugin.state import incremental
+from tf_psplugin.state import incremental_dynamic
 from tf_psplugin import layers
-from tf_psplugin.model_dir import CheckpointError
+from tf_psplugin.state.model_dir import CheckpointError
 
 
 @pytest.fixture(autouse=True)

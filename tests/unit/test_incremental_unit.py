@@ -2,7 +2,7 @@
 
 The writing side (row stamps on the PS, deltas written by each PS) needs a
 cluster: tests/cluster/test_incremental_checkpoint.py. Here deltas are
-written by hand in the documented format (`tf_psplugin.incremental`), which
+written by hand in the documented format (`tf_psplugin.state.incremental`), which
 is also what a serving-side loader would read.
 """
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import checkpoint as ckpt_lib
-from tf_psplugin import incremental
-from tf_psplugin import model_dir as md
+from tf_psplugin.state import checkpoint as ckpt_lib
+from tf_psplugin.state import incremental
+from tf_psplugin.state import model_dir as md
 
 VOCAB, DIM = 20, 3
 TABLE_KEY = "model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE"

@@ -8,8 +8,8 @@ import os
 
 import tensorflow as tf
 
-from tf_psplugin import coordinator
-from tf_psplugin._tf_internal import coordinator_values
+from tf_psplugin._internal.tf_internal import coordinator_values
+from tf_psplugin.runtime import coordinator
 
 
 def _reads_files(dataset):

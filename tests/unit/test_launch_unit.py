@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from tf_psplugin import config as cfg
-from tf_psplugin import launch, server
-from tf_psplugin.config import ConfigError
-from tf_psplugin.launch import LocalCluster
+from tf_psplugin.cluster import config as cfg
+from tf_psplugin.cluster import launch
+from tf_psplugin.cluster import server
+from tf_psplugin.cluster.config import ConfigError
+from tf_psplugin.cluster.launch import LocalCluster
 
 PY = sys.executable
 

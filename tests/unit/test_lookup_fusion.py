@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import lookup_fusion
-from tf_psplugin.sharding import InterleavedShardedVariable
+from tf_psplugin._internal import patches
+from tf_psplugin.tables import fusion as lookup_fusion
+from tf_psplugin.tables import prefetched
+from tf_psplugin.tables.sharded import InterleavedShardedVariable
 
 FEATURES, VOCAB = 4, 20
 
@@ -70,7 +72,7 @@ def _run(model, fuse, monkeypatch):
 
 
 def test_fused_run_equals_per_layer_lookups(monkeypatch):
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     model = _model()
     loss, grads, fused = _run(model, True, monkeypatch)
     ref_loss, ref_grads, ref_fused = _run(model, False, monkeypatch)
@@ -85,18 +87,18 @@ def test_fused_run_equals_per_layer_lookups(monkeypatch):
 
 
 def test_no_fusion_outside_the_strategy_or_eagerly(monkeypatch):
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     model = _model()
     _, _, fused = _run(model, False, monkeypatch)
     assert not fused
     monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
     out = model([tf.zeros((2, FEATURES), tf.int64), tf.zeros((2, 1))])  # Eager: per layer.
     assert out.shape == (2, 1)
-    assert not lookup_fusion._runs()
+    assert not prefetched.runs()
 
 
 def test_the_same_model_twice_in_one_function_fuses_each_call(monkeypatch):
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
     model = _model()
     a = tf.constant([[1, 2, 3, 4]], tf.int64)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin.sharding import InterleavedShardedVariable
-from tf_psplugin.table_lookups import lookup_tables
+from tf_psplugin.tables.lookups import lookup_tables
+from tf_psplugin.tables.sharded import InterleavedShardedVariable
 
 
 def _tables(row_counts, width=4, num_shards=3, seed=0):

@@ -12,8 +12,8 @@ single-process training, collectives per step).
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import on_read_updates
-from tf_psplugin.connection import StrategyError
+from tf_psplugin.cluster.connection import StrategyError
+from tf_psplugin.sync import on_read_updates
 
 WORKERS = 3
 

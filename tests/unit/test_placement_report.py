@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tf_psplugin import placement
+from tf_psplugin.tables import placement
 
 PS = ("/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0")
 WORKERS = ("/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0")
@@ -62,7 +62,7 @@ def test_stacked_tables_name_their_stack():
 
 
 def test_why_a_table_is_not_stacked():
-    from tf_psplugin.table_stacking import TableStacks  # pylint: disable=g-import-not-at-top
+    from tf_psplugin.tables.stacking import TableStacks  # pylint: disable=g-import-not-at-top
 
     stacks = TableStacks(lambda s: None)
     shape = tf.TensorShape([100, 4])

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from tf_psplugin import progress
-from tf_psplugin._compat import KERAS_PACKAGE, keras
+from tf_psplugin._internal import patches
+from tf_psplugin._internal.compat import KERAS_PACKAGE, keras
+from tf_psplugin.keras import progress
 
 
 class FakeRemote:
@@ -142,8 +143,8 @@ class StockPSSLike:
 
 def test_keras_hooks_accept_verbose_1_only_for_the_plugins_strategy(monkeypatch):
     training = importlib.import_module(f"{KERAS_PACKAGE}.src.engine.training")
-    progress.install_keras_hooks()
-    progress.install_keras_hooks()  # Idempotent: one wrapper, not two.
+    patches.install("keras_progress_bar")
+    patches.install("keras_progress_bar")  # Idempotent: one wrapper, not two.
     assert training._get_verbosity(1, MarkedStrategy()) == 1
     assert training._get_verbosity("auto", MarkedStrategy()) == 1
     assert training._get_verbosity(0, MarkedStrategy()) == 0
@@ -155,7 +156,7 @@ def test_keras_hooks_accept_verbose_1_only_for_the_plugins_strategy(monkeypatch)
 
 def test_keras_hooks_swap_only_the_default_progbar_under_the_plugins_strategy(monkeypatch):
     callbacks = importlib.import_module(f"{KERAS_PACKAGE}.src.callbacks")
-    progress.install_keras_hooks()
+    patches.install("keras_progress_bar")
     model = keras.Sequential([keras.layers.Dense(1)])
     monkeypatch.setattr(progress.tf.distribute, "get_strategy", lambda: MarkedStrategy())
     default = callbacks.CallbackList(None, add_progbar=True, model=model, verbose=1, epochs=1,

@@ -14,8 +14,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.framework import ops
 
-from tf_psplugin._compat import keras
-from tf_psplugin.sharding import (
+from tf_psplugin._internal.compat import keras
+from tf_psplugin.tables.sharded import (
     InterleavedShardedVariable,
     install_interleaved_slot_lookup,
     create_interleaved,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import sparse_exchange
+from tf_psplugin.sync import sparse_exchange
 
 
 def _slices(rows, width, vocab, seed):

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import config as config_lib
-from tf_psplugin import placement as placement_lib
+from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.tables import placement as placement_lib
 
 partitioners = tf.distribute.experimental.partitioners
 

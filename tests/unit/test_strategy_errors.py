@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import config as config_lib
-from tf_psplugin import connection
+from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import connection
 
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,11 +14,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import (export, lookup_fusion, shard_init, sharding, stacked_updates,
-                         table_lookups, table_stacking)
-from tf_psplugin.placement import base_name
-from tf_psplugin.sharding import InterleavedShardedVariable
-from tf_psplugin.table_stacking import StackedTable, TableStacks, TableView
+from tf_psplugin._internal import patches
+from tf_psplugin.state import export
+from tf_psplugin.tables import fusion as lookup_fusion
+from tf_psplugin.tables import lookups as table_lookups
+from tf_psplugin.tables import shard_init
+from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables import stack_rows, stacked_updates
+from tf_psplugin.tables.placement import base_name
+from tf_psplugin.tables.sharded import InterleavedShardedVariable
+from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
 
 FEATURES, VOCAB, SHARDS = 4, 23, 2
 
@@ -27,7 +32,7 @@ FEATURES, VOCAB, SHARDS = 4, 23, 2
 def _stacked_updates():
     # What a strategy with stack_tables=True installs: the views' gradients
     # merged into one apply per stack shard.
-    stacked_updates.install()
+    patches.install("keras_stacked_updates")
 
 
 def _table_creator(stacks, num_shards=SHARDS):
@@ -222,7 +227,7 @@ def test_models_and_frozen_tables_get_stacks_of_their_own(monkeypatch, read_firs
     apply per stack shard moves exactly the tables it trains.
     """
     monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     stacks = TableStacks(lambda s: None)
     first, second = _model(stacks), _model(stacks, seed=3)
     narrow = lambda m: [_tables(m)[f"emb_{f}"] for f in range(3)]  # noqa: E731
@@ -451,7 +456,7 @@ def test_not_stacked():
     assert not stacks.eligible(tf.TensorShape([1 << 25, 4]), tf.float32, 2, {})
     with tf.Graph().as_default():
         assert not stacks.eligible(shape, tf.float32, 2, {})
-    from tf_psplugin.table_stacking import unstacked  # pylint: disable=g-import-not-at-top
+    from tf_psplugin.tables.stacking import unstacked  # pylint: disable=g-import-not-at-top
 
     with unstacked():
         assert not stacks.eligible(shape, tf.float32, 2, {})
@@ -459,7 +464,7 @@ def test_not_stacked():
 
 def test_fused_lookups_of_a_stack_are_one_gather_per_shard(monkeypatch):
     monkeypatch.setattr(lookup_fusion, "enabled", lambda: True)
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     model = _model(TableStacks(lambda s: None))
     x, _ = _batches(1)[0]
     graph = tf.function(model).get_concrete_function(x).graph
@@ -472,15 +477,15 @@ def test_fused_lookups_of_a_stack_are_one_gather_per_shard(monkeypatch):
 def test_fused_lookups_apply_the_whole_stack_gradient(monkeypatch):
     """The views' gradients of one fused gather go to the optimizer as that gather's gradient."""
     monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
-    lookup_fusion.install()
+    patches.install("keras_functional_fusion")
     wholes = []
-    whole_gradient = table_stacking.whole_gradient
+    whole_gradient = stack_rows.whole_gradient
 
     def spy(grads):
         wholes.append(whole_gradient(grads))
         return wholes[-1]
 
-    monkeypatch.setattr(table_stacking, "whole_gradient", spy)
+    monkeypatch.setattr(stack_rows, "whole_gradient", spy)
     stacked, plain = _model(TableStacks(lambda s: None)), _model(None)
     _train(stacked, tf.keras.optimizers.legacy.Adagrad(0.3), _batches())
     _train(plain, tf.keras.optimizers.legacy.Adagrad(0.3), _batches())
@@ -545,10 +550,12 @@ _FEATURE_COLUMNS = r'''
 import functools, sys
 import numpy as np
 import tensorflow as tf
-from tf_psplugin import shard_init, sharding, stacked_updates
-from tf_psplugin.table_stacking import TableStacks
+from tf_psplugin._internal import patches
+from tf_psplugin.tables import shard_init
+from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables.stacking import TableStacks
 
-stacked_updates.install()  # What a strategy with stack_tables=True installs.
+patches.install("keras_stacked_updates")  # What a strategy with stack_tables=True installs.
 
 def creator_for(stacks):
     def creator(next_creator, **kwargs):

@@ -6,7 +6,8 @@ import threading
 import pytest
 import tensorflow as tf
 
-from tf_psplugin import _compat, verbosity
+from tf_psplugin._internal import compat as _compat
+from tf_psplugin._internal import verbosity
 
 
 @pytest.fixture

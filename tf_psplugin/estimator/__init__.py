@@ -13,9 +13,9 @@ Design (TF 2.15, graph mode, between-graph replication):
 * The strategy is TF1 ``MultiWorkerMirroredStrategy`` (collective
   all-reduce, which Estimator drives in independent-worker mode) whose
   variable creator sends every variable the shared
-  `tf_psplugin.placement.PlacementPolicy` calls a table (feature-column
+  `tf_psplugin.tables.placement.PlacementPolicy` calls a table (feature-column
   ``embedding_weights``, ``embeddings``, anything created in
-  `tf_psplugin.placement.embedding_table_scope`, any variable of 64 MiB or
+  `tf_psplugin.tables.placement.embedding_table_scope`, any variable of 64 MiB or
   more) to the PS tasks as contiguous row shards, one per PS task, with its
   optimizer slots beside each shard. Dense variables are replicated on the
   chief and every worker and all-reduced every step.
@@ -35,7 +35,7 @@ Importing this package on TensorFlow >= 2.16 raises ImportError: ``tf.estimator`
 was removed there. The rest of tf_psplugin does not import it.
 """
 
-from tf_psplugin import _compat
+from tf_psplugin._internal import compat as _compat
 
 if not _compat.HAS_ESTIMATOR:
     raise ImportError(

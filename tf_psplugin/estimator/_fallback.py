@@ -17,12 +17,14 @@ creation of a TF1 strategy.
 
 import tensorflow as tf
 
-from tf_psplugin import placement
-from tf_psplugin._tf_internal import parameter_server_strategy as _pss
+from tf_psplugin._internal.tf_internal import parameter_server_strategy as _pss
 from tf_psplugin.estimator import _tables
+from tf_psplugin.tables import placement
 
 
-def _empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
+def empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
+    """A resolver with no cluster: the strategy starts local and the
+    distribute coordinator configures it for its task (no server started)."""
     return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
 
 
@@ -31,7 +33,7 @@ class _PsAsyncExtended(_pss.ParameterServerStrategyExtended):
 
     def __init__(self, container_strategy, policy: placement.PlacementPolicy):
         self._policy = policy
-        super().__init__(container_strategy, cluster_resolver=_empty_resolver())
+        super().__init__(container_strategy, cluster_resolver=empty_resolver())
 
     def _create_variable(self, next_creator, **kwargs):
         cluster_spec = getattr(self, "_cluster_spec", None)

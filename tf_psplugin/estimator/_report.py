@@ -3,7 +3,7 @@
 Why this module exists: an Estimator builds its graph inside
 ``train_and_evaluate``, out of the user's reach, so the only way to see the
 placement the plugin chose is from a session hook. The hook logs the shared
-placement summary (`tf_psplugin.placement.format_summary`: tables in full,
+placement summary (`tf_psplugin.tables.placement.format_summary`: tables in full,
 the rest grouped) when training starts
 and can write it as JSON, one file per task -- which is also how the cluster
 tests assert "tables on PS, dense on the workers".
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 from absl import logging
 
-from tf_psplugin import placement
+from tf_psplugin.tables import placement
 
 
 def _task_name() -> str:

@@ -31,10 +31,10 @@ from typing import Any, Optional
 import tensorflow as tf
 from absl import flags, logging
 
-from tf_psplugin import _deprecation
-from tf_psplugin import config as cluster_config_lib
-from tf_psplugin import placement as placement_lib
+from tf_psplugin._internal import deprecation as _deprecation
+from tf_psplugin.cluster import config as cluster_config_lib
 from tf_psplugin.estimator import _strategy
+from tf_psplugin.tables import placement as placement_lib
 
 MODE_HYBRID = "hybrid"
 MODE_PS_ASYNC = "ps_async"

@@ -63,9 +63,10 @@ from typing import Any, Optional
 import tensorflow as tf
 from absl import logging
 
-from tf_psplugin import placement
-from tf_psplugin._tf_internal import collective_all_reduce_strategy as _cars
+from tf_psplugin._internal.tf_internal import collective_all_reduce_strategy as _cars
+from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.estimator import _fallback, _sync, _tables
+from tf_psplugin.tables import placement
 
 TABLE_UPDATE_SYNC = "sync"
 TABLE_UPDATE_LOCAL = "local"
@@ -78,12 +79,6 @@ _BARRIER_GROUP_KEY = 0x50530001
 _INIT_BARRIER_INSTANCE_KEY = 1
 _STEP_BARRIER_INSTANCE_KEY = 2
 _FIRST_READ_BARRIER_INSTANCE_KEY = 3  # Then 4, 5, ...: one per gradient batch with tables.
-
-
-def _empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
-    """A resolver with no cluster: the strategy starts local and the
-    distribute coordinator configures it for its task (no server started)."""
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec({}))
 
 
 class _TableRegistry:
@@ -135,7 +130,7 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
         self._next_read_barrier_key = _FIRST_READ_BARRIER_INSTANCE_KEY
         super().__init__(
             container_strategy,
-            cluster_resolver=_empty_resolver(),
+            cluster_resolver=_fallback.empty_resolver(),
             communication_options=tf.distribute.experimental.CommunicationOptions(),
         )
 
@@ -186,7 +181,7 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
                 # One partition of the model's own partitioned variable.
                 part = int(str(name).split(":")[0].rsplit("_", 1)[1])
                 table = _tables.create_on_device(
-                    next_creator, kwargs, _tables.ps_device(part % self._num_ps)
+                    next_creator, kwargs, ps_device(part % self._num_ps)
                 )
             else:
                 table = _tables.create_sharded_table(next_creator, kwargs, self._num_ps)

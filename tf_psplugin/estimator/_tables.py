@@ -31,13 +31,15 @@ slice of the full checkpoint tensor).
 """
 
 import re
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
 
-from tf_psplugin import placement
-from tf_psplugin._tf_internal import tf_variables
+from tf_psplugin._internal.tf_internal import tf_variables
+from tf_psplugin.cluster.devices import ps_device
+from tf_psplugin.tables import placement
+from tf_psplugin.tables.shard_init import shape_and_dtype
 
 _PART_SUFFIX = re.compile(r"/part_\d+$")
 _LARGE_INIT_ELEMENTS = 1 << 24
@@ -48,11 +50,6 @@ def shards_of(variable: Any) -> List[Any]:
     if isinstance(variable, tf_variables.PartitionedVariable):
         return list(variable)
     return [variable]
-
-
-def ps_device(task: int) -> str:
-    """Returns the device string of PS task ``task``'s CPU."""
-    return f"/job:ps/task:{task}/device:CPU:0"
 
 
 def row_offsets(num_rows: int, num_shards: int) -> List[int]:
@@ -81,22 +78,6 @@ def already_partitioned(name: Optional[str]) -> bool:
     return bool(name) and bool(_PART_SUFFIX.search(str(name).split(":")[0]))
 
 
-def _shape_and_dtype(kwargs: dict) -> Tuple[Optional[tf.TensorShape], Optional[tf.DType]]:
-    """Returns the requested (shape, dtype) without running any initializer."""
-    dtype = kwargs.get("dtype")
-    dtype = tf.as_dtype(dtype).base_dtype if dtype is not None else None
-    shape = kwargs.get("shape")
-    initial_value = kwargs.get("initial_value")
-    if shape is not None:
-        shape = tf.TensorShape(shape)
-    elif initial_value is not None and not callable(initial_value):
-        shape = tf.TensorShape(getattr(initial_value, "shape", None))
-    if dtype is None and initial_value is not None and not callable(initial_value):
-        dtype = getattr(initial_value, "dtype", None)
-        dtype = tf.as_dtype(dtype).base_dtype if dtype is not None else None
-    return shape, dtype
-
-
 def is_table_request(policy: placement.PlacementPolicy, kwargs: dict) -> bool:
     """Applies the shared placement rule to a variable-creator request.
 
@@ -107,7 +88,7 @@ def is_table_request(policy: placement.PlacementPolicy, kwargs: dict) -> bool:
     Returns:
         True if the requested variable is an embedding table.
     """
-    shape, dtype = _shape_and_dtype(kwargs)
+    shape, dtype = shape_and_dtype(kwargs)
     if shape is None or shape.rank is None:
         return placement.in_embedding_table_scope()
     dtype_size = dtype.size if dtype is not None else 4
@@ -176,7 +157,7 @@ def create_sharded_table(
     kwargs.pop("colocate_with", None)
     if collections is not None:
         kwargs["collections"] = list(collections)
-    shape, dtype = _shape_and_dtype(kwargs)
+    shape, dtype = shape_and_dtype(kwargs)
     name = kwargs.get("name") or "table"
     if shape is None or shape.rank is None or not shape.is_fully_defined() or shape.rank < 1:
         logging.warning(

@@ -25,8 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import failover
-from tf_psplugin._tf_internal import cluster_coordinator, coordinator_values
+from tf_psplugin._internal.tf_internal import cluster_coordinator, coordinator_values
+from tf_psplugin.cluster import liveness
+from tf_psplugin.fault import failover
 from checks import check  # tests/cluster/scripts/checks.py
 
 ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
@@ -75,7 +76,7 @@ def check_input_error_is_the_users(coordinator):
         original = e.original_exception
         check("input_error_type", isinstance(original, tf.errors.InvalidArgumentError),
               repr(original))
-        check("input_error_not_a_failure", not failover.is_task_failure(e), e)
+        check("input_error_not_a_failure", not liveness.is_task_failure(e), e)
     except Exception as e:  # pylint: disable=broad-except
         check("input_error_type", False, f"{type(e).__name__}: {e}")
     else:

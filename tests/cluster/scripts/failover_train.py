@@ -1,7 +1,7 @@
 """Chief script for failover tests: deterministic training that can resume.
 
 argv: OUT_JSON MODEL_DIR TOTAL_STEPS CKPT_EVERY. Uses a plain
-tf.train.CheckpointManager registered with tf_psplugin.failover, so the test
+tf.train.CheckpointManager registered with tf_psplugin.fault.failover, so the test
 exercises the failover machinery itself. Prints "STEP <n>" every step.
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin import failover
+from tf_psplugin.fault import failover
+from tf_psplugin.state import checkpoint as checkpoint_lib
 
 OUT, MODEL_DIR, TOTAL, EVERY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 VOCAB, DIM, BATCH = 64, 4, 16
@@ -74,7 +75,7 @@ def main():
         start = int(optimizer.iterations.numpy())
         print(f"RESUMED {start} from {manager.latest_checkpoint}", flush=True)
     cb = Checkpointer(manager, optimizer)
-    failover.register_checkpointer(cb)
+    checkpoint_lib.register_checkpointer(cb)
     ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH).skip(start * n)
     if TOTAL > start:
         model.fit(ds, epochs=1, steps_per_epoch=TOTAL - start, callbacks=[cb], verbose=0)

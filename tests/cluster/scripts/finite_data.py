@@ -2,7 +2,7 @@
 
 Used by tests/cluster/test_finite_data.py. Each check prints `CHECK <name>
 ok` or `CHECK <name> FAIL <why>`; the script goes on after a failed check,
-and ends with `DONE`. What an epoch is here: tf_psplugin/epochs.py.
+and ends with `DONE`. What an epoch is here: tf_psplugin/runtime/epochs.py.
 
 Every dataset has a batch count that is not a multiple of the 2 workers, and
 its last batch is partial, so every check would fail if the remainder were

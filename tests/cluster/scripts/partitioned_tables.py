@@ -20,9 +20,9 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin import ReplicatedVariable
-from tf_psplugin._tf_internal import sharded_variable
+from tf_psplugin._internal.tf_internal import sharded_variable
 # Every weight, each sharded table as one full array (the project's own helper).
-from tf_psplugin.export import logical_weights
+from tf_psplugin.state.export import logical_weights
 
 OUT, PARTITIONER, SHARDING = sys.argv[1], sys.argv[2], sys.argv[3]
 STACKED = len(sys.argv) > 4 and sys.argv[4] == "stacked"

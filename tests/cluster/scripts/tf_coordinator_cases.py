@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin._tf_internal import cluster_coordinator, resource_variable_ops
+from tf_psplugin._internal.tf_internal import cluster_coordinator, resource_variable_ops
 from checks import check  # tests/cluster/scripts/checks.py
 
 WORKERS = 2  # tests/cluster/test_tf_coordinator_cases.py starts 2 workers.

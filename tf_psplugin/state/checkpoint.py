@@ -1,0 +1,870 @@
+"""Chief checkpointing: one writer, only complete checkpoints trusted, any restore shape.
+
+Why this module exists: with `HybridParameterServerStrategy` a model's state
+is spread over the whole cluster -- table shards on the PS tasks, dense
+replicas on the workers, the chief's primary copies in between -- and stock
+tools each get a piece of it wrong:
+
+* Saving must first let in-flight synchronous steps finish and copy worker
+  0's replicas into the chief's primaries (`ReplicatedVariable.pull`);
+  otherwise the checkpoint mixes tables of step N with dense weights of step
+  N-k. After a restore the primaries must be pushed to every worker: TF
+  restores multi-device checkpoints inside a `tf.function`, where the
+  replicated variable cannot notice the write.
+* TF saves each table shard on the PS task that holds it: the PS processes
+  write their part of every checkpoint into ``model_dir`` themselves (so it
+  must be on a filesystem the chief and the PS tasks share, with the same
+  absolute path -- relative paths are resolved on the chief, never against a
+  PS task's own cwd), and the last one merges the index. Nothing else ever
+  writes there: workers and the evaluator never do.
+* A crash in the middle of a save must never leave a checkpoint that a
+  restore would pick, nor leave none. After TF has written the data and the
+  index, the chief writes a commit marker ``<prefix>.commit`` (JSON: step,
+  input position, and the size of every file of the checkpoint); only then
+  does TF's `CheckpointManager` update its ``checkpoint`` state file and
+  delete checkpoints beyond `max_to_keep` (the marker is written by a write
+  callback, which TF runs before its own), so a failure between the write
+  and the commit leaves the previous checkpoint in place. Only checkpoints
+  with a marker whose files all exist with those sizes are restored,
+  evaluated or exported; the state file is not trusted (naming and markers:
+  model_dir.py).
+* Optimizer slots must be created before restoring: Keras defers the restore
+  of slots that do not exist yet, and a sharded table's deferred slot restore
+  is lost (tensorflow 62215). Slots of interleaved tables are saved in
+  logical row order (see `sharding.install_interleaved_slot_lookup`), so they reshard.
+
+Checkpoints hold full logical tables (each shard saves its rows as a slice of
+the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
+number of workers, and plain single-process Keras models (`load_into`).
+
+With ``full_every=K``, only every K-th save is a full checkpoint; the saves
+between are deltas holding the table rows updated since the previous save
+(`tf_psplugin.state.incremental`), and a restore applies the latest full
+checkpoint's chain of deltas. TF's manager keeps `max_to_keep` full
+checkpoints; a delta is deleted only with the full checkpoint it builds on,
+so `max_to_keep` counts chains.
+"""
+
+import copy
+import os
+import json
+import time
+import weakref
+from typing import Any, Callable, List, Mapping, Optional, Union
+
+import tensorflow as tf
+from absl import logging
+
+from tf_psplugin._internal import deprecation as _deprecation
+from tf_psplugin._internal.compat import keras
+from tf_psplugin.state import checkpoint_write
+from tf_psplugin.state import incremental
+from tf_psplugin.state import input_state
+from tf_psplugin.state import model_dir as model_dir_lib
+from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of this API)
+    CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
+    checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
+    remove_commit_marker, resolve_checkpoint, verify_checkpoint)
+from tf_psplugin.sync.replicated import ReplicatedVariable
+from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables import stacked_updates
+
+__all__ = [
+    "COMMIT_SUFFIX",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "ChiefCheckpoint",
+    "build_optimizer_slots",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_into",
+    "verify_checkpoint",
+]
+
+_CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
+# ChiefCheckpoint's save interval when none is given (Estimator's RunConfig
+# default, save_checkpoints_secs=600): what a PS failure can cost at most.
+DEFAULT_SAVE_EVERY_SECS = 600.0
+
+
+# --- Distributed state: in-flight steps, replicas, slots ----------------------
+
+
+# The writers failover asks for an emergency save (`fault.failover`). Weak: a
+# checkpoint manager (and the model it references) lives as long as the
+# user's code keeps it; a notebook that builds many models frees them.
+_checkpointers: List["weakref.ref"] = []
+
+
+def register_checkpointer(checkpointer) -> None:
+    """Registers what saves the emergency checkpoint during failover recovery.
+
+    Args:
+        checkpointer: An object with `save_emergency() -> Optional[str]`
+            (saves now; returns the path) — the plugin's checkpoint callback
+            and `CheckpointManager` register themselves.
+    """
+    if checkpointer not in live_checkpointers():
+        _checkpointers.append(weakref.ref(checkpointer))
+
+
+def live_checkpointers() -> List:
+    """The registered checkpointers still alive, oldest first (dead ones dropped)."""
+    live = [c for c in (ref() for ref in list(_checkpointers)) if c is not None]
+    _checkpointers[:] = [weakref.ref(c) for c in live]
+    return live
+
+
+class _TrainingState(checkpoint_write.FedPythonState):
+    """Python state saved in every checkpoint: step and input position."""
+
+    def __init__(self):
+        self.step = 0
+        self.input_position: Optional[int] = None
+
+    def serialize(self):
+        return json.dumps({"step": int(self.step), "input_position": self.input_position})
+
+    def deserialize(self, string_value):
+        data = json.loads(string_value)
+        self.step = int(data.get("step", 0))
+        self.input_position = data.get("input_position")
+
+
+def _replicated_variables(objects: List[Any]) -> List[Any]:
+    """Every `ReplicatedVariable` reachable from `objects` (slots included)."""
+    found = {}
+    for obj in objects:
+        if obj is None:
+            continue
+        candidates = list(tf.train.TrackableView(obj).descendants())
+        for attr in ("variables", "weights"):
+            value = getattr(obj, attr, None)
+            value = value() if callable(value) else value
+            if isinstance(value, (list, tuple)):
+                candidates.extend(value)
+        for candidate in candidates:
+            if isinstance(candidate, ReplicatedVariable):
+                found[id(candidate)] = candidate
+    return list(found.values())
+
+
+def _coordinator(strategy):
+    """The strategy's coordinator, or None for strategies that have none."""
+    if not isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return None
+    # The public constructor returns the strategy's existing coordinator.
+    return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+
+
+def _join_steps(strategy) -> None:
+    """Waits for every scheduled step (and raises its error, if any)."""
+    coordinator = _coordinator(strategy)
+    if coordinator is not None:
+        coordinator.join()
+
+
+def _num_sync_workers(strategy) -> int:
+    """Workers that each consume one batch per synchronous step (1 if async)."""
+    coordinator = _coordinator(strategy)
+    if coordinator is not None and getattr(coordinator, "synchronous", False):
+        return int(coordinator.num_workers)
+    return 1
+
+
+def _build_optimizer_slots(model, optimizer, strategy) -> None:
+    """Creates the optimizer's slots now, so that a restore fills them at once."""
+    if model is None or optimizer is None or not getattr(model, "trainable_variables", None):
+        return
+    # Keras 2 legacy optimizers have no public "create slots" call (they
+    # create them in the first apply_gradients); `_create_all_weights` is what
+    # that calls (tf.keras 2.15, tf-keras 2.16-2.21). New optimizers: `build`.
+    create = getattr(optimizer, "_create_all_weights", None)
+    if create is None:
+        build = getattr(optimizer, "build", None)
+        if build is not None:
+            # Idempotent. A stacked table's slots are its stack shards'.
+            build(stacked_updates.substitute(model.trainable_variables))
+        return
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        create(model.trainable_variables)
+
+
+def build_optimizer_slots(model) -> None:
+    """Creates `model.optimizer`'s slots now; call before stock Keras restores.
+
+    `ChiefCheckpoint`, `CheckpointManager` and `load_into` do this
+    themselves. Call it once after `compile` (inside or outside
+    `strategy.scope()`) when you use stock `ModelCheckpoint`,
+    `BackupAndRestore` or `model.load_weights` with sharded tables: Keras
+    restores the slots of a table that have not been created yet into a
+    variable that training then discards (tensorflow 62215), so without this
+    the embedding accumulators restart from their initial value. It also
+    makes slots of interleaved tables checkpoint in logical row order, so
+    they restore into another number of PS tasks.
+
+    Args:
+        model: A compiled Keras model.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    sharding.install_interleaved_slot_lookup(optimizer)
+    _build_optimizer_slots(model, optimizer, getattr(model, "distribute_strategy", None))
+
+
+# --- The manager --------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves and restores a distributed model from the chief, for custom loops.
+
+    Wraps `tf.train.Checkpoint` + `tf.train.CheckpointManager` (checkpoints
+    are ``<model_dir>/ckpt-<step>``, the ``checkpoint`` state file is kept
+    for stock tools) and adds the distributed and atomicity parts described
+    in the module docstring. Build it on the chief after the model and the
+    optimizer, outside `strategy.scope()`. In a non-chief process it restores
+    but never writes.
+
+    Example:
+
+    ```python
+    manager = tf_psplugin.CheckpointManager(
+        "/shared/run1", model=model, optimizer=optimizer, save_every_steps=1000)
+    info = manager.restore_or_initialize()          # None on a fresh start
+    step = info.step if info else 0
+    while step < train_steps:
+        coordinator.schedule(train_step, args=(iterator,))
+        step += 1
+        manager.maybe_save(step)
+    manager.save(step, final=True)                  # also writes TRAINING_DONE
+    ```
+
+    Args:
+        model_dir: Directory for checkpoints; relative paths are made absolute
+            here (see `tf_psplugin.state.model_dir.resolve`).
+        model: A Keras model (or any trackable), saved as ``model``.
+        optimizer: Its optimizer, saved as ``optimizer`` (slots included).
+        extra: More trackables to save, by name.
+        max_to_keep: Checkpoints kept (older ones deleted); None keeps all.
+        save_every_steps: `maybe_save` saves when this many steps have passed.
+        save_every_seconds: `maybe_save` saves when this many seconds have passed.
+        batches_per_step: Batches of the training dataset one step consumes,
+            for the input position; default: the number of workers in
+            synchronous mode (each reads its own batch), else 1.
+        write_on_chief: Send every tensor to the chief and write all files
+            there (no shared filesystem needed, but whole tables pass through
+            the chief's memory). Default: each PS task writes its shards.
+        strategy: The distribution strategy (default: the model's).
+        clock: Seconds clock for `save_every_seconds` (injectable for tests).
+        input_iterator: The per-worker iterator the training steps read
+            (``iter(coordinator.create_per_worker_dataset(...))``). Each save
+            then also writes where every worker's input stands, and `restore`
+            moves the iterator there (`tf_psplugin.state.input_state`): a resumed
+            job continues its input without reading it again. Build the
+            dataset from its start, with no offset. Settable later as the
+            `input_iterator` attribute.
+        save_every_secs: Deprecated name of `save_every_seconds`.
+        full_every: Incremental checkpoints: every `full_every`-th save is
+            full, the ones between are deltas holding only the table rows
+            (and their slots) updated since the previous save, plus the
+            dense state (`tf_psplugin.state.incremental`). The first save of a
+            manager is always full. Build the manager before the first
+            training step. None (default) or 1: every save is full.
+
+    Raises:
+        ModelDirError: if the chief cannot write `model_dir`.
+        CheckpointError: `full_every` is given for a model it cannot save
+            as deltas (the message says why).
+    """
+
+    def __init__(self, model_dir: str, model=None, optimizer=None,
+                 extra: Optional[Mapping[str, Any]] = None, max_to_keep: Optional[int] = 5,
+                 save_every_steps: Optional[int] = None,
+                 save_every_seconds: Optional[float] = None,
+                 batches_per_step: Optional[int] = None, write_on_chief: bool = False,
+                 strategy=None, clock: Callable[[], float] = time.monotonic,
+                 input_iterator=None, _root: Optional[tf.train.Checkpoint] = None,
+                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
+        save_every_seconds = _deprecation.renamed(
+            "CheckpointManager", "save_every_secs", save_every_secs, "save_every_seconds",
+            save_every_seconds, None)
+        for name, value in (("save_every_steps", save_every_steps),
+                            ("save_every_seconds", save_every_seconds),
+                            ("max_to_keep", max_to_keep), ("full_every", full_every)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}.")
+        self.model_dir = model_dir_lib.resolve(model_dir)
+        self.is_writer = model_dir_lib.is_chief_task()
+        if self.is_writer:
+            model_dir_lib.ensure_writable(self.model_dir)
+        self._model = model
+        self._optimizer = optimizer
+        self._strategy = strategy if strategy is not None else getattr(
+            model, "distribute_strategy", None)
+        self._save_every_steps = save_every_steps
+        self._save_every_seconds = save_every_seconds
+        self.input_iterator = input_iterator
+        self._batches_per_step = batches_per_step
+        self._clock = clock
+        self._state = _TrainingState()
+        # The save counter is created here, before any step runs and
+        # (documented) outside strategy.scope(), so it is a plain chief
+        # variable; ChiefCheckpoint makes its root even earlier.
+        self._root = _root if _root is not None else checkpoint_write.TracedWriteCheckpoint()
+        _ = self._root.save_counter
+        objects = {"model": model, "optimizer": optimizer, "training_state": self._state}
+        objects.update(extra or {})
+        for name, obj in objects.items():
+            if obj is not None:
+                setattr(self._root, name, obj)
+        self._objects = [obj for obj in objects.values() if obj is not None]
+        # The model's own optimizer too when none is passed: Keras saves it
+        # with the model, and its table slots must save in logical order
+        # (for stacked tables: each table's rows of its stack's slots).
+        sharding.install_interleaved_slot_lookup(
+            optimizer if optimizer is not None else getattr(model, "optimizer", None))
+        self._options = tf.train.CheckpointOptions(
+            experimental_io_device=_CHIEF_CPU if write_on_chief else None)
+        self._manager = tf.train.CheckpointManager(
+            self._root, self.model_dir, max_to_keep=max_to_keep, checkpoint_name=CHECKPOINT_NAME)
+        self._last_save_step: Optional[int] = None
+        self._last_save_time = clock()
+        self._base_step = 0  # Step and input position at the last restore.
+        self._base_position = 0
+        self.latest: Optional[CheckpointInfo] = None
+        self._full_every = int(full_every or 1)
+        self._incremental: Optional[incremental.IncrementalSaver] = None
+        # (base full checkpoint name, name of the last save, saves in this chain).
+        self._chain: Optional[tuple] = None
+        if self.is_writer and self._full_every > 1:
+            self._incremental = incremental.IncrementalSaver(
+                self._root, self._strategy,
+                optimizer if optimizer is not None else getattr(model, "optimizer", None),
+                python_state=[self._state])
+        if self.is_writer and optimizer is not None:
+            # Failover saves what survives a dead worker through us.
+            register_checkpointer(self)
+
+    def save_emergency(self) -> Optional[str]:
+        """Saves the survivors' state during failover recovery (see failover.py).
+
+        The coordinator has already pointed eager reads at a surviving worker
+        and abandoned the failed step, so this is an ordinary save of the
+        last committed step.
+
+        Returns:
+            The checkpoint path, or None if nothing could be saved.
+        """
+        if self._optimizer is None:
+            return None
+        if self.input_iterator is not None:
+            # The failed worker's input position died with it: a checkpoint
+            # now would hold a model whose input cannot continue. The job
+            # resumes from the last periodic checkpoint, where both agree.
+            logging.warning("tf_psplugin: no emergency checkpoint: the failed worker's input "
+                            "position is lost, and this job saves its input position with "
+                            "every checkpoint; it resumes from the latest periodic checkpoint, "
+                            "where model and input agree.")
+            return None
+        info = self.save(int(self._optimizer.iterations.numpy()))
+        return info.path if info is not None else None
+
+    @property
+    def model(self):
+        """The model being checkpointed (None if none was given)."""
+        return self._model
+
+    @property
+    def strategy(self):
+        """The distribution strategy whose steps are joined before saving."""
+        return self._strategy
+
+    # -- positions --------------------------------------------------------------
+
+    def input_position(self, step: int) -> int:
+        """Batches consumed at `step`: restored position + steps since x batches per step."""
+        per_step = self._batches_per_step or _num_sync_workers(self._strategy)
+        return self._base_position + max(int(step) - self._base_step, 0) * per_step
+
+    # -- saving -----------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save_every_steps` or `save_every_seconds` says `step` is due."""
+        if self._last_save_step is not None and step <= self._last_save_step:
+            return False
+        last = self._last_save_step if self._last_save_step is not None else self._base_step
+        if self._save_every_steps and step - last >= self._save_every_steps:
+            return True
+        return bool(self._save_every_seconds) and (
+            self._clock() - self._last_save_time >= self._save_every_seconds)
+
+    def maybe_save(self, step: int) -> Optional[CheckpointInfo]:
+        """Saves if `should_save(step)`; returns the new checkpoint or None."""
+        return self.save(step) if self.should_save(step) else None
+
+    def save(self, step: int, final: bool = False) -> Optional[CheckpointInfo]:
+        """Writes and commits a checkpoint of the state after `step` steps.
+
+        Waits for in-flight steps, pulls the dense replicas into the chief's
+        primaries, writes ``ckpt-<step>`` (the PS tasks write their shards),
+        then the commit marker; only then lets TF's manager delete checkpoints
+        beyond `max_to_keep`, and drops markers of deleted checkpoints.
+        If this manager already saved or restored the checkpoint of `step`,
+        nothing is rewritten; any other checkpoint of the same step is
+        replaced (its marker is removed first).
+
+        Args:
+            step: The step number (e.g. `optimizer.iterations`).
+            final: Also write ``TRAINING_DONE`` (the evaluator's exit signal).
+
+        Returns:
+            The committed checkpoint; None in a non-chief process.
+
+        Raises:
+            CheckpointError: if the save fails (message says why and the fix).
+        """
+        if not self.is_writer:
+            return None
+        step = int(step)
+        latest = self.latest
+        if latest is not None and latest.step == step and verify_checkpoint(latest) is None:
+            # Nothing changed since this manager saved or restored it.
+            if final:
+                model_dir_lib.write_training_done(self.model_dir, step, latest.path)
+            return latest
+        _join_steps(self._strategy)
+        for var in _replicated_variables(self._objects):
+            var.pull()
+        self._state.step = step
+        self._state.input_position = self.input_position(step)
+        if self._incremental is not None and self._chain is not None and \
+                self._chain[2] < self._full_every:
+            return self._save_delta(step, final)
+        if self._incremental is not None:
+            self._chain = None
+            self._incremental.begin_full()
+        prefix = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-{step}")
+        remove_commit_marker(prefix)  # Never trust a half-overwritten checkpoint.
+        if self.input_iterator is not None:
+            # Before the checkpoint's commit: a committed checkpoint's input
+            # state is complete (or absent, after a warning).
+            input_state.remove(prefix)
+            input_state.save(self.input_iterator, prefix)
+        committed: List[CheckpointInfo] = []
+        position = self._state.input_position
+
+        def commit(save_path):
+            # TF's CheckpointManager.save appends its own callback (state
+            # file, then deletion of checkpoints beyond max_to_keep) after
+            # ours: nothing old is deleted before this one is committed. The
+            # write is synchronous here (the chief's eager executor is sync
+            # under PSS), so the files are complete.
+            committed.append(commit_checkpoint(save_path, step, position))
+
+        options = copy.copy(self._options)
+        options.experimental_write_callbacks = [commit]
+        try:
+            path = self._manager.save(checkpoint_number=step, options=options)
+        except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+                tf.errors.FailedPreconditionError) as e:
+            raise CheckpointError(
+                f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
+                "writable by the chief and every PS task, under the same absolute path on a "
+                "shared filesystem (or use write_on_chief=True).") from None
+        info = committed[0] if committed else commit_checkpoint(path, step, position)
+        if self._incremental is not None:
+            self._chain = (info.name, info.name, 1)
+        self._last_save_step, self._last_save_time = step, self._clock()
+        self.latest = info
+        self._drop_stale_markers()
+        if final:
+            model_dir_lib.write_training_done(self.model_dir, step, path)
+        logging.info("tf_psplugin: checkpoint %s committed (step %d)", path, step)
+        return info
+
+    def _save_delta(self, step: int, final: bool) -> CheckpointInfo:
+        """Writes and commits ``delta-<step>`` on top of the current chain."""
+        base, parent, count = self._chain
+        self._chain = None  # Until this delta is committed: a failure means "full next".
+        prefix = model_dir_lib.join(self.model_dir, f"{DELTA_NAME}-{step}")
+        model_dir_lib.remove_delta(prefix)
+        position = self._state.input_position
+        try:
+            self._incremental.check_covers(model_dir_lib.join(self.model_dir, base))
+            if self.input_iterator is not None:
+                input_state.remove(prefix)
+                input_state.save(self.input_iterator, prefix)
+            manifest = self._incremental.write_delta(
+                prefix, self.model_dir, io_device=self._options.experimental_io_device)
+            info = model_dir_lib.commit_delta(prefix, step, position, base=base, parent=parent,
+                                              manifest=manifest)
+        except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+                tf.errors.FailedPreconditionError) as e:
+            model_dir_lib.remove_delta(prefix)
+            input_state.remove(prefix)
+            raise CheckpointError(
+                f"saving {prefix} failed: {e.message.splitlines()[0]}. Fix: model_dir must be "
+                "writable by the chief and every PS task, under the same absolute path on a "
+                "shared filesystem.") from None
+        except BaseException:
+            model_dir_lib.remove_delta(prefix)  # No marker was written: never restored.
+            input_state.remove(prefix)
+            raise
+        self._chain = (base, info.name, count + 1)
+        self._last_save_step, self._last_save_time = step, self._clock()
+        self.latest = info
+        if final:
+            model_dir_lib.write_training_done(self.model_dir, step, prefix)
+        logging.info("tf_psplugin: delta %s committed (step %d, base %s)", prefix, step, base)
+        return info
+
+    def _drop_stale_markers(self) -> None:
+        kept = set(self._manager.checkpoints)
+        # A delta is useless without its base: deleted with it, never before.
+        for path in model_dir_lib.drop_orphan_deltas(
+                self.model_dir, {os.path.basename(path) for path in kept}):
+            input_state.remove(path)
+        for info in list_checkpoints(self.model_dir):
+            if info.path not in kept and verify_checkpoint(info) is not None:
+                remove_commit_marker(info.path)
+        # Input states of checkpoints TF's manager deleted.
+        pattern = model_dir_lib.join(self.model_dir, f"{CHECKPOINT_NAME}-*.input")
+        for directory in tf.io.gfile.glob(pattern):
+            path = directory[:-len(".input")]
+            if path not in kept and not tf.io.gfile.exists(path + ".index"):
+                input_state.remove(path)
+
+    # -- restoring --------------------------------------------------------------
+
+    def restore(self, checkpoint: Union[str, CheckpointInfo, None] = None) -> CheckpointInfo:
+        """Restores a checkpoint into the (already built) objects.
+
+        Optimizer slots are created first, in-flight steps finish, and the
+        restored dense values are pushed to every worker afterwards. Tables
+        reshard to the current number of PS tasks.
+
+        Args:
+            checkpoint: A `CheckpointInfo`, a checkpoint prefix, or None for
+                the latest committed checkpoint in `model_dir`.
+
+        Returns:
+            What was restored.
+
+        Raises:
+            CheckpointError: no committed checkpoint, or it does not match.
+        """
+        info, deltas = self._resolve_chain(checkpoint)
+        _build_optimizer_slots(self._model, self._optimizer, self._strategy)
+        _join_steps(self._strategy)
+        replicated = _replicated_variables(self._objects)
+        for var in replicated:
+            var.pull()
+        try:
+            status = self._root.read(info.path, options=self._options)
+            status.assert_existing_objects_matched()
+            status.expect_partial()  # E.g. a save counter this root has not created yet.
+        except (AssertionError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint {info.path} does not match the model being restored: "
+                f"{str(e).splitlines()[0]} Fix: build the same architecture (layer order and "
+                "sizes) that wrote it, or start from an empty model_dir.") from None
+        for delta in deltas:
+            incremental.apply_delta(self._root, delta)
+        if deltas:
+            info = deltas[-1]
+            self._state.step, self._state.input_position = info.step, info.input_position
+        for var in replicated:
+            var.push_if_needed(worker_indices=list(range(len(var.worker_devices()))))
+        self._base_step = int(self._state.step or info.step)
+        if self._state.input_position is not None:
+            self._base_position = int(self._state.input_position)
+        self._last_save_step, self._last_save_time = self._base_step, self._clock()
+        self.latest = info
+        self._chain = None  # The next save is full.
+        logging.info("tf_psplugin: restored %s (step %d)", info.path, info.step)
+        if self.input_iterator is not None:
+            input_state.restore(self.input_iterator, info.path)
+        return info
+
+    def restore_or_initialize(self) -> Optional[CheckpointInfo]:
+        """Restores the latest committed checkpoint (and its deltas); None if there is none."""
+        if latest_checkpoint(self.model_dir) is None:
+            return None
+        return self.restore(None)  # The latest full checkpoint and its deltas.
+
+    def _resolve_chain(self, checkpoint):
+        """The full checkpoint to read and the deltas to apply after it."""
+        if checkpoint is None:
+            full, deltas = checkpoint_chain(self.model_dir)
+            if full is not None:
+                return full, deltas
+        if isinstance(checkpoint, CheckpointInfo) and checkpoint.kind == model_dir_lib.KIND_DELTA:
+            full, deltas = checkpoint_chain(self.model_dir)
+            names = [d.name for d in deltas]
+            if full is None or full.name != checkpoint.base or checkpoint.name not in names:
+                raise CheckpointError(
+                    f"delta {checkpoint.path} is not on the chain of the latest intact full "
+                    "checkpoint (its base or an earlier delta is missing or torn). Fix: restore "
+                    "the latest checkpoint (checkpoint=None).")
+            return full, deltas[:names.index(checkpoint.name) + 1]
+        return self._resolve(checkpoint), []
+
+    def _resolve(self, checkpoint) -> CheckpointInfo:
+        if isinstance(checkpoint, CheckpointInfo):
+            return checkpoint
+        if checkpoint is None:
+            info = latest_checkpoint(self.model_dir)
+            if info is None:
+                raise CheckpointError(
+                    f"no committed checkpoint in {self.model_dir}. Fix: train first, or point "
+                    "model_dir at the directory that holds ckpt-*.commit files.")
+            return info
+        return info_for_prefix(str(checkpoint))
+
+
+# --- Single-process restore ---------------------------------------------------
+
+
+def load_into(model, source: str, include_optimizer: bool = False) -> CheckpointInfo:
+    """Loads a checkpoint into a plain, single-process Keras model (no cluster).
+
+    Builds nothing distributed: tables are read as full ``[V, D]`` tensors
+    into ordinary variables. Use it for serving, debugging and the
+    evaluator. Also reads `model.save_weights` checkpoints (e.g. stock
+    `ModelCheckpoint(save_weights_only=True)`).
+
+    Example:
+
+    ```python
+    model = build_ctr_model(vocab_size=1000)        # same architecture, no strategy
+    info = tf_psplugin.load_into(model, "/shared/run1")
+    print("step", info.step, model.predict(features))
+    ```
+
+    Args:
+        model: A built Keras model of the architecture that was trained.
+        source: A model directory (latest committed checkpoint) or a prefix.
+        include_optimizer: Create `model.optimizer`'s slots first and restore
+            them too (to continue training). Without it, a compiled model's
+            optimizer step and hyperparameters still come along (Keras
+            tracks the optimizer as part of the model), but not its slots.
+
+    Returns:
+        The checkpoint that was loaded.
+
+    Raises:
+        CheckpointError: no usable checkpoint, or one that does not match.
+    """
+    info = resolve_checkpoint(source)
+    deltas = []
+    if tf.io.gfile.isdir(model_dir_lib.resolve(source)):
+        info, deltas = checkpoint_chain(source)
+    names = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
+    wrapped = any(name.startswith("model/") for name in names)
+    optimizer = getattr(model, "optimizer", None) if include_optimizer else None
+    if optimizer is not None:
+        sharding.install_interleaved_slot_lookup(optimizer)
+        _build_optimizer_slots(model, optimizer, None)
+    if wrapped:
+        root = tf.train.Checkpoint(model=model, **({"optimizer": optimizer} if optimizer else {}))
+    else:
+        root = tf.train.Checkpoint(root=model)
+    try:
+        status = root.read(info.path)
+        status.expect_partial()
+        status.assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {info.path} does not match this model: {str(e).splitlines()[0]} "
+            "Fix: build the model with the same function and sizes as the trained one.") from None
+    if deltas:
+        model_optimizer = getattr(model, "optimizer", None)
+        # Keys as the writer's root names them (model and optimizer at the top).
+        keys_root = tf.train.Checkpoint(
+            model=model, **({"optimizer": model_optimizer} if model_optimizer else {}))
+
+        def skip(key):
+            # Without include_optimizer, optimizer values the model has (its step) are
+            # still applied; those it has not created (a compiled model that never
+            # trained has no hyperparameter variables yet) are skipped.
+            return (key.startswith("save_counter/")
+                    or (optimizer is None and ".OPTIMIZER_SLOT/" in key)
+                    or (optimizer is None and key.startswith("optimizer/")))
+
+        for delta in deltas:
+            incremental.apply_delta(keys_root, delta, skip=skip)
+        info = deltas[-1]
+    return info
+
+
+# --- The Keras callback -------------------------------------------------------
+
+
+class ChiefCheckpoint(keras.callbacks.Callback):
+    """Keras callback: checkpoints from the chief, restores at train begin, final save.
+
+    At train begin it restores the latest committed checkpoint in `model_dir`
+    (if any; optimizer slots included). It saves every `save_every_steps`
+    steps and/or `save_every_seconds` seconds (checked once per
+    `steps_per_execution`); with neither given, every 600 seconds
+    (`DEFAULT_SAVE_EVERY_SECS`, Estimator RunConfig's default),
+    so a PS failure loses at most that much training. At train end it writes
+    a final checkpoint
+    and, once `final_step` is reached, ``TRAINING_DONE`` (the evaluator's
+    signal to stop). Batch hooks never read the step's RemoteValues, so
+    saving does not slow down steps between saves.
+
+    With ``save_input_position=True`` each checkpoint also holds where
+    every worker's input stands (the tf.data iterators' state, written by
+    each worker: `tf_psplugin.state.input_state`), and a resumed `fit` continues
+    the input from there: give `fit` the dataset from its start, and the
+    first step comes as soon after a restart at step 50,000 as at step
+    1,000 (no skipping). Off by default, because a program that already
+    builds its dataset at the recorded offset would skip twice.
+
+    Each checkpoint also records the input position as a number: batches of
+    the dataset given to `fit` consumed so far. Without
+    ``save_input_position``, resume the input by building the dataset at
+    that offset before `fit`:
+
+    ```python
+    info = tf_psplugin.latest_checkpoint(model_dir)
+    offset = info.input_position if info else 0
+    dataset = gen.dataset(batch_size, offset_batches=offset)
+    model.fit(dataset, steps_per_epoch=train_steps - (info.step if info else 0),
+              callbacks=[tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=1000,
+                                                     final_step=train_steps)])
+    ```
+
+    Args:
+        model_dir: Directory for checkpoints (see `CheckpointManager`).
+        save_every_steps: Save every this many steps (None: not by steps).
+        save_every_seconds: Save when this many seconds passed (None: not by
+            time, unless `save_every_steps` is None too: then 600). 0 turns
+            periodic saves off (only the final one at train end).
+        max_to_keep: Checkpoints kept.
+        restore: Restore the latest checkpoint at train begin.
+        final_step: ``TRAINING_DONE`` is written at train end when the step
+            reached it; None writes it at every train end.
+        batches_per_step: See `CheckpointManager`.
+        write_on_chief: See `CheckpointManager`.
+        save_input_position: Also save each worker's input position and
+            continue from it on resume (see above).
+        clock: Seconds clock (injectable for tests).
+        save_every_secs: Deprecated name of `save_every_seconds`.
+        full_every: Every `full_every`-th save is full, the saves between are
+            deltas (see `CheckpointManager`); None: every save is full.
+    """
+
+    def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
+                 save_every_seconds: Optional[float] = None, max_to_keep: Optional[int] = 5,
+                 restore: bool = True, final_step: Optional[int] = None,
+                 batches_per_step: Optional[int] = None, write_on_chief: bool = False,
+                 save_input_position: bool = False,
+                 clock: Callable[[], float] = time.monotonic,
+                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
+        super().__init__()
+        self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
+        save_every_seconds = _deprecation.renamed(
+            "ChiefCheckpoint", "save_every_secs", save_every_secs, "save_every_seconds",
+            save_every_seconds, None)
+        if save_every_seconds is not None and save_every_seconds < 0:
+            raise ValueError(
+                f"save_every_seconds must be >= 0 or None, got {save_every_seconds!r}.")
+        if save_every_steps is None and save_every_seconds is None:
+            save_every_seconds = DEFAULT_SAVE_EVERY_SECS
+        save_every_seconds = save_every_seconds or None  # 0: no periodic saves.
+        self.model_dir = model_dir_lib.resolve(model_dir)
+        self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
+                            save_every_seconds=save_every_seconds,
+                            batches_per_step=batches_per_step,
+                            write_on_chief=write_on_chief, clock=clock,
+                            full_every=full_every)
+        self._restore = restore
+        self.final_step = final_step
+        self.save_input_position = bool(save_input_position)
+        self._original_train_function = None
+        self._input_pending: Optional[CheckpointInfo] = None
+        self._periodic = bool(save_every_steps or save_every_seconds)
+        # Created now, typically outside strategy.scope(), so the checkpoint's
+        # save counter is a plain chief variable, not a replicated one.
+        self._root = checkpoint_write.TracedWriteCheckpoint()
+        _ = self._root.save_counter
+        self.manager: Optional[CheckpointManager] = None
+        self.restored: Optional[CheckpointInfo] = None
+        if restore and final_step is not None and model_dir_lib.is_chief_task():
+            # A resumed run is not done: say so as early as possible (the
+            # evaluator may already be watching). Checked again at train begin.
+            latest = latest_checkpoint(self.model_dir)
+            if latest is not None and latest.step < final_step:
+                model_dir_lib.clear_training_done(self.model_dir)
+        self._step = 0
+        self._done_in_epoch = 0
+
+    def _implements_train_batch_hooks(self):
+        return self._periodic
+
+    def on_train_begin(self, logs=None):
+        if self.manager is None or self.manager.model is not self.model:
+            self.manager = CheckpointManager(
+                self.model_dir, model=self.model, optimizer=self.model.optimizer,
+                _root=self._root, **self._kwargs)
+            if self._restore:  # Once per model: a second fit() continues in memory.
+                self.restored = self.manager.restore_or_initialize()
+                self._input_pending = self.restored
+        if self.save_input_position:
+            self._watch_input()
+        self._step = int(self.model.optimizer.iterations.numpy())
+        if self.manager.is_writer and (self.final_step is None or self._step < self.final_step):
+            model_dir_lib.clear_training_done(self.model_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._done_in_epoch = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        # `batch` is the index of the last step of this execution in the epoch.
+        self._step += batch + 1 - self._done_in_epoch
+        self._done_in_epoch = batch + 1
+        if self.manager.should_save(self._step):
+            self._save(final=False)
+
+    def on_train_end(self, logs=None):
+        try:
+            self._save(final=True)
+        finally:
+            if self._original_train_function is not None:
+                self.model.train_function = self._original_train_function
+                self._original_train_function = None
+
+    def _watch_input(self) -> None:
+        """Learns the training iterator from Keras's train function, and restores it.
+
+        Keras builds `model.train_function` before `on_train_begin` and calls
+        it with the epoch's per-worker iterator at every step; there is no
+        callback hook that sees the iterator. The wrapper hands it to the
+        manager (its position is saved with every checkpoint) and, on the
+        first step after a restore, moves it to the restored position. The
+        original function is put back at train end.
+        """
+        original = self.model.train_function
+        if original is None or self._original_train_function is not None:
+            return
+        self._original_train_function = original
+
+        def train_function(iterator):
+            if self.manager.input_iterator is not iterator:
+                self.manager.input_iterator = iterator
+                if self._input_pending is not None:
+                    pending, self._input_pending = self._input_pending, None
+                    _join_steps(self.manager.strategy)
+                    input_state.restore(iterator, pending.path)
+            return original(iterator)
+
+        self.model.train_function = train_function
+
+    def _save(self, final: bool) -> None:
+        _join_steps(self.manager.strategy)
+        self._step = int(self.model.optimizer.iterations.numpy())  # Exact once steps joined.
+        done = final and (self.final_step is None or self._step >= self.final_step)
+        self.manager.save(self._step, final=done)

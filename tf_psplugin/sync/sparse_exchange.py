@@ -1,0 +1,210 @@
+"""Synchronous sparse gradients, summed on the PS that owns the table shards.
+
+In ``"sync"`` embedding mode each table shard must be updated once per step
+with the global sparse gradient. Every worker hands its own sparse gradients
+for the shards on ps:p to ps:p, where they wait in a queue; once every worker
+has handed them in, the one worker that updates ps:p's shards
+(`HybridExtended.update_role`) takes all of them out of the queue *on ps:p*
+and applies the update there. A collective says when every worker has handed
+in: the step's dense all-reduce, which runs after the hand-ins and so
+doubles as the barrier (a separate barrier only when there is no dense
+gradient). A worker therefore sends
+its own sparse gradients once, to the PS, whatever the number of workers;
+nothing sparse crosses between workers, and the updating worker's graph only
+sends the PS control edges. This is what TF1's SyncReplicasOptimizer did
+with its PS-side accumulators.
+
+(The alternative, an all-gather of every worker's sparse gradients among the
+workers, makes each worker receive W-1 workers' gradients per step: its
+bytes grow linearly with the number of workers. `benchmarks.run --network`
+measures both; ``sparse_exchange="allgather"`` keeps it for comparison.)
+
+Exactness: every worker's element carries its worker index and the updating
+worker sorts the W elements by it before concatenating, so the global
+gradient is the same concatenation, in the same order, as the all-gather's:
+the update does not depend on which worker was fastest.
+
+The queue never waits: the collective that precedes the take completes only
+after every worker's hand-in has completed, so each take finds its W
+elements, and the end-of-step barrier keeps the next step's hand-ins out
+until the update is done. A worker that dies before that collective leaves
+elements behind in queues nobody takes from again: failover ends the chief,
+and the next chief creates queues of its own, under new names (at most one
+step's sparse gradients per failure stay behind on the PS).
+
+Keras's (non-legacy) optimizer sums a sparse gradient's duplicate rows
+before its update, outside the per-variable update and so on the worker:
+for a gradient summed on a PS that would copy the global gradient to the
+updating worker and back. `install_keras_dedup_hook` runs that sum on the
+PS that holds the gradient instead (legacy optimizers sum inside the update,
+already on the PS).
+"""
+
+import contextlib
+import uuid
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin.cluster.devices import ps_device
+from tf_psplugin.sync import collectives
+
+SPARSE_EXCHANGES = ("ps", "allgather")
+
+# A queue element: worker index, rows per shard, flat indices, flat values.
+_COMPONENT_TYPES = [tf.int64, tf.int64, tf.int64]
+
+
+
+
+def ps_device_of(tensor) -> str:
+    """The PS device `tensor` lives on, or "" (a worker, no device, None)."""
+    device = getattr(tensor, "device", "") or ""
+    return device if "/job:ps" in device else ""
+
+
+def on_ps_device_of(tensor):
+    """A device scope for ops that belong beside `tensor` when it is on a PS.
+
+    A null context for a tensor anywhere else (a worker, or no device).
+    """
+    device = ps_device_of(tensor)
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def patch_keras_dedup():
+    """Makes Keras's optimizer sum duplicate rows on the PS holding the gradient.
+
+    Applied through `tf_psplugin._internal.patches` ("keras_dedup_on_ps");
+    returns the undo.
+
+    Keras 2's `optimizers.Optimizer.apply_gradients` (Keras 2.15, tf-keras
+    2.16-2.21) calls `_deduplicate_sparse_grad` after the cross-worker
+    aggregation and outside `extended.update`, so its unique/segment-sum ops
+    get the worker's device. There is no public hook for where it runs; this
+    wraps it (class level, once per process) so that a gradient whose values
+    live on a PS task is summed there. Every other gradient, under any other
+    strategy, goes through Keras's original code unchanged.
+    """
+    optimizer_module = _tf_internal.keras_private_module("optimizers.optimizer")
+    cls = optimizer_module.Optimizer
+    original = cls._deduplicate_sparse_grad
+
+    def _deduplicate_sparse_grad(self, grads):
+        result = []
+        for grad in grads:
+            values = grad.values if isinstance(grad, tf.IndexedSlices) else None
+            with on_ps_device_of(values):
+                result.extend(original(self, [grad]))
+        return result
+
+    cls._deduplicate_sparse_grad = _deduplicate_sparse_grad
+
+    def undo():
+        cls._deduplicate_sparse_grad = original
+
+    return undo
+
+
+class PsGradientQueues:
+    """One queue of sparse gradients per (PS task, value dtype).
+
+    Args:
+        num_workers: Workers that hand in gradients every step.
+        device_fn: PS index -> device of its queue and of the take's ops
+            (default: that PS task's CPU; tests use a local device).
+    """
+
+    def __init__(self, num_workers: int, device_fn: Callable[[int], str] = ps_device):
+        self.num_workers = int(num_workers)
+        self._device_fn = device_fn
+        # Each instance names its queues afresh. Eager `tf.queue.FIFOQueue`
+        # names a queue by a process-local counter, so a restarted chief
+        # would get the queue its predecessor left on the PS, with the
+        # elements of the step that failed still in it (the next step's
+        # hand-ins then block on the full queue). uuid4, not `random`: a
+        # user's `set_random_seed` must not repeat it either.
+        self._name = f"tf_psplugin_sparse_grads_{uuid.uuid4().hex}"
+        self._queues: Dict[Tuple[int, tf.DType], tf.Tensor] = {}
+
+    def _queue(self, ps_index: int, dtype: tf.DType) -> tf.Tensor:
+        """The handle of ps:`ps_index`'s queue for `dtype` values."""
+        key = (int(ps_index), dtype)
+        if key not in self._queues:
+            # Created once, eagerly, on the PS (also when first needed while a
+            # step is traced): the step functions capture its handle. The raw
+            # op, because only it takes our shared_name in eager mode.
+            with tf.init_scope(), tf.device(self._device_fn(ps_index)):
+                self._queues[key] = tf.raw_ops.FIFOQueueV2(
+                    component_types=_COMPONENT_TYPES + [dtype], shapes=[],
+                    capacity=self.num_workers, container="",
+                    shared_name=f"{self._name}_ps{int(ps_index)}_{dtype.name}")
+        return self._queues[key]
+
+    def hand_in(self, ps_index: int, worker_index: tf.Tensor,
+                slices: Sequence[tf.IndexedSlices]) -> tf.Operation:
+        """Enqueues this worker's sparse gradients for shards on ps:`ps_index`.
+
+        Args:
+            ps_index: The PS task that holds the shards.
+            worker_index: This worker's index (a scalar tensor: one trace may
+                serve several workers).
+            slices: One IndexedSlices per shard, indices local to the shard.
+
+        Returns:
+            The enqueue op (it runs on the PS; its inputs come from here).
+        """
+        dtype = slices[0].values.dtype
+        counts = tf.stack([tf.shape(s.indices, out_type=tf.int64)[0] for s in slices])
+        flat_idx = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
+        flat_val = tf.concat([tf.reshape(s.values, [-1]) for s in slices], axis=0)
+        return tf.raw_ops.QueueEnqueueV2(
+            handle=self._queue(ps_index, dtype),
+            components=[tf.cast(worker_index, tf.int64), counts, flat_idx, flat_val])
+
+    def take(self, ps_index: int, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
+        """Dequeues every worker's gradients for ps:`ps_index`; sums nothing.
+
+        Runs on the PS. Call it only once every worker's `hand_in` for this
+        step has completed (after a barrier), or it waits for them.
+
+        Args:
+            ps_index: The PS task.
+            slices: This worker's slices for the same shards, in the order
+                given to `hand_in` (for row widths, dtypes and dense shapes).
+
+        Returns:
+            Per shard, every worker's slices concatenated in worker order
+            (duplicate indices not combined), on ps:`ps_index`.
+        """
+        k = len(slices)
+        dtype = slices[0].values.dtype
+        widths = [collectives.row_width(s) for s in slices]
+        queue = self._queue(ps_index, dtype)
+        with tf.device(self._device_fn(ps_index)):
+            elements = [tf.raw_ops.QueueDequeueV2(handle=queue,
+                                                  component_types=_COMPONENT_TYPES + [dtype])
+                        for _ in range(self.num_workers)]
+            for e in elements:  # The queue has no static shapes.
+                for t, shape in zip(e, ([], [k], [None], [None])):
+                    t.set_shape(shape)
+            order = tf.argsort(tf.stack([e[0] for e in elements]), stable=True)
+            counts = tf.gather(tf.stack([e[1] for e in elements]), order)  # [W, k]
+            flat_idx = tf.gather(tf.ragged.stack([e[2] for e in elements]), order).flat_values
+            flat_val = tf.gather(tf.ragged.stack([e[3] for e in elements]), order).flat_values
+            # Which shard each index / value element belongs to, in the
+            # concatenated order; dynamic_partition keeps that order.
+            shard_of_block = tf.tile(tf.range(k, dtype=tf.int32), [self.num_workers])
+            idx_shard = tf.repeat(shard_of_block, tf.reshape(counts, [-1]))
+            val_shard = tf.repeat(shard_of_block, tf.reshape(
+                counts * tf.constant(widths, tf.int64)[tf.newaxis, :], [-1]))
+            idx_parts = tf.dynamic_partition(flat_idx, idx_shard, k)
+            val_parts = tf.dynamic_partition(flat_val, val_shard, k)
+            out = []
+            for s, idx, val in zip(slices, idx_parts, val_parts):
+                values = tf.reshape(val, tf.concat([[-1], tf.shape(s.values)[1:]], axis=0))
+                out.append(tf.IndexedSlices(values, tf.cast(idx, s.indices.dtype),
+                                            s.dense_shape))
+        return out
+

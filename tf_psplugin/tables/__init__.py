@@ -1,0 +1,15 @@
+"""Layer 3, embedding tables on the PS tasks.
+
+`placement` (which variables are tables), `layout` (which row lives on
+which shard), `sharded` (the interleaved table type), `lookups` (TF's lookup
+APIs dispatched to it), `fusion` and `stacking`/`stacked_updates` (fewer
+round trips per step), `dynamic` (`DynamicEmbedding`, keyed by raw ids),
+`key_hashing` and `shard_init`. Uses `sync`, `cluster` and `_internal`. The
+public face is `tf_psplugin.layers`.
+"""
+
+# TF's embedding-lookup APIs dispatch to interleaved tables once `lookups` is
+# imported (`tf.experimental.dispatch_for_api`); importing any module of this
+# package registers them, so a table never meets TF's own ShardedVariable
+# lookup. (`sharded` itself does not import `lookups`: that was a cycle.)
+from tf_psplugin.tables import lookups as _lookups  # noqa: E402,F401

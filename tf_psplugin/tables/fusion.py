@@ -1,0 +1,188 @@
+"""Automatic lookup fusion: a functional model's table lookups, one round trip per PS.
+
+Why this module exists: a CTR model has one `tf.keras.layers.Embedding` per
+feature, and each layer's lookup is its own set of cross-process transfers
+(ids to every PS, rows back). `table_lookups.lookup_tables` looks many tables
+up in one round trip per PS, but a user's model would have to call it.
+This module makes Keras do it, with no change to the model.
+
+How: Keras runs a functional model depth by depth
+(`Functional._run_internal_graph`): every layer at one depth runs only after
+all layers at greater depths, so all the `Embedding` layers at one depth have
+their ids before the first of them runs. When Keras maps the first one's
+arguments (`Node.map_arguments`, which receives the run's tensor dictionary),
+this module reads the ids of its siblings at the same depth, looks their
+tables up together (`lookup_tables`, one group per row width, dtype and PS
+count), and each layer's `tf.nn.embedding_lookup` then returns its rows
+(`take`, called by the lookup dispatcher of interleaved tables). Every layer
+still runs its own `__call__`: input casts, masks, mixed precision, names and
+regularizers stay Keras's; only where the rows come from changes, and the
+rows and gradients are the same (tests/unit/test_lookup_fusion.py).
+
+Measured (benchmarks/README, "Findings"): on loopback the default 26-table
+benchmark model was no faster with it (11.6k vs 11.8k examples/s), so it is
+off by default. The time goes to the 26 gathers and 26 updates per PS, not
+to the transfers; stacking the tables into one variable removes those, and
+this module is the lookup half of that (issue 14).
+
+Scope: functional (and Sequential-in-functional) Keras models under a
+`HybridParameterServerStrategy` with ``fuse_lookups=True`` (every table; off
+by default) or ``stack_tables=True`` (the tables of one stack only:
+`table_stacking`), in a traced function, dense int32/int64 ids, `Embedding` layers whose table is
+sharded over the PS tasks. Anything else (subclassed models, ragged or sparse
+ids, feature columns, Estimator) takes the per-layer lookup as before.
+
+Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
+Keras 2.15 and tf-keras 2.21): `Functional._run_internal_graph` is wrapped (to
+know which model runs), `Node.map_arguments` is wrapped (to see the tensor
+dictionary), and `_nodes_by_depth`, `_single_positional_tensor_passed` and
+`_keras_inputs_ids_and_indices` are read. There is no public hook that sees
+a functional model's layers before they run.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal.compat import keras
+from tf_psplugin.tables import prefetched
+from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables.lookups import lookup_tables
+from tf_psplugin.tables.sharded import InterleavedShardedVariable
+
+
+
+class _Run:
+    """One call of a functional model: its depth map and the fused rows."""
+
+    def __init__(self, model):
+        self.model = model
+        self.depth_of: Optional[Dict[int, int]] = None
+        self.fetched = set()  # ids of nodes whose rows are (or will never be) fused
+        # (id(table), id(ids)) -> (table, ids, rows); the entry holds the table
+        # and the ids so that neither id can be reused during the run.
+        self.rows: Dict[Tuple[int, int], tuple] = {}
+
+    def depth(self, node) -> Optional[int]:
+        if self.depth_of is None:
+            self.depth_of = {id(n): d for d, nodes in self.model._nodes_by_depth.items()
+                             for n in nodes}
+        return self.depth_of.get(id(node))
+
+
+def enabled() -> bool:
+    """Whether the current strategy fuses lookups: of every table, or of stacked ones."""
+    return fuse_all() or _stacking()
+
+
+def fuse_all() -> bool:
+    """Whether the current strategy asks for fused lookups of every table (fuse_lookups)."""
+    if not tf.distribute.has_strategy():
+        return False
+    return bool(getattr(tf.distribute.get_strategy().extended, "fuse_lookups", False))
+
+
+def _stacking() -> bool:
+    """Whether the current strategy stacks tables (table_stacking): their lookups fuse."""
+    if not tf.distribute.has_strategy():
+        return False
+    return getattr(tf.distribute.get_strategy().extended, "table_stacks", None) is not None
+
+
+def _one_stack(tables) -> bool:
+    """Whether the tables all live in one stack: then one gather per PS serves them."""
+    first = tables[0].variables
+    return all(len(t.variables) == len(first) and all(a is b for a, b in zip(t.variables, first))
+               for t in tables[1:])
+
+
+def _ids_of(node, tensor_dict):
+    """The ids tensor `node` will be called with, without consuming it."""
+    if not node._single_positional_tensor_passed:
+        return None
+    kt_id, _ = node._keras_inputs_ids_and_indices[0]
+    pending = tensor_dict.get(kt_id)
+    return pending[-1] if pending else None
+
+
+def _fusible_table(node):
+    """The node's sharded table if its layer is a plain dense-id Embedding."""
+    layer = node.layer
+    if not isinstance(layer, keras.layers.Embedding) or getattr(layer, "sparse", False):
+        return None
+    if type(layer).call is not keras.layers.Embedding.call:
+        return None  # A subclass with its own call might not look up its input as is.
+    table = getattr(layer, "embeddings", None)
+    return table if isinstance(table, InterleavedShardedVariable) else None
+
+
+def _fusible_ids(ids) -> bool:
+    # Embedding.call casts other dtypes to int32 first, which makes a new
+    # tensor: its lookup would not find these rows.
+    return isinstance(ids, tf.Tensor) and ids.dtype in (tf.int32, tf.int64)
+
+
+def _prefetch(run: _Run, node, tensor_dict) -> None:
+    depth = run.depth(node)
+    siblings = run.model._nodes_by_depth.get(depth, []) if depth is not None else []
+    groups: Dict[tuple, List[tuple]] = {}
+    for sibling in siblings:
+        run.fetched.add(id(sibling))
+        table = _fusible_table(sibling)
+        ids = _ids_of(sibling, tensor_dict) if table is not None else None
+        if table is None or not _fusible_ids(ids):
+            continue
+        key = (int(table.shape[-1]), table.dtype.base_dtype, len(table.variables))
+        groups.setdefault(key, []).append((table, ids))
+    run.fetched.add(id(node))  # Also when Keras gave it no depth (then no siblings).
+    everything = fuse_all()
+    for members in groups.values():
+        if len(members) < 2:
+            continue  # One table gains nothing: its own lookup is one round trip.
+        tables, ids_list = zip(*members)
+        if not everything and not _one_stack(tables):
+            continue  # Only stacked tables gain (benchmarks/README, "Findings").
+        for (table, ids), rows in zip(members, lookup_tables(tables, ids_list,
+                                                             name="fused_lookups")):
+            run.rows[(id(table), id(ids))] = (table, ids, rows)
+
+
+def patch_keras_functional():
+    """Wraps Keras's functional run and argument mapping; returns the undo.
+
+    Applied through `tf_psplugin._internal.patches` ("keras_functional_fusion").
+    """
+    functional = _tf_internal.keras_private_module("engine.functional").Functional
+    node_cls = _tf_internal.keras_private_module("engine.node").Node
+    run_graph = functional._run_internal_graph
+    map_arguments = node_cls.map_arguments
+
+    def _run_internal_graph(self, inputs, training=None, mask=None):
+        if not (enabled() and tf.inside_function()):
+            return run_graph(self, inputs, training=training, mask=mask)
+        if _stacking():
+            # Before anything reads its stacks: its tables in stacks of
+            # their own (not another model's, not its frozen tables').
+            table_stacking.separate_by_model(self)
+        runs = prefetched.runs()
+        runs.append(_Run(self))
+        try:
+            return run_graph(self, inputs, training=training, mask=mask)
+        finally:
+            runs.pop()
+
+    def _map_arguments(self, tensor_dict):
+        runs = prefetched.runs()
+        if runs and id(self) not in runs[-1].fetched and _fusible_table(self) is not None:
+            _prefetch(runs[-1], self, tensor_dict)
+        return map_arguments(self, tensor_dict)
+
+    functional._run_internal_graph = _run_internal_graph
+    node_cls.map_arguments = _map_arguments
+
+    def undo():
+        functional._run_internal_graph = run_graph
+        node_cls.map_arguments = map_arguments
+
+    return undo

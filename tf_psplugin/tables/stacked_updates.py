@@ -1,0 +1,308 @@
+"""Optimizer updates of stacked tables: each table's own gradient, one apply per stack shard.
+
+Why this module exists: with ``stack_tables=True`` Keras lists each table's
+own rows (`table_stacking.TableView`) as the layer's weights, and the tape
+gives each view its own gradient. What makes stacking fast is that a stack
+shard is updated by ONE sparse apply with one set of slots, not one per
+table. This module turns the views' gradients into that one update, and
+only where no program can tell it from per-table updates.
+
+How: the Keras 2 optimizers (new and legacy) are patched, once, when a
+strategy with ``stack_tables=True`` is built (`install`); the patches do
+nothing for a variable list without views.
+
+* **Slots** are made for the stack shards, never for views: the variable
+  list the optimizer builds from has each view replaced by its stack shard
+  (`substitute`; legacy `_create_all_weights`, the `build` of each new
+  optimizer in `_ELEMENTWISE_NAMES`).
+* **The merge** (`merge`): the gradients of the views of one stack shard
+  become one `IndexedSlices` of the stack shard (each view's rows shifted
+  to its place). It happens when `apply_gradients` is entered, so that the
+  stack shard's gradient is reduced across workers once -- unless the
+  optimizer treats each variable on its own before applying (``clipnorm``,
+  legacy ``gradient_transformers``, new ``weight_decay`` with its
+  per-variable exclusions): then it happens after those, just before the
+  applies (legacy `_distributed_apply`, new `_distributed_apply_gradients_fn`),
+  and each view keeps its own clipping and decay.
+* **When one apply equals per-table applies.** An optimizer whose update
+  is elementwise (SGD, Adagrad, Adam, ... -- `_ELEMENTWISE`) applied once
+  to a stack shard equals its update of each table of the stack, if every
+  table of the stack gets a gradient in this call. A table without one (a
+  frozen layer's, another model's, one the loss does not use) must not
+  move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
+  only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
+  another (Adam's moment decay moves every row) the merge refuses with a
+  `StackingError` naming the tables and the fix. An optimizer of an
+  unknown class is refused too.
+
+Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
+Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
+`_distributed_apply`, new `Optimizer._distributed_apply_gradients_fn` are
+wrapped; there is no public hook between a gradient and its apply.
+"""
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tf_psplugin._internal.compat import keras
+from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
+from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables.stacking import TableView
+
+__all__ = ["StackingError", "merge", "patch_keras_optimizers", "substitute"]
+
+
+def _legacy(name):
+    return getattr(keras.optimizers.legacy, name, None)
+
+
+def _new(name):
+    return getattr(keras.optimizers, name, None)
+
+
+def _classes(module_fn, names) -> tuple:
+    return tuple(c for c in (module_fn(n) for n in names) if c is not None)
+
+
+# Optimizers (exact classes) whose update of a variable is elementwise: one
+# apply to a stack shard equals one apply to each of its tables.
+_ELEMENTWISE_NAMES = ("SGD", "Adagrad", "Adam", "Adamax", "Nadam", "RMSprop", "Adadelta",
+                      "Ftrl", "AdamW", "Lion")
+# Of those, the ones whose sparse update touches only the gradient's rows
+# (checked in their sources: legacy SGD/Adagrad/Ftrl/RMSprop/Adadelta use
+# the ResourceSparseApply* kernels or a scatter; new Adagrad scatters; new
+# SGD scatters without momentum only).
+_LEGACY_ROW_LOCAL_NAMES = ("SGD", "Adagrad", "Ftrl", "RMSprop", "Adadelta")
+_NEW_ROW_LOCAL_NAMES = ("Adagrad",)
+
+
+def _kind(optimizer) -> Optional[str]:
+    """"row_local", "elementwise" or None (unknown) for `optimizer`'s class."""
+    cls = type(optimizer)
+    legacy_row_local = _classes(_legacy, _LEGACY_ROW_LOCAL_NAMES)
+    if cls in legacy_row_local:
+        return "row_local"
+    new_sgd = _new("SGD")
+    if cls in _classes(_new, _NEW_ROW_LOCAL_NAMES) or (
+            new_sgd is not None and cls is new_sgd and not _momentum(optimizer)):
+        return "row_local"
+    if cls in _classes(_legacy, _ELEMENTWISE_NAMES) + _classes(_new, _ELEMENTWISE_NAMES):
+        return "elementwise"
+    return None
+
+
+def _momentum(optimizer) -> bool:
+    momentum = getattr(optimizer, "momentum", 0.0)
+    try:
+        return bool(float(momentum) != 0.0)
+    except (TypeError, ValueError):  # A tensor or schedule: assume momentum.
+        return True
+
+
+def has_views(variables: Sequence) -> bool:
+    """Whether `variables` holds a stacked table's view."""
+    return any(isinstance(v, TableView) for v in variables)
+
+
+def substitute(var_list: Sequence) -> list:
+    """`var_list` with each view replaced by its stack shard (once), for making slots."""
+    out, seen = [], set()
+    for var in var_list:
+        if isinstance(var, TableView):
+            shard = var.stack_shard
+            if id(shard) in seen:
+                continue
+            seen.add(id(shard))
+            var = shard
+        out.append(var)
+    return out
+
+
+def merge(optimizer, grads_and_vars) -> list:
+    """The views' gradients merged into one gradient per stack shard.
+
+    Pairs of other variables, and views without a gradient (Keras warns
+    about and drops those), are kept as they are, in their order; a stack
+    shard's merged pair takes the place of its first view.
+
+    Raises:
+        StackingError: the optimizer's one apply to a stack shard would not
+            equal its per-table applies (see the module docstring).
+    """
+    grads_and_vars = list(grads_and_vars)
+    if not any(isinstance(v, TableView) and g is not None for g, v in grads_and_vars):
+        return grads_and_vars
+    groups, out = {}, []
+    for grad, var in grads_and_vars:
+        if not isinstance(var, TableView) or grad is None:
+            out.append((grad, var))
+            continue
+        key = id(var.stack_shard)
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append((grad, var))
+    merged = []
+    for item in out:
+        if isinstance(item, tuple):
+            merged.append(item)
+            continue
+        members = groups[item]
+        _check(optimizer, members)
+        shard = members[0][1].stack_shard
+        merged.append((_merged_slices(shard, members), shard))
+    return merged
+
+
+def _merged_slices(shard, members) -> tf.IndexedSlices:
+    # The usual case in a functional model: the views' gradients are the
+    # pieces of one fused gather's gradient, unchanged; that gradient as is.
+    whole = stack_rows.whole_gradient([g for g, _ in members])
+    if whole is not None:
+        return whole
+    values, indices = [], []
+    for grad, view in members:
+        if isinstance(grad, tf.IndexedSlices):
+            vals, idx = grad.values, grad.indices
+        else:
+            vals = tf.convert_to_tensor(grad)
+            idx = tf.range(view.num_rows, dtype=tf.int64)
+        values.append(vals)
+        indices.append(tf.cast(idx, tf.int64) + view.offset)
+    dense_shape = tf.constant(shard.shape.as_list(), tf.int32)
+    if len(members) == 1:
+        return tf.IndexedSlices(values[0], indices[0], dense_shape)
+    return tf.IndexedSlices(tf.concat(values, axis=0), tf.concat(indices, axis=0), dense_shape)
+
+
+def _check(optimizer, members) -> None:
+    view = members[0][1]
+    kind = _kind(optimizer)
+    name = type(optimizer).__name__
+    if kind is None:
+        raise StackingError(
+            f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
+            f"{name} is not an optimizer whose one update of a stack is known to equal its "
+            "updates of each table (known: "
+            f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
+            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers.")
+    present = {id(v) for _, v in members}
+    stack = view.stack
+    absent = sorted(t.display_name for t in list(stack.tables)
+                    if t.views and id(t.views[view.index]) not in present)
+    if absent and kind != "row_local":
+        trained = sorted({v.table.display_name for _, v in members})
+        raise StackingError(
+            f"stack_tables=True: tables {absent} share a stack with tables this "
+            f"apply_gradients updates ({trained}) but get no gradient here (frozen, unused by "
+            f"the loss, or another model's), and {name} changes every row of a variable it "
+            "updates (e.g. a moment decay), so their rows would move. Fix: "
+            "HybridParameterServerStrategy(stack_tables=False); or an optimizer whose sparse "
+            "update touches only the gradient's rows (Adagrad, Ftrl, SGD without momentum; "
+            "legacy SGD, RMSprop, Adadelta); or train every table of the stack together.")
+
+
+def _late(optimizer) -> bool:
+    """Whether the optimizer treats each variable on its own before applying."""
+    if getattr(optimizer, "clipnorm", None) is not None:
+        return True
+    if getattr(optimizer, "weight_decay", None):
+        return True
+    try:
+        return bool(getattr(optimizer, "gradient_transformers", None))
+    except (AttributeError, ValueError):
+        return False
+
+
+def patch_keras_optimizers():
+    """Patches the Keras 2 optimizers (see the module docstring); returns the undo.
+
+    Applied through `tf_psplugin._internal.patches` ("keras_stacked_updates").
+    """
+    undo = [_install_new(keras.optimizers.Optimizer)]
+    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
+    if legacy is not None:
+        undo.append(_install_legacy(legacy))
+
+    def undo_all():
+        for restore in reversed(undo):
+            restore()
+
+    return undo_all
+
+
+def _restorer(cls, names):
+    """A function that puts back `cls`'s own attributes `names` as they are now."""
+    saved = {name: vars(cls)[name] for name in names if name in vars(cls)}
+
+    def restore():
+        for name in names:
+            if name in saved:
+                setattr(cls, name, saved[name])
+            elif name in vars(cls):
+                delattr(cls, name)
+
+    return restore
+
+
+def _install_new(cls):
+    # Each known optimizer's `build` makes slots for the stack shards (a user
+    # may call `optimizer.build(model.trainable_variables)` before training,
+    # as Keras's docs suggest); subclasses loop over the list they are given.
+    restore = [_restorer(cls, ("apply_gradients", "_distributed_apply_gradients_fn"))]
+    for known in _classes(_new, _ELEMENTWISE_NAMES):
+        if "build" in vars(known) and not getattr(vars(known)["build"], "_tf_psplugin", False):
+            restore.append(_restorer(known, ("build",)))
+            known.build = _substituting_build(vars(known)["build"])
+    apply_gradients = cls.apply_gradients
+    distributed_apply = cls._distributed_apply_gradients_fn
+
+    def _apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        if not has_views(variables):
+            return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        if not _late(self):
+            grads_and_vars = merge(self, grads_and_vars)
+        return apply_gradients(self, grads_and_vars, *args, **kwargs)
+
+    def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
+        return distributed_apply(self, distribution, merge(self, grads_and_vars), **kwargs)
+
+    cls.apply_gradients = _apply_gradients
+    cls._distributed_apply_gradients_fn = _distributed_apply_gradients_fn
+    return lambda: [r() for r in reversed(restore)]
+
+
+def _substituting_build(build):
+    def _build(self, var_list):
+        return build(self, substitute(var_list))
+
+    _build._tf_psplugin = True  # pylint: disable=protected-access
+    return _build
+
+
+def _install_legacy(cls):
+    restore = _restorer(cls, ("apply_gradients", "_create_all_weights", "_distributed_apply"))
+    apply_gradients = cls.apply_gradients
+    create_all_weights = cls._create_all_weights
+    distributed_apply = cls._distributed_apply
+
+    def _apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        if has_views([v for _, v in grads_and_vars]) and not _late(self):
+            grads_and_vars = merge(self, grads_and_vars)
+        return apply_gradients(self, grads_and_vars, *args, **kwargs)
+
+    def _create_all_weights(self, var_list):
+        return create_all_weights(self, substitute(var_list))
+
+    def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):
+        return distributed_apply(self, distribution, merge(self, grads_and_vars), *args, **kwargs)
+
+    cls.apply_gradients = _apply_gradients
+    cls._create_all_weights = _create_all_weights
+    cls._distributed_apply = _distributed_apply
+    return restore
+
