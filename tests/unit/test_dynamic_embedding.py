@@ -243,6 +243,23 @@ def test_checkpoint_round_trip_restores_rows_and_map(tmp_path):
     assert fresh.get_layer("dyn").check_consistency() == []
 
 
+def test_loading_pairs_again_clears_reverse_entries_held_on_another_shard():
+    # Two shards in one process: after a restore into another PS count a
+    # key's map entry (shard of its hash) and its row's reverse entry (shard
+    # row mod 2) may differ; a second load must leave no stale reverse entry.
+    # pylint: disable=protected-access
+    states = [layers._ShardState("/cpu:0", tf.int64) for _ in range(2)]
+    index = layers._KeyIndex(states)
+    keys = tf.constant(np.arange(40, dtype=np.int64) * 7919)
+    index.load(keys, tf.range(40, dtype=tf.int64))
+    index.load(keys[:3], tf.constant([5, 6, 7], tf.int64))
+    reverse = {int(r): int(k) for st in states for r, k in zip(*(t.numpy() for t in
+                                                                 st.rows.export()))}
+    assert reverse == {5: 0, 6: 7919, 7: 2 * 7919}
+    got_keys, got_rows = (t.numpy() for t in index.export())
+    assert dict(zip(got_keys.tolist(), got_rows.tolist())) == {0: 5, 7919: 6, 2 * 7919: 7}
+
+
 def test_export_serves_raw_keys_and_unknown_keys_read_the_default(tmp_path):
     model = build_model()
     ids = zipf_ids()

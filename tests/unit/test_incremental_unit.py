@@ -208,19 +208,6 @@ def test_full_every_needs_the_hybrid_strategy(tmp_path):
     assert manager.save(1).kind == "full"
 
 
-def test_dynamic_embedding_is_refused_with_the_reason():
-    from tf_psplugin.tables import dynamic as layers  # pylint: disable=g-import-not-at-top
-
-    ids = tf.keras.Input((2,), dtype=tf.int64)
-    out = tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(
-        layers.DynamicEmbedding(output_dim=3, capacity=8, name="dyn")(ids)))
-    model = tf.keras.Model(ids, out)
-    check = incremental.IncrementalSaver._check_layers  # pylint: disable=protected-access
-    with pytest.raises(ckpt_lib.CheckpointError, match="DynamicEmbedding .*dyn"):
-        check(tf.train.Checkpoint(model=model))
-    check(tf.train.Checkpoint(model=tiny_model()))  # A plain Embedding is fine.
-
-
 def test_row_stamps_never_lose_a_row_updated_between_saves():
     shard = tf.Variable(tf.zeros([10, 2]))
     generation = tf.Variable(1, dtype=tf.int32)

@@ -3,7 +3,8 @@
 Why this module exists: a CTR model's state is mostly its embedding tables,
 and a step updates a small fraction of their rows. A full checkpoint writes
 every row every time; between full saves, a delta writes only the rows (and
-their optimizer slots) that changed since the previous save, plus the dense
+their optimizer slots; for a `DynamicEmbedding`, also their per-row state
+and key changes) that changed since the previous save, plus the dense
 state, which is small and changes every step. Opt in with
 ``CheckpointManager(..., full_every=K)`` or ``ChiefCheckpoint(...,
 full_every=K)``: every K-th save is full, the K-1 saves between are deltas.
@@ -46,18 +47,42 @@ The delta format, for readers such as the serving loader
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
   full-checkpoint key.
+* For each `DynamicEmbedding` layer (added to the format above; nothing
+  above changes): its ``embeddings`` are a table as above (ids are logical
+  rows of the layer's table, its optimizer slots are its slots), and the
+  same ``ps-<k>`` bundles also hold, in the order of that table's ids,
+  ``R/.DELTA/rows`` for each per-row state table ``R`` (``row_last_used``,
+  int64, 0 for a free row; ``row_hits``, int64), and, under the layer's
+  ``key_index`` object path ``P`` (e.g. ``model/layer_with_weights-0/
+  key_index``), ``P/.DELTA/keys`` (the key each row holds now, int64 or
+  string) and ``P/.DELTA/held`` (bool: whether it holds one; False for a
+  row freed by eviction or expiry since the previous save). With
+  ``admit_after > 1``: ``C/.DELTA/ids`` (int64, logical counter indices)
+  and ``C/.DELTA/rows`` (int64 counts) for the counters of the admission
+  sketch ``C`` that changed. The layer's ``clock`` is in ``dense``. A
+  loader applies a layer's keys after its rows: remove every key that maps
+  to one of the table's ids, then map ``keys[held] -> ids[held]``. (A
+  loader that applies only the table rows would serve new rows under the
+  keys they had before; `serving.ServingModel` does that today: it does
+  not follow a DynamicEmbedding's keys yet.) How the changes are found, and why the sketch is
+  written by counter rather than whole: `incremental_dynamic`.
 * ``delta-<step>.commit`` (JSON): ``kind: "delta"``, ``step``, ``base``
   (``ckpt-<m>``), ``parent`` (the base or the previous delta), ``files``
   (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys),
-  ``row_files`` and ``dense`` (prefixes relative to the model directory).
+  ``row_files`` and ``dense`` (prefixes relative to the model directory),
+  and, when the model has a `DynamicEmbedding`, ``dynamic``: layer object
+  path -> ``table`` (its embeddings' key, also in ``tables``),
+  ``row_state`` (the ``R`` keys), ``key_index`` (``P``), ``key_dtype``
+  (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
 Limits (refused with `CheckpointError` when a delta would be wrong):
-`DynamicEmbedding` (its key maps are not row tables) and stacked tables
-(`stack_tables=True`) are not supported; the optimizer must be a Keras
-legacy SGD, Adagrad or Ftrl, whose sparse update changes only the
-gradient's rows (Adam decays every row's moments each step). A table
+stacked tables (`stack_tables=True`) are not supported; the optimizer must
+be a Keras legacy SGD, Adagrad or Ftrl, whose sparse update changes only
+the gradient's rows (Adam decays every row's moments each step). A table
 update with a dense gradient (a regularizer) or a constraint marks every
-row of the shard.
+row of the shard. `DynamicEmbedding` tables are supported
+(`incremental_dynamic`); they restore into any PS count, as their full
+checkpoints do.
 
 Private TF API: the breadth-first object paths and slot keys a checkpoint
 uses (`_tf_internal.graph_view`, `checkpoint_util`, `trackable_utils`).
@@ -72,6 +97,7 @@ from absl import logging
 
 from tf_psplugin._internal.tf_internal import checkpoint_util, graph_view, sharded_variable
 from tf_psplugin._internal.tf_internal import trackable_base, trackable_utils
+from tf_psplugin.state import incremental_dynamic
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
 
@@ -151,14 +177,18 @@ class RowStamps:
             generation = self.generation.read_value()
             constraint = getattr(self.shard, "constraint", None)
             if isinstance(gradient, tf.IndexedSlices) and constraint is None:
-                indices = gradient.indices
-                tf.raw_ops.ResourceScatterUpdate(
-                    resource=self.stamps.handle, indices=indices,
-                    updates=tf.fill(tf.shape(indices)[:1], generation))
+                self.mark_rows(gradient.indices)
             else:  # A dense gradient or a constraint may change every row.
                 tf.raw_ops.AssignVariableOp(
                     resource=self.stamps.handle,
                     value=tf.fill(tf.shape(self.stamps), generation))
+
+    def mark_rows(self, local: tf.Tensor):
+        """Stamps the shard's `local` rows (1-D ids); the write op (None when eager)."""
+        with tf.device(self.device):
+            return tf.raw_ops.ResourceScatterUpdate(
+                resource=self.stamps.handle, indices=local,
+                updates=tf.fill(tf.shape(local)[:1], self.generation.read_value()))
 
     def dirty_rows(self, since: int) -> tf.Tensor:
         """Local ids (int64) of the rows stamped at or after generation `since`."""
@@ -180,6 +210,14 @@ class _Table:
         self.shards = shards
         self.stamps: List[RowStamps] = []
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
+        # The DynamicEmbedding whose rows these are (None: a plain table).
+        self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
+
+    def dirty_rows(self, s: int, since: int) -> tf.Tensor:
+        """Local ids of shard `s`'s rows changed since generation `since`."""
+        if self.dynamic is not None:
+            return self.dynamic.dirty_rows(s, self.stamps[s], since)
+        return self.stamps[s].dirty_rows(since)
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
         """Logical row ids of `local` rows of shard `shard_index`."""
@@ -221,9 +259,12 @@ class IncrementalSaver:
         self._optimizer = optimizer
         self._python_state = list(python_state)
         self._check_optimizer(optimizer)
-        variables, _, _ = object_keys(root)
-        self._check_layers(root)
-        self.tables = self._find_tables(variables)
+        variables, _, paths = object_keys(root)
+        keys_by_id = {id(var): key for key, var in variables.items()}
+        self.dynamic = [incremental_dynamic.DynamicTable(path, layer, keys_by_id, paths)
+                        for path, layer in incremental_dynamic.find_layers(root, paths)]
+        self.tables = self._find_tables(
+            variables, skip=set().union(*[d.not_tables() for d in self.dynamic]))
         if not self.tables:
             raise CheckpointError("incremental checkpoints (full_every): the model has no "
                                   "sharded embedding table. Fix: drop full_every.")
@@ -237,6 +278,16 @@ class IncrementalSaver:
                 row_stamps = RowStamps(shard, generation, stamps)
                 extended.track_updated_rows(shard, row_stamps)
                 table.stamps.append(row_stamps)
+        by_key = {table.key: table for table in self.tables}
+        for dynamic in self.dynamic:
+            table = by_key[dynamic.table_key]
+            table.dynamic = dynamic
+            table_tasks = {_task_name(shard.device) for shard in table.shards}
+            if not {_task_name(d) for d in dynamic.sketch_devices()} <= table_tasks:
+                raise CheckpointError(
+                    f"incremental checkpoints: the admission sketch of {dynamic.layer.name} "
+                    "is not on its table's PS tasks. Fix: drop full_every for this model.")
+            dynamic.install(table.stamps, extended.create_plain_variable)
         # Rows stamped at or after `since[device]` are dirty.
         self._since = {device: 1 for device in self._generations}
         self._checked_against: Optional[str] = None
@@ -256,23 +307,15 @@ class IncrementalSaver:
                 "step). Fix: use tf.keras.optimizers.legacy.Adagrad/SGD/Ftrl, or drop "
                 "full_every.")
 
-    @staticmethod
-    def _check_layers(root) -> None:
-        from tf_psplugin.tables.dynamic import DynamicEmbedding  # pylint: disable=g-import-not-at-top
-
-        for obj in tf.train.TrackableView(root).descendants():
-            if isinstance(obj, DynamicEmbedding):
-                raise CheckpointError(
-                    f"incremental checkpoints (full_every) do not support DynamicEmbedding "
-                    f"({obj.name}): its key -> row maps and admission state are not row "
-                    "tables a delta can patch. Fix: drop full_every for this model.")
-
-    def _find_tables(self, variables: Mapping[str, Any]) -> List[_Table]:
+    def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
+        """The row tables among `variables`, except those whose id is in `skip`."""
         from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
 
         is_table = self._extended._is_table_var  # pylint: disable=protected-access
         tables, in_containers = [], set()
         for key, var in sorted(variables.items()):
+            if id(var) in skip:
+                continue
             if isinstance(var, sharded_variable.ShardedVariable) and all(
                     is_table(s) for s in var.variables):
                 if isinstance(var, table_stacking.StackedTable):
@@ -283,7 +326,8 @@ class IncrementalSaver:
                 tables.append(_Table(key, var, list(var.variables)))
                 in_containers.update(id(s) for s in var.variables)
         for key, var in sorted(variables.items()):
-            if isinstance(var, tf.Variable) and id(var) not in in_containers and is_table(var):
+            if (isinstance(var, tf.Variable) and id(var) not in in_containers | skip
+                    and is_table(var)):
                 tables.append(_Table(key, var, [var]))  # A one-shard table.
         return tables
 
@@ -307,6 +351,8 @@ class IncrementalSaver:
     def begin_full(self) -> None:
         """Call right before a full save: rows updated after it go into the next delta."""
         self.advance()
+        for dynamic in self.dynamic:
+            dynamic.start_save(full=True)
 
     def check_covers(self, full_checkpoint: str) -> None:
         """Raises unless every tensor of `full_checkpoint` is a table, a slot or a variable here."""
@@ -315,6 +361,7 @@ class IncrementalSaver:
         variables, slots, paths = object_keys(self._root)
         handled = set(variables) | set(slots)
         skip = [paths[id(obj)] + "/" for obj in self._python_state if id(obj) in paths]
+        skip += [d.key_index_path + "/" for d in self.dynamic]  # Written as key changes.
         names = tf.train.load_checkpoint(full_checkpoint).get_variable_to_shape_map()
         missing = sorted(k for k in names
                          if k not in handled and k != "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -339,6 +386,8 @@ class IncrementalSaver:
                 default: each PS task writes its own rows.
         """
         since = self.advance()
+        for dynamic in self.dynamic:
+            dynamic.start_save(full=False)
         variables, slots, _ = object_keys(self._root)
         slots_of: Dict[str, List[Tuple[str, str]]] = {}
         for slot_key, (owner, slot_name) in sorted(slots.items()):
@@ -359,13 +408,16 @@ class IncrementalSaver:
             device = entries[0][0].shards[entries[0][1]].device
             names, tensors = [], []
             pieces: Dict[str, List[tf.Tensor]] = {}
+
+            def add(name, tensor):
+                pieces.setdefault(name, []).append(tensor)
+
             with tf.device(device):
                 for table, s in entries:
-                    stamps = table.stamps[s]
-                    local = stamps.dirty_rows(since[task])
+                    local = table.dirty_rows(s, since[task])
                     shard = table.shards[s]
-                    pieces.setdefault(table.key + DELTA_SUFFIX + "ids", []).append(
-                        table.logical_ids(s, local))
+                    ids = table.logical_ids(s, local)
+                    add(table.key + DELTA_SUFFIX + "ids", ids)
                     pieces.setdefault(table.key + DELTA_SUFFIX + "rows", []).append(
                         tf.gather(shard, local))
                     for slot_key, _ in table.slot_keys:
@@ -373,6 +425,12 @@ class IncrementalSaver:
                         slot_shard = slot.variables[s] if len(table.shards) > 1 else slot
                         pieces.setdefault(slot_key + DELTA_SUFFIX + "rows", []).append(
                             tf.gather(slot_shard, local))
+                    if table.dynamic is not None:
+                        table.dynamic.add_row_pieces(s, local, ids, add)
+                for dynamic in self.dynamic:
+                    for j, sketch_device in enumerate(dynamic.sketch_devices()):
+                        if _task_name(sketch_device) == task:
+                            dynamic.add_sketch_pieces(j, add)
                 for name, parts in pieces.items():
                     names.append(name)
                     tensors.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
@@ -382,6 +440,7 @@ class IncrementalSaver:
                                   shape_and_slices=[""] * len(names), tensors=tensors)
             row_files.append(file_prefix)
         table_vars = {id(t.container) for t in self.tables}
+        table_vars.update(*[d.not_dense() for d in self.dynamic])
         table_slot_keys = {k for t in self.tables for k, _ in t.slot_keys}
         dense_names, dense_values = [], []
         for key, var in sorted(variables.items()):
@@ -397,8 +456,11 @@ class IncrementalSaver:
         def rel(path):
             return path[len(model_dir.rstrip("/")) + 1:]
 
-        return {"tables": manifest_tables, "row_files": [rel(p) for p in row_files],
-                "dense": rel(dense_prefix)}
+        manifest = {"tables": manifest_tables, "row_files": [rel(p) for p in row_files],
+                    "dense": rel(dense_prefix)}
+        if self.dynamic:
+            manifest["dynamic"] = {d.path: d.manifest() for d in self.dynamic}
+        return manifest
 
 
 # --- Restoring ------------------------------------------------------------------
@@ -431,7 +493,7 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
     manifest = (model_dir_lib.read_json(info.path + model_dir_lib.COMMIT_SUFFIX) or {}).get(
         "manifest") or {}
     model_dir = os.path.dirname(info.path)
-    variables, _, _ = object_keys(root)
+    variables, _, paths = object_keys(root)
 
     def find(key):
         if key in variables:
@@ -466,5 +528,7 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
             rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
             target.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
         rows_written += len(ids)
+    if manifest.get("dynamic"):
+        incremental_dynamic.apply(root, manifest["dynamic"], parts, find, paths, info.path)
     logging.info("tf_psplugin: applied delta %s (%d table rows)", info.path, rows_written)
     return rows_written

@@ -104,7 +104,11 @@ class _KeyIndex(_tf_internal.trackable_base.Trackable):
         """Replaces every map's content with these (key, row) pairs."""
         cleared = []
         for st in self._states:
-            old_keys, old_rows = st.map.export()
+            # Each map by its own keys: after a restore into another PS count
+            # a key's map entry and its row's reverse entry are on different
+            # shards, so the map's rows are not the reverse map's.
+            old_keys, _ = st.map.export()
+            old_rows, _ = st.rows.export()
             cleared += [st.map.remove(old_keys), st.rows.remove(old_rows)]
         n = len(self._states)
         with tf.control_dependencies([c for c in cleared if c is not None]):
@@ -142,6 +146,9 @@ class _TraceState:
 
     def __init__(self):
         self.now_by_graph = weakref.WeakKeyDictionary()  # traced graph -> clock read
+        # Per shard, `mark(local_rows)` -> op: incremental checkpoints record
+        # the rows admission, eviction and expiry write (`track_changed_rows`).
+        self.row_marks = ()
 
 
 class _ShardState:
@@ -341,6 +348,32 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             row.update({k: int(v) for k, v in zip(_STAT_NAMES, values)})
             out.append(row)
         return out
+
+    def track_changed_rows(self, marks) -> None:
+        """Makes admission, eviction and expiry report the rows they write.
+
+        For incremental checkpoints (`tf_psplugin.incremental_dynamic`): in
+        each traced step, shard s's admission calls ``marks[s](local_rows)``
+        (on that shard's PS) for the rows eviction frees without giving them
+        to a new key, and expiry for the rows it frees: a freed row's last
+        use is 0, so nothing else tells it changed. (Rows given a key get
+        the step's clock as their last use.) Set it before the first
+        training step is traced.
+
+        Args:
+            marks: One callable per shard, taking int64 local row ids and
+                returning the op that records them (or None).
+        """
+        self._require_built("track_changed_rows")
+        if len(marks) != self.num_shards:
+            raise ValueError(f"track_changed_rows: {len(marks)} marks for {self.num_shards} "
+                             "shards.")
+        self._trace.row_marks = tuple(marks)
+
+    def _mark_changed(self, s: int, local) -> list:
+        """The op recording that shard `s`'s `local` rows changed (none if untracked)."""
+        op = self._trace.row_marks[s](local) if self._trace.row_marks else None
+        return [] if op is None else [op]
 
     def _require_built(self, what):
         if not self.built:
@@ -612,6 +645,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             new_rows = slots * n + s
             values = key_hashing.initial_rows(hashes[:taken], self.output_dim, self.init_scale,
                                               emb.dtype)
+            # Freed rows only: rows given a key now are marked used now, which
+            # incremental checkpoints see without a mark.
+            ops += self._mark_changed(s, spare)
             ops += _scatter(slots, [(emb, values, "update"),
                                     (last_var, tf.fill(tf.shape(slots), now), "update"),
                                     (hits_var, seen[:taken], "update")])
@@ -651,6 +687,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         forgotten = self._forget(_find(st.rows, rows), rows)
         with tf.control_dependencies([forgotten]):
             ops = [st.rows.remove(rows)]
+        ops += self._mark_changed(s, local)
         ops += _scatter(local, [(last_var, tf.zeros_like(local), "update"),
                                 (hits_var, tf.zeros_like(local), "update")])
         return tf.size(local, out_type=tf.int64), tf.group([o for o in ops if o is not None])
