@@ -19,8 +19,8 @@ import weakref
 import pytest
 import tensorflow as tf
 
-from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster import liveness
+from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.fault import elastic
 from tf_psplugin.fault import failover
 from tf_psplugin.runtime import coordinator as coordinator_lib
