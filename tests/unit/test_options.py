@@ -7,26 +7,15 @@ connection (closed ports, short timeout), as in test_stock_constructor.py.
 """
 
 import dataclasses
-import socket
 import time
 
 import pytest
-import tensorflow as tf
-
 import tf_psplugin
+from tests.unit._stub_cluster import chief_worker_ps_resolver
 from tf_psplugin.runtime import options as options_lib
 
 
-def _addr():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _resolver():
-    spec = tf.train.ClusterSpec({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+_resolver = chief_worker_ps_resolver
 
 
 @pytest.mark.parametrize("knob,value,error", [

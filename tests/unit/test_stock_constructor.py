@@ -7,28 +7,19 @@ constructor cases stop at the connection (closed ports, short timeout).
 """
 
 import inspect
-import socket
 
 import pytest
 import tensorflow as tf
 
 import tf_psplugin
+from tests.unit._stub_cluster import chief_worker_ps_resolver, free_address
 from tf_psplugin.cluster import config as config_lib
 from tf_psplugin.tables import placement as placement_lib
 
 partitioners = tf.distribute.experimental.partitioners
 
 
-def _addr():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _resolver():
-    spec = tf.train.ClusterSpec({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        spec, task_type="chief", task_id=0, rpc_layer="grpc")
+_resolver = chief_worker_ps_resolver
 
 
 # -- the constructor -------------------------------------------------------------
@@ -77,7 +68,7 @@ def test_non_callable_partitioner_is_one_clear_error(bad):
 def test_config_passed_in_the_partitioner_position_says_so():
     """`config` used to be the second positional argument."""
     config = config_lib.from_tf_config({
-        "cluster": {"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]},
+        "cluster": {"chief": [free_address()], "worker": [free_address()], "ps": [free_address()]},
         "task": {"type": "chief", "index": 0}})
     with pytest.raises(tf_psplugin.StrategyError, match=r"pass the ClusterConfig as `config=`"):
         tf_psplugin.HybridParameterServerStrategy(None, config)
