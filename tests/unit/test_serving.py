@@ -244,3 +244,37 @@ def test_a_delta_removed_while_read_is_tried_again(tmp_path, monkeypatch):
         f.write(kept)
     assert [i.name for i in served.poll()] == ["delta-4"]
     assert_serves_like(served, trained)
+
+
+def test_dynamic_embedding_exports_and_deltas_are_refused_not_served_wrong(tmp_path):
+    """Its key changes cannot be applied to an export: serving them would be wrong."""
+    from tf_psplugin import layers  # pylint: disable=g-import-not-at-top
+
+    def dynamic_model():
+        ids = tf.keras.Input(shape=(3,), dtype=tf.int64)
+        rows = layers.DynamicEmbedding(capacity=16, output_dim=DIM, name="dyn")(ids)
+        out = tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(rows))
+        return tf.keras.Model(ids, out)
+
+    export = str(tmp_path / "export")
+    tf_psplugin.export_saved_model(dynamic_model(), export)
+    with open(os.path.join(export, serving.SERVING_METADATA)) as f:
+        assert json.load(f)["dynamic_embeddings"] == ["dyn"]
+    tf_psplugin.ServingModel(export)  # Serving it as it is works.
+    served = tf_psplugin.ServingModel(export, model_dir=str(tmp_path / "run"))
+    with pytest.raises(tf_psplugin.ServingError, match=r"dyn: ServingModel cannot follow.*Fix:"):
+        served.poll()
+    # A delta that changes a DynamicEmbedding's keys, followed by an export
+    # without the metadata field (written before it existed): refused too.
+    model_dir = str(tmp_path / "plain")
+    write_full(model_dir, 2)
+    plain = tf_psplugin.export_from_checkpoint(tiny_model, model_dir, str(tmp_path / "e2"))
+    delta = write_delta(model_dir, 4, "ckpt-2", "ckpt-2")
+    marker = delta.path + ".commit"
+    with open(marker) as f:
+        data = json.load(f)
+    data["manifest"]["dynamic"] = {"model/layer_with_weights-0": {}}
+    with open(marker, "w") as f:
+        json.dump(data, f)
+    with pytest.raises(tf_psplugin.ServingError, match="cannot follow their key changes"):
+        tf_psplugin.ServingModel(plain, model_dir=model_dir).poll()

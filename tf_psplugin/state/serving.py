@@ -61,6 +61,7 @@ from tf_psplugin.errors import ServingError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointInfo
+from tf_psplugin.tables import dynamic as dynamic_lib
 
 __all__ = ["SERVING_METADATA", "ServingError", "ServingModel", "serving_metadata"]
 
@@ -90,12 +91,17 @@ def serving_metadata(model, checkpoint: Optional[CheckpointInfo] = None) -> Dict
     entries = [{"key": key_of.get(id(var)), "name": var.name,
                 "shape": [int(d) for d in var.shape], "dtype": var.dtype.name}
                for var in model.variables]
+    # A DynamicEmbedding's export holds a fixed key -> row table, which a
+    # delta's key changes cannot update (see `ServingModel.poll`).
+    dynamic = sorted(layer.name for layer in model.submodules
+                     if isinstance(layer, dynamic_lib.DynamicEmbedding))
     source = None
     if checkpoint is not None:
         source = {"name": checkpoint.name, "step": int(checkpoint.step),
                   "base": checkpoint.base if checkpoint.kind == model_dir_lib.KIND_DELTA
                   else checkpoint.name}
-    return {"format": METADATA_FORMAT, "checkpoint": source, "variables": entries}
+    return {"format": METADATA_FORMAT, "checkpoint": source, "variables": entries,
+            "dynamic_embeddings": dynamic}
 
 
 class _ReadWriteLock:
@@ -197,6 +203,7 @@ class ServingModel:
                     f"its metadata ({entry}). Fix: export it again.")
             if entry["key"]:
                 self._variables[entry["key"]] = var
+        self._dynamic: List[str] = list(metadata.get("dynamic_embeddings") or [])
         source = metadata.get("checkpoint")
         self._base: Optional[str] = source["base"] if source else None
         self._name: Optional[str] = source["name"] if source else None
@@ -250,10 +257,13 @@ class ServingModel:
 
         Raises:
             ServingError: the model directory holds neither the export's
-                checkpoint nor a newer full one.
+                checkpoint nor a newer full one; or the export has a
+                `DynamicEmbedding`, whose key changes cannot be followed.
         """
         if self.model_dir is None:
             return []
+        if self._dynamic:
+            raise self._dynamic_error(self.export_dir, self._dynamic)
         with self._poll_lock:
             try:
                 update = self._plan()
@@ -332,11 +342,22 @@ class ServingModel:
                 f"e.g. {missing[0]}. Fix: serve an export of the model this directory trains.")
         update.applied.append(full)
 
+    @staticmethod
+    def _dynamic_error(where: str, layers: List[str]) -> ServingError:
+        return ServingError(
+            f"{where}: DynamicEmbedding layer(s) {', '.join(layers)}: ServingModel cannot "
+            "follow their key changes yet (an export holds a fixed key -> row table), and "
+            "applying their rows alone would serve new rows under old keys. Fix: load an "
+            "export of each new full checkpoint (tf_psplugin.export_from_checkpoint) instead "
+            "of polling, or serve this export as it is (no model_dir).")
+
     def _read_delta(self, delta: CheckpointInfo, update: _Update) -> None:
         marker = model_dir_lib.read_json(delta.path + model_dir_lib.COMMIT_SUFFIX)
         if marker is None:  # Deleted since it was listed (retention removes markers first).
             raise tf.errors.NotFoundError(None, None, f"{delta.path} is gone")
         manifest = marker.get("manifest") or {}
+        if manifest.get("dynamic"):
+            raise self._dynamic_error(delta.path, sorted(manifest["dynamic"]))
         if "dense" not in manifest:
             raise ServingError(f"delta {delta.path} has no manifest: not written by "
                                "tf_psplugin's incremental checkpoints.")
