@@ -158,6 +158,14 @@ def test_watchdog_thread_fires_within_the_limit_plus_one_poll():
     assert not thread.is_alive()
 
 
+class _Worker:
+    """What the dispatch loop reads of a stock Worker."""
+
+    def __init__(self, index):
+        self.worker_index = index
+        self.device_name = f"/job:worker/replica:0/task:{index}"
+
+
 def _errors_coordinator():
     coord = _bare_coordinator()
     coord._generation = 0  # pylint: disable=protected-access
@@ -199,10 +207,6 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     monkeypatch.setattr(coord, "_execute", lambda step, worker, ex: ran.append(
         (step.step_id, worker.worker_index)), raising=False)
 
-    class _Worker:
-        def __init__(self, index):
-            self.worker_index = index
-
     started, later = _step(coord, 1), _step(coord, 2)
     coord._inflight = 2  # pylint: disable=protected-access
 
@@ -221,6 +225,61 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     # forever); step 2, reached after the failure, is cancelled on both.
     assert ran == [(1, 0), (1, 1)]
     assert started.cancelled is False and later.cancelled is True
+
+
+def test_a_part_is_not_sent_once_a_peer_part_of_its_step_failed():
+    # Its remote call could arrive at the worker before the step's
+    # cancellation is registered there, and then wait in a collective forever.
+    coord = _errors_coordinator()
+    sent = []
+    step = _step(coord, 4)
+    step.functions = [lambda: sent.append(0), lambda: sent.append(1)]
+    executor = coordinator_lib._new_sync_executor()  # pylint: disable=protected-access
+    coord._execute(step, _Worker(0), executor)  # pylint: disable=protected-access
+    assert sent == [0] and set(step.sent_at) == {0}
+    step.error = tf.errors.InvalidArgumentError(None, None, "bad record on worker 1")
+    with pytest.raises(tf.errors.CancelledError, match="step 4 failed on a peer"):
+        coord._execute(step, _Worker(1), executor)  # pylint: disable=protected-access
+    assert sent == [0] and set(step.sent_at) == {0}
+
+
+class _Manager:
+    def __init__(self):
+        self.cancelled_at = None
+
+    def start_cancel(self):
+        self.cancelled_at = time.monotonic()
+
+
+@pytest.mark.parametrize("sent_ago,expected_delay", [
+    (None, 0.0),  # No part was sent: nothing can miss the cancellation.
+    (5.0, 0.0),  # Sent long ago: the worker runs the call, cancel at once.
+    (0.0, coordinator_lib.CANCEL_GRACE_SECONDS),  # Just sent: give it time to start.
+])
+def test_a_peer_is_cancelled_only_once_its_call_has_had_time_to_start(sent_ago, expected_delay):
+    coord = _errors_coordinator()
+    step = _step(coord, 4)
+    step.cancellation_manager = _Manager()
+    start = time.monotonic()
+    if sent_ago is not None:
+        step.sent_at[0] = start - sent_ago
+    coord._cancel_waiting_peers(  # pylint: disable=protected-access
+        step, tf.errors.InvalidArgumentError(None, None, "bad record on worker 1"))
+    deadline = time.monotonic() + expected_delay + 5.0
+    while step.cancellation_manager.cancelled_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    delay = step.cancellation_manager.cancelled_at - start
+    assert expected_delay - 0.05 <= delay < expected_delay + 1.0
+
+
+def test_a_task_failure_is_left_to_failover_not_cancelled():
+    coord = _errors_coordinator()
+    step = _step(coord, 4)
+    step.cancellation_manager = _Manager()
+    coord._cancel_waiting_peers(  # pylint: disable=protected-access
+        step, tf.errors.UnavailableError(None, None, "worker:1 gone: Socket closed"))
+    time.sleep(0.1)
+    assert step.cancellation_manager.cancelled_at is None
 
 
 @pytest.mark.parametrize("policy,env,expected", [

@@ -36,8 +36,10 @@ When one worker's part fails with the user's error (a bad record in its
 input, a failed assertion) while its peers still run the step, the peers
 wait in the step's collectives for a part that will never come: the
 coordinator cancels the step functions' remote calls
-(`_cancel_waiting_peers`), so the user's error is reported at once and the
-cluster is usable for the next step, as after a stock PSS step error.
+(`_cancel_waiting_peers`; within `CANCEL_GRACE_SECONDS` of the last part's
+call, because TF loses a cancellation that reaches a worker before the call
+has started there), so the user's error is reported at once and the cluster
+is usable for the next step, as after a stock PSS step error.
 Worker recovery is handled in `failover.py`.
 
 Hung peers: a worker that stops answering raises no error; its peers just
@@ -49,6 +51,7 @@ worker its shard of the input) are built by `worker_datasets.py`.
 
 import queue
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -67,6 +70,9 @@ from tf_psplugin.runtime import worker_datasets
 from tf_psplugin.sync import replicated as variables_lib
 
 _STOP = object()
+# How long after a step part's remote call was sent a cancellation of that
+# step is sure to reach the worker's running call (see `_cancel_waiting_peers`).
+CANCEL_GRACE_SECONDS = 1.0
 
 
 class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
@@ -386,6 +392,15 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             raise error
         args = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args)
         kwargs = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs)
+        with self._lock:
+            if step.error is not None:
+                # A peer's part failed already: this part would only wait in
+                # the step's collectives, and a remote call sent now might
+                # miss the step's cancellation (see `_cancel_waiting_peers`).
+                raise tf.errors.CancelledError(
+                    None, None, f"tf_psplugin: step {step.step_id} failed on a peer: "
+                    "not started here.")
+            step.sent_at[worker.worker_index] = time.monotonic()
         with tf.device(worker.device_name), context.executor_scope(worker_executor):
             with coordinator_context.with_dispatch_context(worker):
                 outputs = step.functions[worker.worker_index](*args, **kwargs)
@@ -454,7 +469,25 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
 
         if step.cancellation_manager is None or liveness.is_task_failure(error):
             return
-        step.cancellation_manager.start_cancel()
+        # TF loses a cancellation that reaches a worker before the worker
+        # has started executing the call (its eager service registers the
+        # call's cancel callback only then; TF 2.15-2.21): that part would
+        # wait in a collective forever, and so would every later collective
+        # of the group, on every worker (measured on TF 2.21: one such call
+        # in ~20 bad-record errors on a loaded 2-core host; the job then
+        # failed over after collective_timeout_seconds). So the cancellation
+        # is sent once every part of the step that was sent (no new one is,
+        # see `_execute`) has had `CANCEL_GRACE_SECONDS` to start.
+        with self._lock:
+            last_sent = max(step.sent_at.values(), default=None)
+        delay = 0.0 if last_sent is None else last_sent + CANCEL_GRACE_SECONDS - time.monotonic()
+        if delay <= 0:
+            step.cancellation_manager.start_cancel()
+            return
+        timer = threading.Timer(delay, step.cancellation_manager.start_cancel)
+        timer.name = f"tf_psplugin-cancel-step-{step.step_id}"
+        timer.daemon = True
+        timer.start()
 
     def shutdown(self) -> None:
         """Stops this coordinator's threads for good (idempotent).

@@ -10,7 +10,7 @@ or raises the step's first error (see `coordinator.py`).
 """
 
 import threading
-from typing import Optional
+from typing import Dict, Optional
 
 import tensorflow as tf
 
@@ -85,4 +85,6 @@ class SyncStep:
         # the same for every worker: a part that runs while a peer's part was
         # cancelled waits in the step's collectives forever.
         self.cancelled: Optional[bool] = None
+        # Worker index -> when its part sent its remote call (time.monotonic).
+        self.sent_at: Dict[int, float] = {}
         self.done = threading.Event()
