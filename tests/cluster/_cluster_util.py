@@ -133,6 +133,19 @@ def result_line(output: str, marker: str = "RESULT") -> Optional[str]:
     return found
 
 
+def run_chief_for_report(cluster, command: Sequence[str], out, timeout: float) -> Dict:
+    """Starts `cluster`'s servers, runs `command` as its chief and returns its report.
+
+    The chief must exit 0 (else the assertion shows its log's tail) and
+    write its findings as JSON to ``out/report.json``.
+    """
+    cluster.start_servers()
+    result = cluster.run_chief(command, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-8000:]
+    with open(os.path.join(str(out), "report.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def assert_checks_passed(result, checks) -> None:
     """Asserts a chief script's `CHECK <name> ok|FAIL <why>` lines: each in `checks`
     present, none failed, and the script ended with `DONE` and exit 0."""

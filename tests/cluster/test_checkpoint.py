@@ -290,15 +290,12 @@ def trained(tmp_path_factory):
     tracker = cu.ProcessTracker()
     cluster = LocalCluster(2, 2, env=tracker.env())
     try:
-        cluster.start_servers()
-        result = cluster.run_chief([cu.PYTHON, cu.script(root, TRAIN, "train.py"), str(model_dir),
-                                    str(out)], timeout=240)
-        assert result.returncode == 0, result.stdout[-8000:]
+        report = cu.run_chief_for_report(
+            cluster, [cu.PYTHON, cu.script(root, TRAIN, "train.py"), str(model_dir), str(out)],
+            out, timeout=240)
     finally:
         cluster.stop()
         tracker.cleanup()
-    with open(out / "report.json") as f:
-        report = json.load(f)
     yield {"model_dir": model_dir, "out": out, "report": report, "root": root}
 
 
@@ -309,12 +306,9 @@ def _run_restore(make_cluster, tmp_path, workers, ps, dirs):
     for name, path in dirs.items():
         args += [name, str(path)]
     cluster = make_cluster(num_workers=workers, num_ps=ps)
-    cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, RESTORE, "restore.py"), str(out)]
-                               + args, timeout=200)
-    assert result.returncode == 0, result.stdout[-8000:]
-    with open(out / "report.json") as f:
-        return out, json.load(f)
+    return out, cu.run_chief_for_report(
+        cluster, [cu.PYTHON, cu.script(tmp_path, RESTORE, "restore.py"), str(out)] + args, out,
+        timeout=200)
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,6 @@ step of the full save, and that the deltas hold only the touched rows.
 
 import json
 
-import numpy as np
 import pytest
 
 from tests.cluster import _cluster_util as cu
@@ -131,13 +130,10 @@ def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluste
     incr_dir, full_dir, out = tmp_path / "incr", tmp_path / "full", tmp_path / "out"
     out.mkdir()
     cluster = make_cluster(num_workers=2, num_ps=num_ps)
-    cluster.start_servers()
-    result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(incr_dir),
-                                str(full_dir), str(out), sharding], timeout=200)
-    assert result.returncode == 0, result.stdout[-8000:]
+    report = cu.run_chief_for_report(
+        cluster, [cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(incr_dir), str(full_dir),
+                  str(out), sharding], out, timeout=200)
     cluster.stop()
-    with open(out / "report.json") as f:
-        report = json.load(f)
     markers = report["markers"]
     assert {k: (v["kind"], v["step"], v["base"], v["parent"]) for k, v in markers.items()} == {
         "ckpt-2.commit": ("full", 2, None, None),

@@ -185,15 +185,12 @@ def trained(tmp_path_factory):
     tracker = cu.ProcessTracker()
     cluster = LocalCluster(2, 2, env=tracker.env())
     try:
-        cluster.start_servers()
-        result = cluster.run_chief([cu.PYTHON, cu.python_script(root, TRAIN, "train.py"),
-                                    str(incr_dir), str(full_dir), str(out)], timeout=200)
-        assert result.returncode == 0, result.stdout[-8000:]
+        report = cu.run_chief_for_report(
+            cluster, [cu.PYTHON, cu.python_script(root, TRAIN, "train.py"), str(incr_dir),
+                      str(full_dir), str(out)], out, timeout=200)
     finally:
         cluster.stop()
         tracker.cleanup()
-    with open(out / "report.json") as f:
-        report = json.load(f)
     print("REPORT", json.dumps(report))
     yield {"incr": incr_dir, "full": full_dir, "out": out, "report": report}
 
