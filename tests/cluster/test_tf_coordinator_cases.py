@@ -29,6 +29,7 @@ CHECKS = (
     "multiple_datasets",
     "join_raise_error",
     "schedule_raise_error",
+    "schedule_raise_error_with_multiple_failure",  # Under TF's harness threads (target= only).
     "error_will_be_cleared",
     "cancellation",  # Differs: steps run in order; the later ones are cancelled.
     "input_error",

@@ -19,11 +19,13 @@ import weakref
 import pytest
 import tensorflow as tf
 
+from tf_psplugin._internal import identity
 from tf_psplugin.cluster import liveness
 from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.fault import elastic
 from tf_psplugin.fault import failover
 from tf_psplugin.runtime import coordinator as coordinator_lib
+from tf_psplugin.runtime import delayed_calls
 from tf_psplugin.runtime import step_values
 from tf_psplugin.runtime import watchdog as watchdog_lib
 from tf_psplugin.state import checkpoint as checkpoint_lib
@@ -45,6 +47,10 @@ def _bare_coordinator(num_workers=2, timeout=5.0, ps_addresses=(), worker_addres
     coord._watchdog = watchdog_lib.StepWatchdog(  # pylint: disable=protected-access
         coord._lock, coord._on_hung_step, ps_addresses,  # pylint: disable=protected-access
         worker_addresses)
+    coord._delayed = delayed_calls.DelayedCalls(  # pylint: disable=protected-access
+        "test-cancel-peers", on_error=lambda e: coord._on_internal_error(e, "test"))  # pylint: disable=protected-access
+    coord._warm = [identity.IdentityMap() for _ in range(num_workers)]  # pylint: disable=protected-access
+    coord._cold_call_seconds = 0.0  # pylint: disable=protected-access
     return coord
 
 
@@ -62,7 +68,9 @@ def _stuck_step_message(coord, **state):
         setattr(coord._watchdog, name, value)  # pylint: disable=protected-access
     step = _step(coord, 3)
     now = time.monotonic()
-    running = {0: (step, now - 12.0), 1: (step, now - 11.0)}
+    # Past the step's limit of 10 s, or the input's while a worker makes its input.
+    age = watchdog_lib.input_limit(10.0) if state.get("_creating_input") else 10.0
+    running = {0: (step, now - age - 2.0), 1: (step, now - age - 1.0)}
     coord._watchdog.running = running  # pylint: disable=protected-access
     return coord._watchdog.fail_hung_step(10.0).message  # pylint: disable=protected-access
 

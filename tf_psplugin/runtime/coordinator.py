@@ -57,12 +57,15 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin import errors
+from tf_psplugin._internal import identity
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal import verbosity as verbosity_lib
 from tf_psplugin._internal.tf_internal import cancellation, cluster_coordinator, context
 from tf_psplugin._internal.tf_internal import coordinator_context
 from tf_psplugin._internal.tf_internal import executor
 from tf_psplugin.cluster import liveness
+from tf_psplugin.runtime import delayed_calls
 from tf_psplugin.runtime import role_tracing
 from tf_psplugin.runtime import step_values
 from tf_psplugin.runtime import watchdog as watchdog_lib
@@ -71,8 +74,13 @@ from tf_psplugin.sync import replicated as variables_lib
 
 _STOP = object()
 # How long after a step part's remote call was sent a cancellation of that
-# step is sure to reach the worker's running call (see `_cancel_waiting_peers`).
+# step is sure to reach the worker's running call, once the worker has run
+# that function before (see `_cancel_waiting_peers`).
 CANCEL_GRACE_SECONDS = 1.0
+# A worker's first call of a function first instantiates it there (graph
+# optimisation, seconds for a large model on a loaded host): a cancellation
+# waits this many times the longest such first call measured so far.
+COLD_CALL_GRACE_FACTOR = 2.0
 
 
 class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
@@ -124,6 +132,15 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self.step_timeout_seconds = float(
             getattr(strategy.extended, "step_timeout_seconds", 0.0) or 0.0)
         self._stopped = threading.Event()
+        # Sends each failed step's peer cancellation when its time comes
+        # (one thread, made on first use; never a threading.Timer).
+        self._delayed = delayed_calls.DelayedCalls(
+            "tf_psplugin-cancel-peers",
+            on_error=lambda e: self._on_internal_error(e, "the peer-cancellation thread"))
+        # Per worker: the step functions whose call returned there (their
+        # next call starts at once), and the longest first call seen (s).
+        self._warm = [identity.IdentityMap() for _ in range(self._num_workers)]
+        self._cold_call_seconds = 0.0
         if self._synchronous:
             for worker in self._cluster.workers:
                 q = queue.Queue()
@@ -134,8 +151,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 self._threads.append(t)
                 t.start()
             if self.step_timeout_seconds > 0:
+                on_error = lambda e: self._on_internal_error(e, "the step watchdog")  # noqa: E731
                 t = threading.Thread(target=self._watchdog.run,
-                                     args=(self.step_timeout_seconds, self._stopped),
+                                     args=(self.step_timeout_seconds, self._stopped, on_error),
                                      name="tf_psplugin-step-watchdog",
                                      daemon=True)
                 self._threads.append(t)
@@ -205,6 +223,11 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                              tf_objects.closure_output_type_spec(first), self._num_workers,
                              self._generation, manager)
             self._inflight += 1
+        # What a worker's "has it run this function before" is keyed by: the
+        # traced function, the same object for every step of one trace
+        # (a closure's callable is a new wrapper per step).
+        step.traces = [tf_objects.closure_concrete_function(c) or tf_objects.closure_function(c)
+                       for c in closures]
         for i, q in enumerate(self._queues):
             q.put(step_values.StepPart(step, i))
         return step.remote_value
@@ -340,41 +363,85 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         raise err
 
     def _worker_loop(self, worker, q):
+        """A worker's dispatch thread: runs that worker's part of each step, in order.
+
+        It never ends but on `_STOP`: an exception outside the step's own
+        call (a bug of the plugin's, or of an instrumented `threading`)
+        fails that part, and so its step, with a `StrategyError` that
+        `schedule`/`join` raise; a thread that died here would leave
+        `join()` waiting forever.
+        """
         worker_executor = _new_sync_executor()
-        while True:
-            part = q.get()
-            if part is _STOP:
-                _release_executor(worker_executor)
-                return
-            step = part.step
-            outputs = None
-            error = None
-            with self._lock:
-                if step.cancelled is None:
-                    step.cancelled = (self._error is not None
-                                      or step.generation < self._generation)
-                cancelled = step.cancelled
-            if cancelled:
-                error = tf.errors.CancelledError(
-                    None, None, "tf_psplugin: step cancelled after an earlier step failed; "
-                    "schedule it again.")
-            else:
-                with self._lock:
-                    self._watchdog.started(worker.worker_index, step)
+        try:
+            while True:
+                part = q.get()
+                if part is _STOP:
+                    return
                 try:
-                    outputs = self._execute(step, worker, worker_executor)
-                except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
-                    error = e
-                    # End of data is how a custom loop's epoch ends, not a
-                    # failure; a cancellation follows a peer's error (logged).
-                    log = (logging.info if isinstance(
-                        e, (tf.errors.OutOfRangeError, tf.errors.CancelledError))
-                        else logging.error)
-                    log("tf_psplugin: worker %d failed step %d: %r",
-                        worker.worker_index, step.step_id, e)
-            self._finish_part(step, worker.worker_index, outputs, error, cancelled)
-            # Keep nothing of the step (its inputs hold the user's iterators).
-            del part, step, outputs, error
+                    self._run_part(part.step, worker, worker_executor)
+                except BaseException as e:  # noqa: BLE001 - raised to the user via join/schedule.
+                    self._on_internal_error(
+                        e, f"worker {worker.worker_index}'s dispatch thread", part.step,
+                        worker.worker_index)
+                # Keep nothing of the step (its inputs hold the user's iterators).
+                del part
+        finally:
+            _release_executor(worker_executor)
+
+    def _run_part(self, step, worker, worker_executor) -> None:
+        """Runs (or skips, if cancelled) one worker's part of `step` and records its end."""
+        outputs = None
+        error = None
+        with self._lock:
+            if step.cancelled is None:
+                step.cancelled = (self._error is not None
+                                  or step.generation < self._generation)
+            cancelled = step.cancelled
+        if cancelled:
+            error = tf.errors.CancelledError(
+                None, None, "tf_psplugin: step cancelled after an earlier step failed; "
+                "schedule it again.")
+        else:
+            with self._lock:
+                self._watchdog.started(worker.worker_index, step)
+            try:
+                outputs = self._execute(step, worker, worker_executor)
+            except Exception as e:  # noqa: BLE001 - reported to the user via join/schedule.
+                error = e
+                # End of data is how a custom loop's epoch ends, not a
+                # failure; a cancellation follows a peer's error (logged).
+                log = (logging.info if isinstance(
+                    e, (tf.errors.OutOfRangeError, tf.errors.CancelledError))
+                    else logging.error)
+                log("tf_psplugin: worker %d failed step %d: %r",
+                    worker.worker_index, step.step_id, e)
+        self._finish_part(step, worker.worker_index, outputs, error, cancelled)
+
+    def _on_internal_error(self, error: BaseException, where: str, step=None,
+                           worker_index: Optional[int] = None) -> None:
+        """An exception in one of the coordinator's own threads: fail, never hang.
+
+        The steps in flight fail with a `StrategyError` naming the thread
+        (raised once by the next `schedule`, `join` or `done`, the original
+        exception as its cause); with `step`, that worker's part of it ends
+        with the error unless it was recorded already.
+        """
+        logging.error("tf_psplugin: internal error in %s", where,
+                      exc_info=(type(error), error, error.__traceback__))
+        wrapped = errors.StrategyError(
+            f"tf_psplugin: internal error in {where}: {error!r}; the steps in flight failed. "
+            "Fix: this is a bug in tf_psplugin, please report it with the log's traceback; "
+            "schedule the steps again to go on.")
+        wrapped.__cause__ = error
+        if step is not None and worker_index is not None:
+            with self._lock:
+                recorded = worker_index in step.finished_parts
+            if not recorded:
+                self._finish_part(step, worker_index, None, wrapped)
+                return
+        with self._lock:
+            self._error = self._error or wrapped
+            self._idle.notify_all()
 
     def _execute(self, step, worker, worker_executor):
         args = tf_objects.select_worker_slice(worker.worker_index, step.args)
@@ -401,9 +468,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                     None, None, f"tf_psplugin: step {step.step_id} failed on a peer: "
                     "not started here.")
             step.sent_at[worker.worker_index] = time.monotonic()
-        with tf.device(worker.device_name), context.executor_scope(worker_executor):
-            with coordinator_context.with_dispatch_context(worker):
-                outputs = step.functions[worker.worker_index](*args, **kwargs)
+        function = step.functions[worker.worker_index]
+        try:
+            with tf.device(worker.device_name), context.executor_scope(worker_executor):
+                with coordinator_context.with_dispatch_context(worker):
+                    outputs = function(*args, **kwargs)
+        finally:
+            self._record_call(worker.worker_index, function, step)
         if worker.worker_index == 0:
             tf_objects.remote_value_set_values(step.remote_value, outputs)
             step.remote_value.get()  # Copy to the chief while the worker is alive.
@@ -416,8 +487,26 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         self._error = self._error or error
         self._idle.notify_all()
 
+    def _record_call(self, worker_index: int, function, step) -> None:
+        """Worker `worker_index`'s call of `step`'s function returned (or raised).
+
+        Its first call of a trace there also instantiated the function on
+        the worker; that call's length is what a cancellation of a later
+        first call waits for (`_cancel_grace`).
+        """
+        trace = step.traces[worker_index] if step.traces else function
+        with self._lock:
+            warm = self._warm[worker_index]
+            if trace not in warm:
+                warm[trace] = True
+                self._cold_call_seconds = max(
+                    self._cold_call_seconds, time.monotonic() - step.sent_at[worker_index])
+
     def _finish_part(self, step, worker_index, outputs, error, cancelled=False):
         with self._lock:
+            if worker_index in step.finished_parts:
+                return
+            step.finished_parts.add(worker_index)
             self._watchdog.finished(worker_index, step)
             if error is not None and step.error is None:
                 step.error = error
@@ -439,18 +528,43 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             # collectives for a part that will never come.
             cancel_peers = (error is not None and not finished and not cancelled
                             and not isinstance(error, tf.errors.CancelledError))
-        if cancel_peers:
-            self._cancel_waiting_peers(step, error)
-        if error is not None and worker_index == 0:
-            tf_objects.remote_value_set_error(step.remote_value, error)
-        if finished:
-            if step.error is not None and tf_objects.remote_value_status(step.remote_value) is not None:
+        # Whatever raises below, the step ends and leaves the in-flight count
+        # (or `join` and failover's wait for idle would wait forever).
+        try:
+            if cancel_peers:
+                self._cancel_waiting_peers(step, error)
+            if error is not None and worker_index == 0:
+                tf_objects.remote_value_set_error(step.remote_value, error)
+            if finished and step.error is not None and tf_objects.remote_value_status(
+                    step.remote_value) is not None:
                 tf_objects.remote_value_set_error(step.remote_value, step.error)
-            step.done.set()
-            with self._lock:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self._idle.notify_all()
+        finally:
+            if finished:
+                step.done.set()
+                with self._lock:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.notify_all()
+
+    def _cancel_grace(self, step) -> Optional[float]:
+        """When `step`'s cancellation is sure to reach every part that was sent.
+
+        Returns:
+            A `time.monotonic()` time, or None if no part was sent.
+        """
+        with self._lock:
+            deadlines = []
+            for i, sent in step.sent_at.items():
+                grace = CANCEL_GRACE_SECONDS
+                if step.traces and step.traces[i] not in self._warm[i]:
+                    # That worker may still be instantiating the function.
+                    grace = max(grace, COLD_CALL_GRACE_FACTOR * self._cold_call_seconds)
+                    if self.step_timeout_seconds > 0:
+                        # Past the watchdog's limit a hung part fails anyway.
+                        grace = min(grace, max(CANCEL_GRACE_SECONDS,
+                                               self.step_timeout_seconds / 2))
+                deadlines.append(sent + grace)
+        return max(deadlines, default=None)
 
     def _cancel_waiting_peers(self, step, error) -> None:
         """Cancels `step` on every worker after one of its parts failed with `error`.
@@ -477,17 +591,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # in ~20 bad-record errors on a loaded 2-core host; the job then
         # failed over after collective_timeout_seconds). So the cancellation
         # is sent once every part of the step that was sent (no new one is,
-        # see `_execute`) has had `CANCEL_GRACE_SECONDS` to start.
-        with self._lock:
-            last_sent = max(step.sent_at.values(), default=None)
-        delay = 0.0 if last_sent is None else last_sent + CANCEL_GRACE_SECONDS - time.monotonic()
-        if delay <= 0:
-            step.cancellation_manager.start_cancel()
-            return
-        timer = threading.Timer(delay, step.cancellation_manager.start_cancel)
-        timer.name = f"tf_psplugin-cancel-step-{step.step_id}"
-        timer.daemon = True
-        timer.start()
+        # see `_execute`) has had time to start: `CANCEL_GRACE_SECONDS`
+        # where the worker ran the function before, and
+        # `COLD_CALL_GRACE_FACTOR` times the longest first call seen where
+        # this is its first call (it instantiates the function first).
+        deadline = self._cancel_grace(step)
+        delay = 0.0 if deadline is None else deadline - time.monotonic()
+        self._delayed.call_later(delay, step.cancellation_manager.start_cancel)
 
     def shutdown(self) -> None:
         """Stops this coordinator's threads for good (idempotent).
@@ -505,6 +615,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             self._stopped.set()
         for q in self._queues:
             q.put(_STOP)
+        self._delayed.stop(timeout=0)
         with verbosity_lib.quiet_tf_info():  # "Stopping cluster, ..." at INFO.
             self._cluster.stop()
 

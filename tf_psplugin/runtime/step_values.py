@@ -87,4 +87,8 @@ class SyncStep:
         self.cancelled: Optional[bool] = None
         # Worker index -> when its part sent its remote call (time.monotonic).
         self.sent_at: Dict[int, float] = {}
+        # Worker index -> the trace its part runs (set by the coordinator).
+        self.traces: Optional[list] = None
+        # Workers whose part ended (recorded once, whatever ended it).
+        self.finished_parts: set = set()
         self.done = threading.Event()

@@ -9,6 +9,14 @@ the workers still in it and what they most likely wait for; that error goes
 through failover like any task failure. This replaces per-op collective
 timeouts, which cost one sleeping OS thread per collective op on the workers
 (see `collectives.py`).
+
+Creating a worker's input is not a hang: a dataset function that builds a
+large shuffle buffer or slices big in-memory arrays can take minutes on its
+first step, and a restart would only run into the same limit again. While
+a part waits for its per-worker input it has its own, longer limit
+(`input_limit`: `INPUT_LIMIT_FACTOR` times the step's, at least
+`MIN_INPUT_LIMIT_SECONDS`), with a message naming the input; the step's
+limit counts from when the input exists.
 """
 
 import contextlib
@@ -21,6 +29,15 @@ from absl import logging
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.cluster import liveness
+
+# A part still creating its input fails after max(factor x the step limit, minimum).
+INPUT_LIMIT_FACTOR = 10.0
+MIN_INPUT_LIMIT_SECONDS = 600.0
+
+
+def input_limit(limit: float) -> float:
+    """How long a part may wait for its per-worker input, for a step limit `limit`."""
+    return max(INPUT_LIMIT_FACTOR * limit, MIN_INPUT_LIMIT_SECONDS)
 
 
 class StepWatchdog:
@@ -73,7 +90,11 @@ class StepWatchdog:
 
     @contextlib.contextmanager
     def creating_input(self, worker_index: int):
-        """Marks worker `worker_index` as waiting for its per-worker input inside."""
+        """Marks worker `worker_index` as waiting for its per-worker input inside.
+
+        The step's limit starts again, for every part of the step, when the
+        input exists (peers that had theirs waited for this one).
+        """
         with self._lock:
             self._creating_input.add(worker_index)
         try:
@@ -81,6 +102,11 @@ class StepWatchdog:
         finally:
             with self._lock:
                 self._creating_input.discard(worker_index)
+                step = self.running.get(worker_index, (None,))[0]
+                now = time.monotonic()
+                for i, (s, _) in list(self.running.items()):
+                    if s is step:
+                        self.running[i] = (s, now)
 
     def running_parts(self) -> Dict[int, Tuple[int, float]]:
         """Worker index -> (step id, seconds running) of the parts running now."""
@@ -88,16 +114,24 @@ class StepWatchdog:
         with self._lock:
             return {i: (step.step_id, now - start) for i, (step, start) in self.running.items()}
 
-    def run(self, limit: float, stopped: threading.Event) -> None:
+    def run(self, limit: float, stopped: threading.Event,
+            on_error: Optional[Callable[[BaseException], None]] = None) -> None:
         """Fails steps whose parts make no progress for `limit` s, until `stopped` is set.
 
         The body of the watchdog thread. Polls often enough to notice a hang
         within ~10% of the timeout and at most every 5 s; costs one sleeping
-        thread on the chief in all.
+        thread on the chief in all. An exception in a look goes to
+        `on_error` and the watchdog goes on (a watchdog that died would let
+        a hung step wait forever); without `on_error` it ends the thread.
         """
         poll = min(max(limit / 10.0, 0.05), 5.0)
         while not stopped.wait(poll):
-            self.fail_hung_step(limit)
+            try:
+                self.fail_hung_step(limit)
+            except BaseException as e:  # noqa: BLE001 - reported; the watchdog goes on.
+                if on_error is None:
+                    raise
+                on_error(e)
 
     def fail_hung_step(self, limit: float) -> Optional[BaseException]:
         """Fails the oldest step with a part running longer than `limit` s.
@@ -107,15 +141,22 @@ class StepWatchdog:
             part hung, or its step was failed already).
         """
         now = time.monotonic()
+        slow_input = input_limit(limit)
         with self._lock:
+            # A step with a part still creating its input has the input's limit.
+            making_input = {id(self.running[i][0]) for i in self._creating_input
+                            if i in self.running}
             hung = [(start, i, step) for i, (step, start) in self.running.items()
-                    if now - start > limit and not step.timed_out]
+                    if now - start > (slow_input if id(step) in making_input else limit)
+                    and not step.timed_out]
             if not hung:
                 return None
             _, _, step = min(hung, key=lambda h: (h[0], h[1]))
             workers = sorted(i for i, (s, _) in self.running.items() if s is step)
             creating = sorted(i for i in workers if i in self._creating_input)
             first_step = self.finished_steps == 0
+        if creating:
+            limit = slow_input
         # Outside the lock: connection probes take up to a second each.
         why = self.why_no_progress(workers, creating, first_step)
         with self._lock:
@@ -126,9 +167,7 @@ class StepWatchdog:
             error = tf.errors.DeadlineExceededError(
                 None, None,
                 f"tf_psplugin: step {step.step_id} made no progress for {limit:g} s on {names}: "
-                f"{why} Fix: check those workers and their input (and the network between "
-                "them); if steps are legitimately that slow, raise "
-                "HybridParameterServerStrategy(collective_timeout_seconds=...).")
+                f"{why} Fix: {_fix(creating)}")
             self._on_hung(step, error)
             set_remote_error = 0 in workers
         logging.error("%s", error.message)
@@ -165,3 +204,16 @@ class StepWatchdog:
         return ("every PS and worker of the step accepts connections: a worker's input is "
                 "stalled, a worker is hung (stopped, not answering), or the step is slower than "
                 "collective_timeout_seconds.")
+
+
+def _fix(creating: List[int]) -> str:
+    """What to do about a step that made no progress (`creating`: workers still making input)."""
+    if creating:
+        return ("make the dataset function return sooner (read files instead of slicing large "
+                "in-memory arrays; a smaller shuffle buffer), or raise "
+                "HybridParameterServerStrategy(collective_timeout_seconds=...): input creation "
+                f"may take {INPUT_LIMIT_FACTOR:g} times that, at least "
+                f"{MIN_INPUT_LIMIT_SECONDS:g} s.")
+    return ("check those workers and their input (and the network between them); if steps are "
+            "legitimately that slow, raise "
+            "HybridParameterServerStrategy(collective_timeout_seconds=...).")

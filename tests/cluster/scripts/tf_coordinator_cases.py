@@ -10,6 +10,9 @@ on every worker, `num_replicas_in_sync` is the number of workers). Each
 prints `CHECK <name> ok|FAIL <why>`; the script ends with `DONE`.
 """
 
+import contextlib
+import functools
+import threading
 import time
 
 import numpy as np
@@ -334,6 +337,57 @@ def error_reporting(strategy, coordinator):
     coordinator.join()
 
 
+class _HarnessThread(threading.Thread):
+    """TF's test harness thread (`ErrorReportingThread` in TF's coordinator tests): target= only."""
+
+    def __init__(self, *args, **kwargs):
+        assert "target" in kwargs, "TF's test harness threads need target="
+        target = kwargs["target"]
+
+        @functools.wraps(target)
+        def wrapped(*a, **kw):
+            return target(*a, **kw)
+
+        kwargs["target"] = wrapped
+        super().__init__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tf_test_harness_threads():
+    """`threading.Thread` replaced, as TF's cluster_coordinator_test.py replaces it."""
+    saved = threading.Thread
+    threading.Thread = _HarnessThread
+    try:
+        yield
+    finally:
+        threading.Thread = saved
+
+
+@case
+def schedule_raise_error_with_multiple_failure(strategy, coordinator):
+    # testScheduleRaiseErrorWithMultipleFailure, under TF's harness threads:
+    # every worker fails every error step, and the coordinator cancels the
+    # peers of the first failure. Its threading.Timer died under the
+    # harness, and join() then waited forever (issue 43).
+    normal, error, _ = _error_functions(strategy)
+    with _tf_test_harness_threads():
+        for _ in range(3):
+            coordinator.schedule(normal)
+        coordinator.schedule(error)
+        raised = False
+        try:
+            for _ in range(1000):
+                coordinator.schedule(error)
+                time.sleep(0.01)
+        except tf.errors.InvalidArgumentError:
+            raised = True
+        coordinator.join()
+        for _ in range(3):
+            coordinator.schedule(normal)
+        coordinator.join()
+    check("schedule_raise_error_with_multiple_failure", raised, "no error in 1000 schedules")
+
+
 @case
 def input_error(strategy, coordinator):
     _, error, _ = _error_functions(strategy)
@@ -403,7 +457,7 @@ def main():
                 disallow_remote_value_as_input, python_function_not_allowed,
                 dataset_partially_created_on_coordinator,
                 pass_dataset_to_create_per_worker_dataset, multiple_datasets, error_reporting,
-                input_error, resource_can_still_be_used_after_cancellation, run_and_reduce):
+                schedule_raise_error_with_multiple_failure, input_error, resource_can_still_be_used_after_cancellation, run_and_reduce):
         run(strategy, coordinator)
     print("DONE", flush=True)
 
