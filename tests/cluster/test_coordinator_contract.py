@@ -28,6 +28,7 @@ CHECKS = (
     # waiting in the step's collective is cancelled, not left hanging.
     "pipeline_error_is_users",
     "usable_at_once_after_pipeline_error",
+    "iterators_aligned_after_pipeline_error",
     "second_strategy_trains",  # Two strategies in one process (collective keys).
 )
 

@@ -123,7 +123,9 @@ def test_a_users_error_on_one_worker_cancels_the_peer_under_the_harness(harness_
     coord._inflight = 1
 
     def execute(step, worker, ex):  # pylint: disable=unused-argument
-        step.sent_at[worker.worker_index] = time.monotonic()
+        with coord._lock:
+            step.sent_at[worker.worker_index] = time.monotonic()
+        coord._maybe_cancel(step)  # As `_execute` does once its part is sent.
         if worker.worker_index == 0:
             raise tf.errors.InvalidArgumentError(None, None, "bad record on worker 0")
         # The peer waits in the step's all-reduce until the step is cancelled.

@@ -235,28 +235,39 @@ def test_a_step_started_on_one_worker_runs_on_every_worker_despite_a_later_error
     assert started.cancelled is False and later.cancelled is True
 
 
-def test_a_part_is_not_sent_once_a_peer_part_of_its_step_failed():
-    # Its remote call could arrive at the worker before the step's
-    # cancellation is registered there, and then wait in a collective forever.
-    coord = _errors_coordinator()
-    sent = []
-    step = _step(coord, 4)
-    step.functions = [lambda: sent.append(0), lambda: sent.append(1)]
-    executor = coordinator_lib._new_sync_executor()  # pylint: disable=protected-access
-    coord._execute(step, _Worker(0), executor)  # pylint: disable=protected-access
-    assert sent == [0] and set(step.sent_at) == {0}
-    step.error = tf.errors.InvalidArgumentError(None, None, "bad record on worker 1")
-    with pytest.raises(tf.errors.CancelledError, match="step 4 failed on a peer"):
-        coord._execute(step, _Worker(1), executor)  # pylint: disable=protected-access
-    assert sent == [0] and set(step.sent_at) == {0}
-
-
 class _Manager:
     def __init__(self):
         self.cancelled_at = None
 
     def start_cancel(self):
         self.cancelled_at = time.monotonic()
+
+
+@pytest.mark.timeout(60)
+def test_a_part_sent_after_a_peer_failed_runs_and_the_cancellation_waits_for_it():
+    # Worker 0 failed step 4 (a bad record) while worker 1 was still busy
+    # with step 3. Worker 1's part still runs, so its input advances like
+    # worker 0's whatever the timing; the step's cancellation is sent only
+    # once that part was sent (sent earlier, it would stop the part from
+    # running; sent too soon after, TF could lose it), a grace later.
+    coord = _errors_coordinator()
+    calls = []
+    step = _step(coord, 4)
+    step.cancellation_manager = _Manager()
+    step.functions = [lambda: None,
+                      lambda: calls.append(step.cancellation_manager.cancelled_at)]
+    error = tf.errors.InvalidArgumentError(None, None, "bad record on worker 0")
+    coord._finish_part(step, 0, None, error)  # pylint: disable=protected-access
+    time.sleep(0.2)
+    assert step.cancellation_manager.cancelled_at is None  # Worker 1 was not sent yet.
+    executor = coordinator_lib._new_sync_executor()  # pylint: disable=protected-access
+    coord._execute(step, _Worker(1), executor)  # pylint: disable=protected-access
+    assert calls == [None] and set(step.sent_at) == {1}  # Ran, not cancelled first.
+    deadline = time.monotonic() + 10.0
+    while step.cancellation_manager.cancelled_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waited = step.cancellation_manager.cancelled_at - step.sent_at[1]
+    assert coordinator_lib.CANCEL_GRACE_SECONDS - 0.05 <= waited
 
 
 @pytest.mark.parametrize("sent_ago,expected_delay", [
@@ -269,8 +280,11 @@ def test_a_peer_is_cancelled_only_once_its_call_has_had_time_to_start(sent_ago, 
     step = _step(coord, 4)
     step.cancellation_manager = _Manager()
     start = time.monotonic()
+    step.finished_parts.add(1)  # Worker 1's part failed.
     if sent_ago is not None:
         step.sent_at[0] = start - sent_ago
+    else:
+        step.finished_parts.add(0)  # Ended without sending (its input failed).
     coord._cancel_waiting_peers(  # pylint: disable=protected-access
         step, tf.errors.InvalidArgumentError(None, None, "bad record on worker 1"))
     deadline = time.monotonic() + expected_delay + 5.0

@@ -460,14 +460,13 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         args = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, args)
         kwargs = tf.nest.map_structure(coordinator_context.maybe_get_remote_value, kwargs)
         with self._lock:
-            if step.error is not None:
-                # A peer's part failed already: this part would only wait in
-                # the step's collectives, and a remote call sent now might
-                # miss the step's cancellation (see `_cancel_waiting_peers`).
-                raise tf.errors.CancelledError(
-                    None, None, f"tf_psplugin: step {step.step_id} failed on a peer: "
-                    "not started here.")
+            # Sent even when a peer's part failed already: it reads its input
+            # as the peers' parts did (a part skipped here would leave this
+            # worker's iterators a step behind theirs, depending on timing),
+            # then waits in the step's collectives for the cancellation,
+            # which is sent only once every part was sent (`_maybe_cancel`).
             step.sent_at[worker.worker_index] = time.monotonic()
+        self._maybe_cancel(step)
         function = step.functions[worker.worker_index]
         try:
             with tf.device(worker.device_name), context.executor_scope(worker_executor):
@@ -533,6 +532,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         try:
             if cancel_peers:
                 self._cancel_waiting_peers(step, error)
+            elif not finished:
+                self._maybe_cancel(step)  # This part's end may be the one it waited for.
             if error is not None and worker_index == 0:
                 tf_objects.remote_value_set_error(step.remote_value, error)
             if finished and step.error is not None and tf_objects.remote_value_status(
@@ -577,12 +578,19 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         ends the remote calls of this step only (`CancelledError`; the error
         reported is still the first one): an earlier step still running on a
         slower worker completes, and a peer that has not started this step
-        skips it. Task failures are left to failover, which abandons the
-        parts stuck with a dead peer.
+        yet still runs it up to its first collective, so every worker's input
+        advances by the same step whatever the timing. Task failures are left
+        to failover, which abandons the parts stuck with a dead peer.
         """
 
         if step.cancellation_manager is None or liveness.is_task_failure(error):
             return
+        with self._lock:
+            step.cancel_requested = True
+        self._maybe_cancel(step)
+
+    def _maybe_cancel(self, step) -> None:
+        """Sends `step`'s requested cancellation once every part was sent or ended."""
         # TF loses a cancellation that reaches a worker before the worker
         # has started executing the call (its eager service registers the
         # call's cancel callback only then; TF 2.15-2.21): that part would
@@ -590,11 +598,18 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         # of the group, on every worker (measured on TF 2.21: one such call
         # in ~20 bad-record errors on a loaded 2-core host; the job then
         # failed over after collective_timeout_seconds). So the cancellation
-        # is sent once every part of the step that was sent (no new one is,
-        # see `_execute`) has had time to start: `CANCEL_GRACE_SECONDS`
-        # where the worker ran the function before, and
-        # `COLD_CALL_GRACE_FACTOR` times the longest first call seen where
-        # this is its first call (it instantiates the function first).
+        # waits until every part was sent or ended (a part sent after it
+        # would not run at all), and then until each part that was sent has
+        # had time to start: `CANCEL_GRACE_SECONDS` where the worker ran the
+        # function before, and `COLD_CALL_GRACE_FACTOR` times the longest
+        # first call seen where this is its first call (it instantiates the
+        # function first).
+        with self._lock:
+            if not step.cancel_requested or step.cancel_scheduled:
+                return
+            if len(set(step.sent_at) | step.finished_parts) < len(step.functions):
+                return  # Sent by `_execute` or `_finish_part` when the last part is.
+            step.cancel_scheduled = True
         deadline = self._cancel_grace(step)
         delay = 0.0 if deadline is None else deadline - time.monotonic()
         self._delayed.call_later(delay, step.cancellation_manager.start_cancel)

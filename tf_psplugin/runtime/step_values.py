@@ -91,4 +91,8 @@ class SyncStep:
         self.traces: Optional[list] = None
         # Workers whose part ended (recorded once, whatever ended it).
         self.finished_parts: set = set()
+        # A part failed with the user's error: cancel the others (once every
+        # part was sent or ended), and whether that cancellation is on its way.
+        self.cancel_requested = False
+        self.cancel_scheduled = False
         self.done = threading.Event()

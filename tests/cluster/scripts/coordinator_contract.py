@@ -161,9 +161,9 @@ def check_pipeline_error_on_one_worker(coordinator, strategy, good):
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
 
         def validate(x):
-            # Worker 1's fourth record is bad.
-            tf.debugging.assert_less(x + tf.cast(index, tf.int64) * 1000,
-                                     tf.constant(1003, tf.int64), message="bad record")
+            # Worker 1's fourth record is bad (and only that one).
+            tf.debugging.assert_none_equal(x + tf.cast(index, tf.int64) * 1000,
+                                           tf.constant(1003, tf.int64), message="bad record")
             return tf.cast(x, tf.float32)
 
         return tf.data.Dataset.range(100).map(validate).batch(1).repeat()
@@ -195,6 +195,29 @@ def check_pipeline_error_on_one_worker(coordinator, strategy, good):
               and os.environ.get(failover.RESTARTS_ENV, "0") == "0", f"took {took:.1f}s")
     except Exception as e:  # pylint: disable=broad-except
         check("usable_at_once_after_pipeline_error", False, f"{type(e).__name__}: {e}")
+
+    @tf.function
+    def spread(iterator):
+        # 0 iff every worker's next record is the same (its position in the input).
+        x = next(iterator)
+
+        def fn(v):
+            ctx = tf.distribute.get_replica_context()
+            n = float(strategy.num_replicas_in_sync)
+            total = ctx.all_reduce("sum", tf.reduce_sum(v))
+            return n * ctx.all_reduce("sum", tf.reduce_sum(v * v)) - total * total
+
+        return strategy.run(fn, args=(x,))
+
+    # The failing step read a record on every worker (the bad one on worker
+    # 1), whichever worker got there first: the inputs stay in step.
+    try:
+        value = coordinator.schedule(spread, args=(it,))
+        coordinator.join()
+        check("iterators_aligned_after_pipeline_error", float(value.fetch()) == 0.0,
+              float(value.fetch()))
+    except Exception as e:  # pylint: disable=broad-except
+        check("iterators_aligned_after_pipeline_error", False, f"{type(e).__name__}: {e}")
 
 
 def check_repeated_iterators_released(coordinator):
