@@ -242,6 +242,12 @@ PRIVATE_ATTRIBUTES = {
     # The data handler's adapter: a pass over sharded data is W times fewer
     # steps than Keras's test for starting an epoch over assumes.
     "_adapter": "keras:engine.data_adapter.DataHandler",
+    # runtime/updates.py: mixed precision wraps a layer's dense variable in
+    # Keras's AutoCastVariable, which a legacy optimizer hands to the update.
+    "_variable": "keras:mixed_precision.autocast_variable.AutoCastVariable",
+    # sync/replicated.py: what AutoCastVariable asks its variable for in
+    # tf.control_dependencies (a PerWorkerVariable has no _graph_element).
+    "_as_graph_element": "resource_variable_ops.BaseResourceVariable",
     "_gather_saveables_for_checkpoint": "sharded_variable.ShardedVariableMixin",
     "_copy_trackable_to_cpu": "sharded_variable.ShardedVariableMixin",
     "_sharded_container": "sharded_variable.ShardedVariableMixin",  # export.py

@@ -189,6 +189,17 @@ def restore_from_tensors(trackable, restored_tensors):
     return trackable._restore_from_tensors(restored_tensors)  # pylint: disable=protected-access
 
 
+def autocast_inner(variable):
+    """The variable inside Keras's AutoCastVariable (mixed precision), or `variable` itself.
+
+    AutoCastVariable keeps it as `_variable` and has no public accessor
+    (Keras 2.15, tf-keras 2.16-2.21).
+    """
+    if type(variable).__name__ == "AutoCastVariable":
+        return variable._variable  # pylint: disable=protected-access
+    return variable
+
+
 def aggregating_inner(aggregating):
     """AggregatingVariable's `_v`: the plain variable it wraps (TF 2.15-2.21)."""
     return aggregating._v  # pylint: disable=protected-access

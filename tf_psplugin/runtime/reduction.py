@@ -135,7 +135,7 @@ class Reduction:
         for j, (s, dest) in enumerate(zip(slices, destinations)):
             ps = tf.DeviceSpec.from_string(_unwrap(dest).device or "").task or 0
             groups.setdefault((ps, s.values.dtype), []).append(j)
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        worker = variables_lib.current_worker_index()
         in_order = sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))
         ops_ = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
                 for (ps, _), js in in_order]

@@ -61,6 +61,7 @@ from tf_psplugin.runtime import variable_creation
 from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
 from tf_psplugin.sync import collectives as collectives_lib
 from tf_psplugin.sync import on_read_updates as on_read_updates_lib
+from tf_psplugin.sync import replicated as variables_lib
 from tf_psplugin.tables import host as table_host
 from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables import stacking as table_stacking
@@ -464,4 +465,4 @@ class WorkerInputContext(tf.distribute.InputContext):
     def input_pipeline_id(self):
         if tf.executing_eagerly():
             return 0
-        return tf.distribute.coordinator.experimental_get_current_worker_index()
+        return variables_lib.current_worker_index()

@@ -142,7 +142,9 @@ class Updates:
                 f"{var.name}, a stacked table's rows, with a gradient directly; only Keras 2 "
                 "optimizers (tf.keras.optimizers, .legacy) update stacked tables. Fix: "
                 "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
-        if isinstance(var, variables_lib.ReplicatedVariable):
+        # A legacy optimizer under a mixed-precision policy updates the layer's
+        # AutoCastVariable: the variable inside it decides where the update goes.
+        if isinstance(tf_objects.autocast_inner(var), variables_lib.ReplicatedVariable):
             with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
                 select = tf_objects.single_value_selector(self._extended)
                 result = fn(var, *select(args), **select(kwargs))
@@ -201,7 +203,7 @@ class Updates:
             # One trace shared by several workers (a concrete function was
             # scheduled, or a PS variable that is not a table: roles only
             # describe table shards).
-            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            worker = variables_lib.current_worker_index()
             done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
         if table_owner is not None:
             # Also on non-owners: the end-of-step barrier is a collective that

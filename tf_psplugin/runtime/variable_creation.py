@@ -117,7 +117,9 @@ class VariableCreation:
             return stock_create(next_creator, **kwargs)
         if self._creating_plain:
             return next_creator(**kwargs)
-        colocate_with = kwargs.get("colocate_with", None)
+        # A legacy optimizer's slot of a layer's AutoCastVariable (mixed
+        # precision) follows the variable inside it.
+        colocate_with = tf_objects.autocast_inner(kwargs.get("colocate_with", None))
         if isinstance(colocate_with, variables_lib.ReplicatedVariable):
             kwargs.pop("colocate_with")
             return self._create_replicated(next_creator, kind="dense-slot", **kwargs)

@@ -318,6 +318,13 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
                                   read_value=read_value)
         return self._update(write, delta, read_value)
 
+    def _as_graph_element(self):
+        # Keras's AutoCastVariable (mixed precision) resolves a control
+        # dependency on itself through its variable's `_as_graph_element`;
+        # a PerWorkerVariable has no `_graph_element` (TF 2.15-2.21). The op
+        # is what `tf.control_dependencies` takes for an uncast variable.
+        return self.op
+
     # -- chief <-> replicas synchronisation ------------------------------------
 
     def _remote_vars(self):
@@ -412,8 +419,20 @@ def _in_save_context() -> bool:
 def current_worker_index() -> tf.Tensor:
     """The index of the worker running the current scheduled function (int64).
 
-    Public TF API since 2.15; outside a dispatched function it is 0.
+    Public TF API since 2.15; outside a dispatched function it is 0. Unlike
+    TF's `experimental_get_current_worker_index`, it works inside control
+    flow nested in the traced function.
     """
     if coordinator_context.get_current_dispatch_context() is None and tf.executing_eagerly():
         return tf.constant(0, tf.int64)
-    return tf.distribute.coordinator.experimental_get_current_worker_index()
+    graph = tf.compat.v1.get_default_graph()
+    outer = outermost_function_graph(graph)
+    if outer is graph:
+        return tf.distribute.coordinator.experimental_get_current_worker_index()
+    # Call-time values are fed to the outermost function graph only: asked
+    # for inside a nested graph (a tf.cond branch, such as the one in which
+    # Keras's LossScaleOptimizer applies gradients, or a loop body), the
+    # index is captured there and the nested graph takes it as an input.
+    with outer.as_default():
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+    return graph.capture(index)

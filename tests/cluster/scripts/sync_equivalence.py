@@ -26,6 +26,12 @@ FUSED = len(sys.argv) > 6 and sys.argv[6] in ("fused", "stacked")
 # "stacked": both tables in one stack (stack_tables=True), looked up together.
 STACKED = len(sys.argv) > 6 and sys.argv[6] == "stacked"
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
+# "mixed_float16" / "mixed_bfloat16": Keras's mixed-precision policy, here and
+# in the single-process reference; the output layer stays float32 (as Keras's
+# guide says), and with float16 one example of step 3 overflows the loss
+# scale, on one worker's batch only.
+MIXED = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6].startswith("mixed_") else None
+OVERFLOW_ROW = 3 * 2 * 8 + 9  # Step 3, worker 1's batch (2 workers, batch 8).
 STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
 
@@ -51,7 +57,8 @@ def make_model():
     x = tf.keras.layers.Concatenate()([tf.keras.layers.Flatten()(x), tf.keras.layers.Flatten()(y)])
     x = tf.keras.layers.Dense(8, activation="relu",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
-    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
+    out = tf.keras.layers.Dense(1, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3),
+                                dtype="float32" if MIXED else None)(x)
     return tf.keras.Model(inp, out)
 
 
@@ -183,9 +190,20 @@ def sparse_applies_per_graph(model):
             for graph in traced_graphs(model)]
 
 
+def loss_scale(optimizer):
+    """The dynamic loss scale and its good-step counter (None without loss scaling)."""
+    scale = getattr(optimizer, "loss_scale", None)
+    if scale is None:
+        return None
+    return [float(tf.convert_to_tensor(scale)),
+            float(tf.convert_to_tensor(optimizer.dynamic_counter))]
+
+
 def main():
     tf_psplugin.start_server()
     logging.set_verbosity(logging.INFO)
+    if MIXED:
+        tf.keras.mixed_precision.set_global_policy(MIXED)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
         fuse_lookups=FUSED, stack_tables=STACKED)  # Off: the other cases keep two tables.
@@ -193,6 +211,8 @@ def main():
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
     y = rng.normal(size=(STEPS * num_workers * BATCH, 1)).astype("float32")
+    if MIXED == "mixed_float16":
+        y[OVERFLOW_ROW] = 500.0  # Its gradient overflows float16 at the initial scale.
     with strategy.scope():
         model = make_model()
         model.compile(make_optimizer(), "mse", metrics=make_metrics(), steps_per_execution=SPE)
@@ -205,7 +225,10 @@ def main():
     early_takes, collectives_per_graph = takes_before_all_hand_ins(model)
 
     replicas_identical = True
-    for v in model.variables:
+    optimizer_variables = model.optimizer.variables
+    if callable(optimizer_variables):  # Keras's legacy optimizers: a method.
+        optimizer_variables = optimizer_variables()
+    for v in model.variables + list(optimizer_variables):
         if isinstance(v, tf_psplugin.ReplicatedVariable):
             vals = [r.numpy() for r in v.replica_values()]
             replicas_identical &= all(np.array_equal(vals[0], x) for x in vals[1:])
@@ -243,6 +266,8 @@ def main():
         checkpoint["accumulator_trained"] = float(np.abs(plain_slot.numpy() - 0.1).max())
     report = {
         "checkpoint": checkpoint,
+        "loss_scale": loss_scale(model.optimizer),
+        "ref_loss_scale": loss_scale(ref.optimizer),
         "diffs": diffs,
         "replicas_identical": bool(replicas_identical),
         "num_replicas_in_sync": num_workers,
