@@ -332,6 +332,10 @@ class _FakeStrategy:
         self._cluster_resolver = _FakeResolver(spec)
 
 
+class _FakeExtended:
+    committed_steps = None
+
+
 class _FakeCoordinator:
     num_workers = 2
     preferred_replica = 0
@@ -357,6 +361,8 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     dead = f"127.0.0.1:{_closed_port()}"
     spec = {"chief": [up], "worker": [up, dead], "ps": [up]}
     aborts = []
+    # The listening socket stands for a healthy task of another process.
+    monkeypatch.setattr(liveness, "served_by_this_process", lambda address: False)
     controller = failover.FailoverController(
         _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=False,
                                                      recovery_timeout_seconds=300))
@@ -389,6 +395,8 @@ def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monke
     up = f"127.0.0.1:{healthy.getsockname()[1]}"
     dead = f"127.0.0.1:{_closed_port()}"
     spec = {"chief": [up], "worker": [up, dead], "ps": [up]}
+    # The listening socket stands for a healthy task of another process.
+    monkeypatch.setattr(liveness, "served_by_this_process", lambda address: False)
     controller = failover.FailoverController(
         _FakeStrategy(spec), failover.FailoverPolicy(task_restarts=True,
                                                      recovery_timeout_seconds=300))
@@ -613,3 +621,56 @@ def test_registered_checkpointers_do_not_outlive_their_owner(monkeypatch):
     gc.collect()
     assert probe() is None
     assert checkpoint_lib.live_checkpointers() == [kept]
+
+
+def test_served_by_this_process_tells_an_in_process_task_from_another_process():
+    mine = socket.socket()
+    mine.bind(("127.0.0.1", 0))
+    mine.listen(1)
+    other = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import socket, sys, time
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+            print(s.getsockname()[1], flush=True); time.sleep(60)""")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        other_port = int(other.stdout.readline())
+        assert liveness.served_by_this_process(f"127.0.0.1:{mine.getsockname()[1]}")
+        assert liveness.served_by_this_process(f"localhost:{mine.getsockname()[1]}")
+        assert not liveness.served_by_this_process(f"127.0.0.1:{other_port}")
+        assert not liveness.served_by_this_process(f"127.0.0.1:{_closed_port()}")
+        assert not liveness.served_by_this_process("no-port")
+    finally:
+        other.kill()
+        other.wait(10)
+        mine.close()
+
+
+def test_an_in_process_cluster_stops_with_the_error_instead_of_aborting_its_workers(
+        monkeypatch):
+    # TF's tests and its PSS tutorial serve every task in the chief's own
+    # process: aborting a "surviving worker" for a restart ended the chief
+    # (SIGABRT), so join() never raised (TF's testCancellation).
+    inside = socket.socket()
+    inside.bind(("127.0.0.1", 0))
+    inside.listen(16)
+    up = f"127.0.0.1:{inside.getsockname()[1]}"
+    spec = {"chief": [up], "worker": [up, up], "ps": [up]}
+    strategy = _FakeStrategy(spec)
+    strategy.extended = _FakeExtended()  # No step counters to probe the workers with.
+    controller = failover.FailoverController(strategy, failover.FailoverPolicy(task_restarts=True))
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
+    aborts = []
+    monkeypatch.setattr(controller, "_restart_surviving_workers",
+                        lambda *a: aborts.append(a) or set())
+    error = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
+    try:
+        with pytest.raises(failover.FailoverError) as raised:
+            controller.recover(_FakeCoordinator(), error)
+    finally:
+        inside.close()
+    assert not aborts
+    assert not isinstance(raised.value, failover.TaskFailedError)
+    assert "run in this process (an in-process cluster)" in str(raised.value)
+    assert "collective_timeout_seconds" in str(raised.value)
+    assert raised.value.__cause__ is error

@@ -8,6 +8,7 @@ code — and answer them the same way. Cluster-level facts, so they live
 here, below everything that asks.
 """
 
+import os
 import re
 import socket
 import time
@@ -15,7 +16,8 @@ from typing import Any, Dict, List, Set, Tuple
 
 import tensorflow as tf
 
-__all__ = ["accepts_connections", "is_task_failure", "tasks_named_in", "wait_for_listeners"]
+__all__ = ["accepts_connections", "is_task_failure", "served_by_this_process", "tasks_named_in",
+           "wait_for_listeners"]
 
 _TASK_RE = re.compile(r"/job:(worker|ps)/replica:\d+/task:(\d+)")
 _TASK_FAILURE_ERRORS = (
@@ -61,6 +63,49 @@ def accepts_connections(address: str, timeout: float = 1.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def served_by_this_process(address: str) -> bool:
+    """Whether a socket of this very process listens on `address`'s port.
+
+    True for the tasks of an in-process cluster (TF's own tests and its PSS
+    tutorial start the workers' and PS's `tf.distribute.Server`s in the
+    chief's process): no restart policy can restart such a task, and
+    aborting it (failover's restart of collective members) would end the
+    chief. Reads Linux's /proc (the listening sockets of the port, and this
+    process's open file descriptors); elsewhere, or when /proc cannot be
+    read, False.
+    """
+    port = address.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return False
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)  # The header.
+                for line in f:
+                    fields = line.split()
+                    # local_address is HEXIP:HEXPORT; state 0A is LISTEN.
+                    if (len(fields) > 9 and fields[3] == "0A"
+                            and int(fields[1].rsplit(":", 1)[1], 16) == int(port)):
+                        inodes.add(fields[9])
+        except (OSError, ValueError, IndexError):
+            continue
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join("/proc/self/fd", fd))
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
 
 
 def wait_for_listeners(addresses: Dict[Any, str], timeout_seconds: float,

@@ -65,6 +65,7 @@ from absl import logging
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import context, executor
 from tf_psplugin.cluster import restarts as restarts_lib
+from tf_psplugin.cluster import liveness
 from tf_psplugin.cluster.liveness import accepts_connections, tasks_named_in
 from tf_psplugin.errors import RESTART_EXIT_CODE, FailoverError, TaskFailedError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import checkpoint as checkpoint_lib
@@ -220,6 +221,11 @@ class FailoverController:
         self._addresses = {(job, i): addr for job in ("worker", "ps")
                            for i, addr in enumerate(spec.get(job, []))}
         self._hung: Set[Tuple[str, int]] = set()  # Accept connections, never answer.
+        # Tasks served by the chief's own process (an in-process cluster, as
+        # TF's tests build): nothing can restart them, and aborting one
+        # would end the chief, so failover stops with the error instead.
+        self._in_process = sorted(t for t, address in self._addresses.items()
+                                  if liveness.served_by_this_process(address))
 
     def recover(self, coordinator, error: BaseException) -> None:
         """Saves what survives `error`, then raises (never returns normally).
@@ -247,7 +253,7 @@ class FailoverController:
         elif any(job == "ps" for job, _ in failed):
             _say("a PS task failed: its table shards are lost; resuming from the latest "
                  "periodic checkpoint")
-        if not self.policy.restarts_expected():
+        if not self.policy.restarts_expected() or self._in_process:
             self._stop_without_restarts(failed, saved, error)
         restarted = self._restart_surviving_workers(coordinator, failed)
         self._stop_for_restart(failed, restarted, saved, error)
@@ -324,6 +330,15 @@ class FailoverController:
         latest = saved or _latest_checkpoint()
         resume = (f"resume from checkpoint {latest}" if latest else
                   "no checkpoint was written, so a rerun starts over")
+        if self._in_process:
+            tasks = ", ".join(f"{j}:{i}" for j, i in self._in_process)
+            raise FailoverError(
+                f"{names} failed; {tasks} run in this process (an in-process cluster), where "
+                f"nothing can restart them, so training stopped and every task was left "
+                f"running; {resume}. Fix: if a step is legitimately slow, raise "
+                "HybridParameterServerStrategy(collective_timeout_seconds=...); to survive "
+                "task failures, run each task in its own process (python -m "
+                "tf_psplugin.launch --restart-failed).") from error
         raise FailoverError(
             f"{names} failed and nothing will restart it (FailoverPolicy.task_restarts is "
             f"False, or {TASK_RESTARTS_ENV}=0: the launcher runs without --restart-failed); "
