@@ -302,7 +302,8 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         worker's input when its cardinality is unknown) and then reused:
         like Keras's own inferred epoch length, it assumes the data has the
         same length every epoch (each later epoch asserts that it does).
-        Only `fit`/`evaluate` without a step count call this.
+        Only `evaluate` without a step count, and `fit` without one whose
+        end is not agreed step by step (see `patch_data_handler`), call this.
         """
         if not self._counted:
             self._counted = True
