@@ -14,6 +14,7 @@ import collections
 import io
 import os
 import re
+import shutil
 import tempfile
 import time
 
@@ -334,7 +335,7 @@ def check_file_sharding(strategy, coordinator):
             check(name, False, repr(e))
 
 
-def check_fit_files_read_once(strategy):
+def check_fit_files_read_once(strategy, folder):
     """fit(files, epochs=2), no steps_per_epoch: each record is read once per epoch.
 
     4 TFRecord files sharded by file (worker 0 reads files 0 and 2: 22
@@ -348,7 +349,6 @@ def check_fit_files_read_once(strategy):
     epochs are 2 of 4 steps with an unknown length at the start,
     and the progress bar shows no total in the first epoch, as Keras does.
     """
-    folder = tempfile.mkdtemp(prefix="files_read_once_")
     reads = os.path.join(folder, "reads")
     os.mkdir(reads)
     sizes = (13, 9, 9, 7)  # Files 0, 2 -> worker 0 (22); 1, 3 -> worker 1 (16).
@@ -531,7 +531,11 @@ def main():
     check_fit_runs_out_with_steps(strategy)
     check_batch_counter(strategy)
     check_file_sharding(strategy, coordinator)
-    check_fit_files_read_once(strategy)
+    folder = tempfile.mkdtemp(prefix="files_read_once_")
+    try:
+        check_fit_files_read_once(strategy, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print("DONE", flush=True)
 
 
