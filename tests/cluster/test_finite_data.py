@@ -38,6 +38,11 @@ CHECKS = (
     "file_sharding_auto",  # TFRecord files: each worker opens only its own files.
     "file_sharding_data_policy",  # AutoShardPolicy.DATA: by batch.
     "file_sharding_off_policy",  # OFF: every worker reads everything.
+    # fit(files, epochs=2) with no steps_per_epoch: no counting pass.
+    "fit_files_read_once",  # Each record read once per epoch (counted on disk),
+    "fit_files_weights",  # ... the weights of one process on the global batches,
+    "fit_files_callbacks",  # ... 2 epochs of 4 steps, unknown length at the start,
+    "fit_files_progress_unknown_total",  # ... no total in the first epoch's bar.
 )
 
 pytestmark = [pytest.mark.cluster]

@@ -133,6 +133,44 @@ def test_data_handler_hook_leaves_models_without_the_strategy_alone():
     assert model.evaluate(ds, verbose=0) >= 0
 
 
+def test_a_handler_of_unknown_length_waits_for_each_step_until_the_length_is_known():
+    """Keras's should_sync, for an epoch of unknown length, also waits for the coordinator."""
+    from tf_psplugin._internal import tf_internal  # pylint: disable=g-import-not-at-top
+    from tf_psplugin._internal import tf_objects  # pylint: disable=g-import-not-at-top
+
+    data_adapter = tf_internal.keras_private_module("engine.data_adapter")
+    model = keras.Sequential([keras.layers.Dense(1, input_shape=(2,))])
+    model.compile("sgd", "mse")
+    x = np.ones((7, 2), "float32")
+    unknown = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).filter(lambda a, b: True)
+    handler = data_adapter.get_data_handler(x=unknown.batch(2), model=model,
+                                            steps_per_execution=model._steps_per_execution)
+    kind = type(handler)
+    waits = []
+    tf_objects.wait_for_each_step_while_length_unknown(handler, lambda: waits.append(1))
+    assert isinstance(handler, kind) and type(handler).__name__ == kind.__name__
+    assert handler.inferred_steps is None
+    assert handler.should_sync and handler.should_sync and len(waits) == 2
+    # Keras sets the length when the first epoch ends (OutOfRangeError); then no wait.
+    for _, iterator in handler.enumerate_epochs():
+        with handler.catch_stop_iteration():
+            for _ in handler.steps():
+                next(iterator)
+        break
+    assert handler.inferred_steps == 4  # 7 examples in batches of 2.
+    assert not handler.should_sync and len(waits) == 2
+    # One subclass per Keras handler class, not one per handler.
+    other = data_adapter.get_data_handler(x=unknown.batch(3), model=model,
+                                          steps_per_execution=model._steps_per_execution)
+    tf_objects.wait_for_each_step_while_length_unknown(other, lambda: None)
+    assert type(other) is type(handler)
+
+
+@pytest.mark.parametrize("value, want", [(None, 1), (3, 3), (tf.Variable(2, dtype=tf.int64), 2)])
+def test_steps_per_execution_is_read_from_a_variable_or_a_number(value, want):
+    assert epochs._steps_per_execution(value) == want  # pylint: disable=protected-access
+
+
 def test_a_long_counting_pass_is_reported_until_it_ends(monkeypatch):
     """A counting pass that takes long (an endless input never ends) is not silent."""
     said = []

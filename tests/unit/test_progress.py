@@ -86,6 +86,27 @@ def test_terminal_mode_redraws_one_line_and_ends_it(clock):
     assert "steps/s" in text  # No examples_per_step and no coordinator: steps/s only.
 
 
+def test_an_unknown_length_shows_no_total_until_the_first_epoch_ends(clock):
+    """fit on input of unknown length: steps only in epoch 1, the counted total after it."""
+    bar, out = make_bar(steps=None, line_every_seconds=1.0)
+    bar.set_params({"verbose": 1, "epochs": 2, "steps": None})
+    bar.on_train_begin()
+    for epoch in range(2):
+        bar.on_epoch_begin(epoch)
+        for step in range(3):
+            clock.now += 2.0
+            bar.on_train_batch_end(step, logs(1.0, 0.5))
+        bar.on_epoch_end(epoch, {"loss": 0.5})
+    first, second = out.getvalue().split("Epoch 2/2\n")
+    first = first.splitlines()[1:]  # After "Epoch 1/2".
+    assert [line.split(" - ")[0] for line in first] == ["1 steps", "2 steps", "3 steps",
+                                                        "3/3 [==============================]"]
+    assert all("ETA" not in line for line in first)
+    # Keras's rule: a length found by the first epoch is the total of later ones.
+    assert [line.split(" [")[0] for line in second.splitlines()] == ["1/3", "2/3", "3/3"]
+    assert "ETA" in second.splitlines()[0]
+
+
 def test_verbose_2_prints_only_the_epoch_line_and_never_fetches_per_step(clock):
     bar, out = make_bar(verbose=2, steps=50)
     bar.on_train_begin()

@@ -24,6 +24,7 @@ a TF/Keras private attribute outside `_internal/`.
 (tf-keras 2.21), the two versions CI runs.
 """
 
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -124,6 +125,38 @@ def set_data_handler_inferred_steps(handler, steps: int) -> None:
     worker dataset (tf.keras 2.15, tf-keras 2.21).
     """
     handler._inferred_steps = steps  # pylint: disable=protected-access
+
+
+def wait_for_each_step_while_length_unknown(handler, wait: Callable[[], None]) -> None:
+    """Makes Keras DataHandler's `should_sync` call `wait()` while the epoch length is unknown.
+
+    Keras's fit/evaluate loops read `should_sync` right after each step's
+    call and, while `inferred_steps` is None, wait for that step
+    (``context.async_wait()``) so that the step that finds the end of the
+    data raises `OutOfRangeError` before its logs are used and its
+    `on_*_batch_end` runs; the epoch length is then the steps before it.
+    Under a coordinator the step runs remotely, so `wait` (the coordinator's
+    `join`) waits for it and raises its error there. Keras has no hook for
+    this: the handler's class is swapped for a subclass that overrides the
+    property (tf.keras 2.15, tf-keras 2.16-2.21: `should_sync` is read in
+    the fit/evaluate/predict loops only).
+    """
+    handler.__class__ = _handler_waiting_for_each_step(type(handler))
+    handler.tf_psplugin_wait_for_step = wait
+
+
+@functools.lru_cache(maxsize=None)
+def _handler_waiting_for_each_step(base):
+    class WaitForEachStep(base):  # pylint: disable=missing-class-docstring
+        @property
+        def should_sync(self):
+            if self.inferred_steps is None:
+                self.tf_psplugin_wait_for_step()
+                return True
+            return False
+
+    WaitForEachStep.__name__ = WaitForEachStep.__qualname__ = base.__name__
+    return WaitForEachStep
 
 
 def data_handler_adapter(handler):

@@ -15,11 +15,16 @@ each worker's iterator is an `AgreedIterator`, whose ``next`` all-reduces
 "I still have a batch" with the step's other workers (one scalar
 collective per step) and ends the epoch on every worker at the same step
 (`OutOfRangeError` everywhere), by the same rule as below. So the first
-step is dispatched at once, for an endless stream too. Only `fit` and
-`evaluate` given neither ``steps_per_epoch``/``steps`` nor a known
-cardinality count each worker's batches first (one extra pass over the
-worker's input, done once per dataset), because Keras needs the epoch
-length to run one; ``dataset.apply(
+step is dispatched at once, for an endless stream too, and each worker
+reads its input once per epoch. `fit` without ``steps_per_epoch`` on such
+input does what Keras does for one process: the first epoch runs until
+the step that finds the agreed end (Keras waits for each step of an epoch
+of unknown length, `tf_objects.wait_for_each_step_while_length_unknown`),
+and later epochs know its length. Only `evaluate` (and `fit`'s validation
+data) given neither ``steps``/``validation_steps`` nor a known cardinality,
+and `fit` with ``steps_per_execution > 1`` (Keras needs the epoch length to
+run one), count each worker's batches first (one extra pass over the
+worker's input, done once per dataset); ``dataset.apply(
 tf.data.experimental.assert_cardinality(n))`` avoids that pass. Then:
 
 * **Training** (`fit`, custom loops): an epoch is ``min(c_i)`` steps, the
@@ -36,7 +41,8 @@ tf.data.experimental.assert_cardinality(n))`` avoids that pass. Then:
   with stock PSS's exact evaluation.
 
 `model.fit`/`evaluate` without ``steps_per_epoch``/``steps`` get the agreed
-length as their epoch length (the progress bar shows it too). With
+length as their epoch length (the progress bar shows it too; when it is
+agreed step by step, from the second epoch on, as Keras does). With
 ``steps_per_epoch`` given, nothing is counted and Keras's own rule applies
 (data that runs out early ends training with Keras's warning, on every
 worker at the same step). `predict` runs on the chief, as
@@ -232,10 +238,10 @@ class _SlowCountNotice:
         while not self._done.wait(self._every):
             waited += self._every
             logging.warning(
-                "tf_psplugin: still counting each worker's batches after %.0f s: fit/evaluate "
-                "got input of unknown length and no steps_per_epoch/steps, so every worker "
-                "reads its input once before the first step (an endless input never ends). "
-                "Fix: pass steps_per_epoch (or steps), or "
+                "tf_psplugin: still counting each worker's batches after %.0f s: evaluate (or "
+                "fit with steps_per_execution > 1) got input of unknown length and no "
+                "steps/steps_per_epoch, so every worker reads its input once before the first "
+                "step (an endless input never ends). Fix: pass steps (or steps_per_epoch), or "
                 "dataset.apply(tf.data.experimental.assert_cardinality(n)).", waited)
 
     def __enter__(self):
@@ -296,7 +302,8 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         worker's input when its cardinality is unknown) and then reused:
         like Keras's own inferred epoch length, it assumes the data has the
         same length every epoch (each later epoch asserts that it does).
-        Only `fit`/`evaluate` without a step count call this.
+        Only `evaluate` without a step count, and `fit` without one whose
+        end is not agreed step by step (see `patch_data_handler`), call this.
         """
         if not self._counted:
             self._counted = True
@@ -311,6 +318,16 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         if lengths is None:
             return None
         return max(lengths) if self._evaluation else min(lengths)
+
+    def ends_step_by_step(self) -> bool:
+        """Whether an epoch's end is agreed step by step (no worker's length is known).
+
+        True when some worker's input has unknown cardinality (a `filter`, a
+        file reader): `__iter__` then returns `AgreedIterator`s. False when
+        every length is known (or infinite), or the input cannot be built.
+        """
+        lengths = self._lengths if self._counted else self._lengths_on_workers(count=False)
+        return lengths is not None and tf.data.UNKNOWN_CARDINALITY in lengths
 
     def steps_per_pass(self) -> Optional[int]:
         """Training steps in one pass over data of known length (no counting), or None."""
@@ -405,7 +422,12 @@ def patch_data_handler():
     marks evaluation handlers (Keras builds those, and only those, with a
     ``pss_evaluation_shards`` argument) so their per-worker dataset is
     padded, and, when no step count was given, sets the handler's epoch
-    length to `SyncPerWorkerDataset.epoch_steps`; when ``steps_per_epoch`` is
+    length to `SyncPerWorkerDataset.epoch_steps` -- except for training
+    input whose end is agreed step by step (`SyncPerWorkerDataset.
+    ends_step_by_step`) and one step per execution: that handler keeps an
+    unknown length and waits for each step until the epoch's end is found,
+    as Keras does for one process (each worker reads its input once); when
+    ``steps_per_epoch`` is
     one pass over data of known length (its batches divided over the
     workers), it makes Keras start every epoch over, as Keras does when
     ``steps_per_epoch`` equals a dataset's batches. Every other model goes
@@ -418,10 +440,19 @@ def patch_data_handler():
         coordinator = tf_objects.model_cluster_coordinator(kwargs.get("model"))
         if not getattr(coordinator, "synchronous", False):
             return original(*args, **kwargs)
-        with evaluation_inputs("pss_evaluation_shards" in kwargs):
+        evaluation = "pss_evaluation_shards" in kwargs
+        with evaluation_inputs(evaluation):
             handler = original(*args, **kwargs)
         dataset = tf_objects.data_handler_dataset(handler)
-        if kwargs.get("steps_per_epoch") is None and isinstance(dataset, SyncPerWorkerDataset):
+        if (kwargs.get("steps_per_epoch") is None and isinstance(dataset, SyncPerWorkerDataset)
+                and not evaluation
+                and _steps_per_execution(kwargs.get("steps_per_execution")) == 1
+                and dataset.ends_step_by_step()):
+            # No counting pass: the first epoch ends at the step the workers
+            # agree has no data (`AgreedIterator`), which Keras then sees as
+            # that step's OutOfRangeError; later epochs know the length.
+            tf_objects.wait_for_each_step_while_length_unknown(handler, coordinator.join)
+        elif kwargs.get("steps_per_epoch") is None and isinstance(dataset, SyncPerWorkerDataset):
             steps = dataset.epoch_steps()
             if steps == 0:
                 raise ValueError(
@@ -447,3 +478,10 @@ def patch_data_handler():
         data_adapter.get_data_handler = original
 
     return undo
+
+
+def _steps_per_execution(value) -> int:
+    """Keras's ``steps_per_execution`` (a variable, a number, or None: 1) as an int."""
+    if value is None:
+        return 1
+    return int(value.numpy()) if hasattr(value, "numpy") else int(value)

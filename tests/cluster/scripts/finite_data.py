@@ -10,7 +10,12 @@ handled as stock PSS or the plugin before it handled it (CancelledError, or a
 hang in a collective).
 """
 
+import collections
+import io
 import os
+import re
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -330,6 +335,117 @@ def check_file_sharding(strategy, coordinator):
             check(name, False, repr(e))
 
 
+def check_fit_files_read_once(strategy, folder):
+    """fit(files, epochs=2), no steps_per_epoch: each record is read once per epoch.
+
+    4 TFRecord files sharded by file (worker 0 reads files 0 and 2: 22
+    records; worker 1 files 1 and 3: 16), batches of 4: 4 steps per epoch,
+    the shortest worker's. A map right after the reader writes one empty
+    file per record read (named by the record's id and a random number), so
+    the checks count reads per record: worker 1's records are read exactly
+    once per epoch (a counting pass before the first epoch made it three
+    times per fit), worker 0's at most once. The weights equal one process
+    on the global batches (worker 0's batch k with worker 1's), the
+    epochs are 2 of 4 steps with an unknown length at the start,
+    and the progress bar shows no total in the first epoch, as Keras does.
+    """
+    reads = os.path.join(folder, "reads")
+    os.mkdir(reads)
+    sizes = (13, 9, 9, 7)  # Files 0, 2 -> worker 0 (22); 1, 3 -> worker 1 (16).
+    ids, y = data(sum(sizes), seed=3)
+    files, records, start = [], [[], []], 0
+    for f, size in enumerate(sizes):
+        path = os.path.join(folder, f"part-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for r in range(start, start + size):
+                writer.write(tf.train.Example(features=tf.train.Features(feature={
+                    "x": tf.train.Feature(int64_list=tf.train.Int64List(value=ids[r])),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(value=y[r])),
+                    "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[r])),
+                })).SerializeToString())
+                records[f % 2].append(r)
+        files.append(path)
+        start += size
+    spec = {"x": tf.io.FixedLenFeature([FEATURES], tf.int64),
+            "y": tf.io.FixedLenFeature([1], tf.float32),
+            "id": tf.io.FixedLenFeature([], tf.int64)}
+
+    def mark_read(record):
+        example = tf.io.parse_single_example(record, spec)
+        name = tf.strings.join([reads, "/", tf.strings.as_string(example["id"]), "-",
+                                tf.strings.as_string(tf.random.uniform(
+                                    [], maxval=2**62, dtype=tf.int64))])
+        with tf.control_dependencies([tf.io.write_file(name, "")]):
+            return tf.identity(example["x"]), tf.identity(example["y"])
+
+    dataset = tf.data.TFRecordDataset(files).map(mark_read).batch(4)
+    options = tf.data.Options()
+    # FILE, not AUTO: AUTO's check that file sharding works reads a batch.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    dataset = dataset.with_options(options)
+
+    def read_counts():
+        return collections.Counter(int(n.split("-")[0]) for n in os.listdir(reads))
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.steps_param, self.batches, self.windows = self.params.get("steps"), [], []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.before = read_counts()
+            self.start = int(self.model.optimizer.iterations.numpy())
+
+        def on_epoch_end(self, epoch, logs=None):  # (Keras refuses batch hooks under PSS.)
+            self.windows.append(read_counts() - self.before)
+            self.batches.append(int(self.model.optimizer.iterations.numpy()) - self.start)
+
+    with strategy.scope():
+        model = make_model()
+        compile_model(model)
+    ref = reference_like(model)
+    record, out = Record(), io.StringIO()
+    bar = tf_psplugin.ProgressBar(stream=out, dynamic=False, line_every_seconds=1e-9)
+    try:
+        hist = model.fit(dataset, epochs=2, verbose=1, callbacks=[record, bar])
+    except Exception as e:  # noqa: BLE001 - reported as the checks' failure.
+        for name in ("fit_files_read_once", "fit_files_weights", "fit_files_callbacks",
+                     "fit_files_progress_unknown_total"):
+            check(name, False, f"fit raised {type(e).__name__}: {e}")
+        return
+    total = read_counts()
+    w1 = [total[r] for r in records[1]]
+    w0 = [total[r] for r in records[0]]
+    epoch0_w1 = [record.windows[0][r] for r in records[1]]
+    measured = (f"reads per record over the fit: worker 0 {w0} worker 1 {w1}; worker 1 in "
+                f"epoch 1 {epoch0_w1}; records read {sum(total.values())} of "
+                f"{2 * sum(sizes)} (2 epochs)")
+    print("fit_files_read_once:", measured, flush=True)
+    check("fit_files_read_once",
+          w1 == [2] * len(w1) and max(w0) <= 2 and epoch0_w1 == [1] * len(w1), measured)
+    # One process on the global batches: worker 0's batch k and worker 1's.
+    order = [r for k in range(4) for r in records[0][4 * k:4 * k + 4] + records[1][4 * k:4 * k + 4]]
+    ref_ds = tf.data.Dataset.from_tensor_slices((ids[order], y[order])).batch(8)
+    ref_hist = ref.fit(ref_ds, epochs=2, verbose=0)
+    diff = max_diff(model, ref)
+    losses = np.abs(np.array(hist.history["loss"]) - np.array(ref_hist.history["loss"]))
+    check("fit_files_weights", diff <= TOL and float(losses.max()) <= TOL,
+          f"max|w-ref|={diff:g} loss={hist.history['loss']} ref={ref_hist.history['loss']}")
+    check("fit_files_callbacks", record.steps_param is None and record.batches == [4, 4]
+          and int(model.optimizer.iterations.numpy()) == 8,
+          f"params steps={record.steps_param} batches per epoch={record.batches} "
+          f"iterations={int(model.optimizer.iterations.numpy())}")
+    text = out.getvalue()
+    first, _, second = text.partition("Epoch 2/2")
+    first_lines = [line for line in first.splitlines() if re.match(r"\d", line)]
+    second_lines = [line for line in second.splitlines() if re.match(r"\d", line)]
+    check("fit_files_progress_unknown_total",
+          [line.split(" ")[0:2] for line in first_lines[:-1]]
+          == [[str(k), "steps"] for k in range(1, 5)]
+          and first_lines[-1].startswith("4/4 [")
+          and second_lines and all(re.match(r"\d/4 \[", line) for line in second_lines),
+          repr(text))
+
+
 def check_custom_loop_sharded(coordinator):
     """A tf.data.Dataset sharded by the coordinator: OutOfRangeError, not CancelledError."""
     ds = tf.data.Dataset.range(11 * 4).batch(4)  # 11 batches over 2 workers.
@@ -415,6 +531,11 @@ def main():
     check_fit_runs_out_with_steps(strategy)
     check_batch_counter(strategy)
     check_file_sharding(strategy, coordinator)
+    folder = tempfile.mkdtemp(prefix="files_read_once_")
+    try:
+        check_fit_files_read_once(strategy, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print("DONE", flush=True)
 
 
