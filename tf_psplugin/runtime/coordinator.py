@@ -66,6 +66,7 @@ from tf_psplugin._internal.tf_internal import coordinator_context
 from tf_psplugin._internal.tf_internal import executor
 from tf_psplugin.cluster import liveness
 from tf_psplugin.runtime import delayed_calls
+from tf_psplugin.runtime import epochs as epochs_lib
 from tf_psplugin.runtime import role_tracing
 from tf_psplugin.runtime import step_values
 from tf_psplugin.runtime import watchdog as watchdog_lib
@@ -454,6 +455,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
             error = (tf_objects.error_from_remote_values(args)
                      or tf_objects.error_from_remote_values(kwargs))
         if error is not None:
+            # A dataset function that failed when its length was read: its
+            # first error (a second call gets another one, see `epochs`).
+            error = epochs_lib.first_input_error((step.args, step.kwargs)) or error
             if not isinstance(error, cluster_coordinator.ClosureInputError):
                 error = cluster_coordinator.ClosureInputError(error)
             raise error

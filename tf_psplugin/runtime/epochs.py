@@ -61,6 +61,7 @@ from typing import List, Optional
 import tensorflow as tf
 from absl import logging
 
+from tf_psplugin._internal import identity
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import coordinator_values, iterator_ops
@@ -253,6 +254,27 @@ class _SlowCountNotice:
         self._thread.join()
 
 
+# Per-worker iterators of an input whose dataset function failed when its
+# length was read -> that first error (see `SyncPerWorkerDataset.__iter__`).
+_FIRST_INPUT_ERRORS = identity.IdentityMap()
+
+
+def first_input_error(structured) -> Optional[BaseException]:
+    """The first error of a failed input among the iterators in `structured`, if any.
+
+    A dataset function that failed on the workers when its length was read
+    is called again to make its iterator, and TF answers a second call of a
+    function that failed remotely with another error ("Primary device is not
+    remote", stock PSS too). The coordinator reports the first one, which
+    names the cause, as stock does for its single call.
+    """
+    for value in tf.nest.flatten(structured):
+        error = _FIRST_INPUT_ERRORS.get(value)
+        if error is not None:
+            return error
+    return None
+
+
 class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunction):
     """A per-worker dataset whose epochs end on every worker at the same step.
 
@@ -289,6 +311,8 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
         # (lengths, per-worker dataset) of the last epoch cut to agreed lengths.
         self._epoch_dataset = None
         self._counted = False
+        # The dataset function's error when its length was read, if it failed.
+        self._input_error: Optional[BaseException] = None
 
     @property
     def evaluation(self) -> bool:
@@ -352,12 +376,18 @@ class SyncPerWorkerDataset(coordinator_values.PerWorkerDatasetFromDatasetFunctio
             return [int(v.fetch()) for v in tf_objects.per_worker_values(remote)]
         except Exception as e:  # noqa: BLE001 - the iterator will raise it where TF raises it.
             logging.debug("tf_psplugin: could not read the input's length: %r", e)
+            self._input_error = getattr(e, "original_exception", None) or e
             return None
 
     def __iter__(self):
         lengths = self._lengths if self._counted else self._lengths_on_workers(count=False)
         if lengths is None:
-            return super().__iter__()  # The input fails: let its iterator say so.
+            # The input fails: its iterator raises where TF raises it, with
+            # the first error (`first_input_error`).
+            iterator = super().__iter__()
+            if self._input_error is not None:
+                _FIRST_INPUT_ERRORS[iterator] = self._input_error
+            return iterator
         if tf.data.UNKNOWN_CARDINALITY in lengths or (
                 tf.data.INFINITE_CARDINALITY in lengths and max(lengths) >= 0):
             # No length to agree on beforehand: agree step by step.

@@ -207,11 +207,12 @@ def dataset_partially_created_on_coordinator(strategy, coordinator):
         coordinator.join()
         check("dataset_partially_created_on_coordinator", False, "no error")
     except cluster_coordinator.ClosureInputError as e:
-        # Stock's wording ("Failed copying input tensor from ...") comes from
-        # TF's remote copy; here TF says "Primary device is not remote". The
-        # type and the original error's type are stock's.
+        # Stock's type and wording (TF's test matches "error message is
+        # Failed copying input tensor from"): the first error of the dataset
+        # function, not the one TF gives a second call of it.
         check("dataset_partially_created_on_coordinator",
-              isinstance(e.original_exception, tf.errors.InvalidArgumentError), e)
+              isinstance(e.original_exception, tf.errors.InvalidArgumentError)
+              and "error message is Failed copying input tensor from" in str(e), e)
 
 
 @case
