@@ -9,6 +9,8 @@ the real step (tests/cluster/test_strategy.py: metrics equal to
 single-process training, collectives per step).
 """
 
+import threading
+
 import pytest
 import tensorflow as tf
 
@@ -201,6 +203,109 @@ def test_an_update_left_in_a_loop_body_is_applied_where_it_happens():
     run()
     assert a.v.numpy() == 4.0 * WORKERS
     assert updates.left_pending() == []
+
+
+def _strategy_run(updates, fn):
+    """What `strategy.run` does: mirrored_run traces `fn` in a thread of its
+    own, in the caller's graph; the strategy then calls `end_of_run`."""
+    graph = tf.compat.v1.get_default_graph()
+    out = []
+
+    def replica():
+        with graph.as_default():
+            out.append(fn())
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and out, "the replica thread did not finish"
+    updates.end_of_run()
+    return out[0]
+
+
+def test_a_replica_function_in_a_loop_body_writes_its_updates_when_it_returns():
+    # TF's testCustomTrainingLoop: `for _ in tf.range(n): strategy.run(fn)`,
+    # fn updates a metric after apply_gradients and nothing reads it.
+    group, updates, (total, count) = _setup("total", "count")
+
+    def replica_fn():
+        total.assign_add(2.0)
+        count.assign_add(1.0, read_value=False)
+        return tf.constant(0.0)
+
+    @tf.function
+    def steps():
+        for _ in tf.range(4):
+            _strategy_run(updates, replica_fn)
+        return tf.constant(0.0)
+
+    assert _trace_like_the_coordinator(updates, steps) is steps  # no replacement
+    assert group.collectives == 1  # one packed all-reduce, in the loop body
+    steps()
+    assert total.v.numpy() == 4 * 2.0 * WORKERS and count.v.numpy() == 4 * 1.0 * WORKERS
+
+
+def test_a_replica_function_in_the_step_itself_leaves_its_updates_waiting():
+    # Outside a loop body they may still ride a later all-reduce.
+    group, updates, (a,) = _setup("a")
+
+    @tf.function
+    def step():
+        _strategy_run(updates, lambda: a.assign_add(1.0, read_value=False))
+        assert group.collectives == 0
+        pending = updates.take()
+        updates.apply(pending, group.all_reduce_packed(updates.deltas(pending)))
+        return tf.constant(0.0)
+
+    step()
+    assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
+
+
+def test_the_unpacked_replacement_applies_updates_made_in_a_replica_thread():
+    # An update left in a loop body by a replica function whose run ends
+    # without `end_of_run`: the unpacked trace must catch it in the replica
+    # thread too (it once used a thread-local flag the replica thread never saw).
+    group, updates, (a,) = _setup("a")
+
+    def replica_in_thread():
+        graph = tf.compat.v1.get_default_graph()
+
+        def replica():
+            with graph.as_default():
+                a.assign_add(1.0, read_value=False)
+
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+
+    @tf.function
+    def steps():
+        for _ in tf.range(3):
+            replica_in_thread()
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, steps)
+    run()
+    assert a.v.numpy() == 3.0 * WORKERS
+    assert updates.left_pending() == []
+
+
+def test_updates_in_a_cond_inside_a_loop_body_are_exact():
+    group, updates, (a, b) = _setup("a", "b")
+
+    @tf.function
+    def steps():
+        for i in tf.range(6):
+            def replica_fn():
+                tf.cond(i % 2 == 0, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
+                b.assign_add(1.0, read_value=False)
+            _strategy_run(updates, replica_fn)
+        return tf.constant(0.0)
+
+    assert _trace_like_the_coordinator(updates, steps) is steps
+    steps()
+    assert a.v.numpy() == 3.0 * WORKERS and b.v.numpy() == 6.0 * WORKERS
 
 
 def test_the_replacement_keeps_the_input_signature():

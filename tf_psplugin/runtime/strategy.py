@@ -419,6 +419,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """Whether a synchronous step is being traced (the plugin's reductions and updates)."""
         return self.dense_allreduce and self.tracing_sync_step and not tf.executing_eagerly()
 
+    def _call_for_each_replica(self, fn, args, kwargs):
+        result = super()._call_for_each_replica(fn, args, kwargs)
+        if self.in_sync_step():
+            # In a loop body, metric updates the replica function left
+            # pending are written now (see `on_read_updates.end_of_run`).
+            self.on_read_updates.end_of_run()
+        return result
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         if not self.in_sync_step():
             return super()._reduce_to(reduce_op, value, destinations, options)

@@ -19,6 +19,13 @@ other pending delta:
   update's result used as a value): one packed all-reduce for everything
   pending in that graph (`flush_if_pending`); Keras reads every metric at the
   end of its train and test steps;
+* **at the end of a `strategy.run` in a loop body** (`end_of_run`): a
+  step that runs several replica functions in a ``tf.range`` /
+  ``tf.while_loop`` (``steps_per_execution``-style custom loops, TF's
+  ``testCustomTrainingLoop``) and updates a metric after
+  `apply_gradients` leaves the update pending in the loop body, which no
+  later trace can reach; it is written as soon as the replica function
+  returns, one packed all-reduce per iteration for everything pending;
 * **at the end of the step**, for a step that updates a variable after its
   gradient all-reduce and never reads it again (TensorFlow's PSS tutorial
   updates its accuracy metric after `apply_gradients`, and reads
@@ -26,8 +33,10 @@ other pending delta:
   coordinator then traces the user's Python function again, wrapped so
   that whatever is still pending when it returns is written with one
   packed all-reduce (`replacement_for`); should an update still be left
-  (pending in a loop body that has ended), a third trace applies every
-  update of that function where it happens, as with packing off. Packing
+  (made in a loop body outside `strategy.run`, or in a nested
+  tf.function), a third trace applies every update of that function where
+  it happens, as with packing off, in whichever thread makes it (a
+  `strategy.run` traces the replica function in a thread of its own). Packing
   is an optimisation, never a precondition: no step is refused for it.
   Only a concrete function, which has no Python function to trace again,
   cannot be mended: it raises `StrategyError` naming the variable.
@@ -35,7 +44,10 @@ other pending delta:
 What is deferred is only the write: every delta is computed where the user
 computed it. An update made in a branch of a `tf.cond` (a graph that is
 neither the traced function nor a loop body, so no later flush could reach
-it) is all-reduced on the spot, as every update is with packing off.
+it) is all-reduced on the spot, as every update is with packing off: the
+branch's collective needs every worker to take the same branch, as every
+collective in a synchronous step does (a gradient all-reduce in a branch
+too).
 Variables with aggregation ``NONE`` or ``ONLY_FIRST_REPLICA`` are updated
 locally, unreduced, as before.
 """
@@ -48,12 +60,16 @@ from typing import Callable, Dict, List, NamedTuple
 import tensorflow as tf
 
 from tf_psplugin.cluster.connection import StrategyError
+from tf_psplugin.sync import replicated as variables_lib
 
 # Graph classes whose ops run once per step of the traced function: the
 # function itself and while-loop bodies (steps_per_execution > 1). TF's
 # control-flow-v2 graph classes are told apart by name, not imported: they
 # live in a private module (control_flow_v2_func_graphs).
 _DEFERRABLE_GRAPHS = ("FuncGraph", "WhileBodyFuncGraph")
+
+# A while-loop body: still being traced when a `strategy.run` in it returns.
+_LOOP_BODY_GRAPH = "WhileBodyFuncGraph"
 
 _AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
@@ -133,6 +149,11 @@ class OnReadUpdates:
         # (`replacement_for`); weak, so a dropped step function is forgotten.
         self._replacements = weakref.WeakKeyDictionary()
         self._stages = weakref.WeakKeyDictionary()  # replacement -> 1 (flush at end) or 2
+        # Graphs of the traced functions whose updates are all applied where
+        # they happen (the second replacement): a set of the graphs, not a
+        # thread-local flag, since `strategy.run` traces the replica function
+        # in a thread of its own.
+        self._unpacked_graphs = weakref.WeakKeyDictionary()
         self._local = threading.local()
 
     def update(self, var, delta, apply: Callable, read_value: bool):
@@ -154,8 +175,8 @@ class OnReadUpdates:
             return apply(delta)
         delta = tf.convert_to_tensor(delta, dtype=var.dtype)
         graph = tf.compat.v1.get_default_graph()
-        if (not self.enabled or getattr(self._local, "unpacked", False)
-                or type(graph).__name__ not in _DEFERRABLE_GRAPHS):
+        if (not self.enabled or type(graph).__name__ not in _DEFERRABLE_GRAPHS
+                or variables_lib.outermost_function_graph(graph) in self._unpacked_graphs):
             return self._reduce_and_apply([_Pending(var, delta, apply)])[0]
         self._pending.setdefault(graph, []).append(_Pending(var, delta, apply))
         with tf.control_dependencies([delta]):
@@ -209,6 +230,24 @@ class OnReadUpdates:
             with graph.as_default():
                 self._reduce_and_apply(pending)
 
+    def end_of_run(self) -> None:
+        """Writes what a `strategy.run` in a loop body left pending, with one all-reduce.
+
+        Called when a replica function returns. In the body of a
+        ``tf.range``/``tf.while_loop`` (several replica steps per scheduled
+        step), an update made after the step's gradient all-reduce and not
+        read in the body could otherwise never be written: the body's trace
+        ends with the loop, and a later flush writes into the enclosing
+        graph. In the traced function itself updates keep waiting (for a
+        later all-reduce, a read, or the end of the step).
+        """
+        graph = tf.compat.v1.get_default_graph()
+        if type(graph).__name__ != _LOOP_BODY_GRAPH or getattr(self._local, "flushing", False):
+            return
+        pending = self._pending.pop(graph, [])
+        if pending:
+            self._reduce_and_apply(pending)
+
     def left_pending(self) -> List[str]:
         """Names of the variables whose updates a finished trace left pending.
 
@@ -253,16 +292,12 @@ class OnReadUpdates:
         if python_function is None or stage >= 2:
             raise self._lost_update_error(names, concrete=python_function is None)
         unpacked = stage == 1
-        local = self._local
 
         @functools.wraps(python_function)
         def step(*args, **kwargs):
-            previous = getattr(local, "unpacked", False)
-            local.unpacked = unpacked
-            try:
-                outputs = python_function(*args, **kwargs)
-            finally:
-                local.unpacked = previous
+            if unpacked:
+                self._unpacked_graphs[tf.compat.v1.get_default_graph()] = True
+            outputs = python_function(*args, **kwargs)
             pending = self.take()  # What the step never read again.
             if pending:
                 self._reduce_and_apply(pending)
