@@ -25,9 +25,11 @@ class _Group:
 
     def __init__(self):
         self.collectives = 0
+        self.graphs = []  # the kind of graph each collective was traced in
 
     def all_reduce_packed(self, tensors, mean=False):
         self.collectives += 1
+        self.graphs.append(type(tf.compat.v1.get_default_graph()).__name__)
         return [t * WORKERS / (WORKERS if mean else 1) for t in tensors]
 
 
@@ -45,6 +47,10 @@ class _Var:
     def assign_add(self, delta, read_value=True):
         return self.updates.update(self, delta, lambda d: self.v.assign_add(
             d, read_value=read_value), read_value)
+
+    def assign_sub(self, delta, read_value=True):
+        return self.updates.update(self, delta, lambda d: self.v.assign_sub(
+            d, read_value=read_value), read_value, subtract=True)
 
     def read_value(self):
         self.updates.flush_if_pending(self)  # what ReplicatedVariable.handle does
@@ -127,17 +133,46 @@ def test_the_result_of_a_deferred_update_works_as_dependency_and_value():
     assert step().numpy() == 2.0 * WORKERS
 
 
-def test_an_update_in_a_cond_branch_is_reduced_on_the_spot():
+def test_an_update_in_a_cond_branch_is_summed_locally_and_reduced_after_the_cond():
+    # No collective in a branch: a predicate computed from a worker's own
+    # batch would send only some workers into it.
     group, updates, (a,) = _setup("a")
 
     @tf.function
     def step(flag):
         tf.cond(flag, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
-        return tf.constant(0.0)
+        return a.read_value()  # after the cond: the branch's sum is written first
 
-    step(tf.constant(True))
-    assert updates.left_pending() == []  # nothing left pending
-    assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
+    assert step(tf.constant(True)).numpy() == 1.0 * WORKERS
+    assert step(tf.constant(False)).numpy() == 1.0 * WORKERS  # the sum was zeroed
+    assert step(tf.constant(True)).numpy() == 2.0 * WORKERS
+    assert updates.left_pending() == []
+    # Outside the branch (the first call traces twice: it created the sum's variable).
+    assert set(group.graphs) == {"FuncGraph"}
+
+
+def test_branch_updates_never_read_again_are_written_at_the_end_of_the_step():
+    group, updates, (a,) = _setup("a")
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.bool)])
+    def step(flag):
+        def add_then_read():
+            a.assign_add(3.0, read_value=False)
+            return a.read_value()  # cannot see the branch's own update yet
+
+        def subtract_then_read():
+            a.assign_sub(1.0, read_value=False)
+            return a.read_value()
+
+        return tf.cond(flag, add_then_read, subtract_then_read)
+
+    run = _trace_like_the_coordinator(updates, step)
+    run(tf.constant(True))
+    run(tf.constant(False))
+    run(tf.constant(True))
+    assert a.v.numpy() == (3.0 - 1.0 + 3.0) * WORKERS
+    assert updates.left_pending() == []
+    assert "CondBranchFuncGraph" not in group.graphs
 
 
 def test_updates_in_a_loop_body_are_flushed_there():

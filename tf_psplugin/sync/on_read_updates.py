@@ -55,7 +55,7 @@ locally, unreduced, as before.
 import functools
 import threading
 import weakref
-from typing import Callable, Dict, List, NamedTuple
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -76,8 +76,9 @@ _AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
 class _Pending(NamedTuple):
     var: object  # the ReplicatedVariable
-    delta: tf.Tensor
+    delta: Optional[tf.Tensor]  # None: the worker's sum is in `accumulator`
     apply: Callable  # apply(reduced_delta) does the variable's own write
+    accumulator: object = None  # see `OnReadUpdates._accumulate`
 
 
 class DeferredUpdate:
@@ -131,6 +132,19 @@ def _convert_deferred(value, dtype=None, name=None, as_ref=False):
 tf.register_tensor_conversion_function(DeferredUpdate, _convert_deferred)
 
 
+def _plain_accumulator(var):
+    with tf.init_scope():
+        return tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False)
+
+
+def _drain(accumulator) -> tf.Tensor:
+    """The accumulator's value; the accumulator is zeroed after the read."""
+    value = accumulator.read_value()
+    with tf.control_dependencies([value]), variables_lib.inside_variable_update():
+        accumulator.assign(tf.zeros_like(value), read_value=False)
+    return tf.identity(value)
+
+
 class OnReadUpdates:
     """The pending ON_READ updates of the synchronous step being traced.
 
@@ -138,12 +152,21 @@ class OnReadUpdates:
         collective_group: The workers' `collectives.CollectiveGroup`.
         num_workers: Workers in the group (divides ``MEAN`` updates).
         enabled: Pack updates (False: all-reduce each where it happens).
+        make_accumulator: ``make_accumulator(var)`` returns a new variable of
+            `var`'s shape and dtype, at zeros, that each worker keeps for
+            itself (a replicated variable that is not ``ON_READ``); called
+            while a step is traced, so it creates the variable outside the
+            trace. Default: a plain `tf.Variable` (one process).
     """
 
-    def __init__(self, collective_group, num_workers: int, enabled: bool = True):
+    def __init__(self, collective_group, num_workers: int, enabled: bool = True,
+                 make_accumulator: Optional[Callable] = None):
         self._group = collective_group
         self._num_workers = int(num_workers)
         self.enabled = bool(enabled)
+        self._make_accumulator = make_accumulator or _plain_accumulator
+        # (id(var), subtract) -> (var, accumulator): see `_accumulate`.
+        self._accumulators: Dict[tuple, tuple] = {}
         self._pending: Dict[object, List[_Pending]] = {}  # graph -> updates, in order
         # A user's step function -> the tf.function traced in its place
         # (`replacement_for`); weak, so a dropped step function is forgotten.
@@ -156,7 +179,7 @@ class OnReadUpdates:
         self._unpacked_graphs = weakref.WeakKeyDictionary()
         self._local = threading.local()
 
-    def update(self, var, delta, apply: Callable, read_value: bool):
+    def update(self, var, delta, apply: Callable, read_value: bool, subtract: bool = False):
         """Records (or, if it cannot wait, does) an in-step update of `var`.
 
         Args:
@@ -165,6 +188,8 @@ class OnReadUpdates:
             apply: ``apply(reduced_delta)`` performs the variable's own write
                 (``assign_add`` or ``assign_sub``) and returns its result.
             read_value: What the caller asked the write to return.
+            subtract: The write is an ``assign_sub`` (updates in a branch
+                are summed per kind of write).
 
         Returns:
             The write's result, or for a recorded update a `DeferredUpdate`
@@ -175,13 +200,58 @@ class OnReadUpdates:
             return apply(delta)
         delta = tf.convert_to_tensor(delta, dtype=var.dtype)
         graph = tf.compat.v1.get_default_graph()
-        if (not self.enabled or type(graph).__name__ not in _DEFERRABLE_GRAPHS
-                or variables_lib.outermost_function_graph(graph) in self._unpacked_graphs):
+        if type(graph).__name__ not in _DEFERRABLE_GRAPHS:
+            return self._accumulate(var, delta, apply, read_value, subtract, graph)
+        if not self.enabled or self._unpacked(graph):
             return self._reduce_and_apply([_Pending(var, delta, apply)])[0]
         self._pending.setdefault(graph, []).append(_Pending(var, delta, apply))
         with tf.control_dependencies([delta]):
             marker = tf.no_op(name="deferred_on_read_update")
         return DeferredUpdate(var, marker) if read_value else marker
+
+    def _unpacked(self, graph) -> bool:
+        return variables_lib.outermost_function_graph(graph) in self._unpacked_graphs
+
+    def _accumulate(self, var, delta, apply, read_value, subtract, graph):
+        """An update in a branch of a `tf.cond`: summed locally, all-reduced after the cond.
+
+        A collective in a branch would need every worker to take that
+        branch; a predicate computed from a worker's own batch (an ``if`` on
+        a tensor, which autograph makes a `tf.cond`) does not. So the
+        worker adds the delta to an accumulator of its own (no collective),
+        and the accumulator's value is all-reduced and written, and the
+        accumulator zeroed, in the nearest enclosing graph that every worker
+        runs whole (the loop body or the step: `_flush_graph`), as a
+        deferred update of that graph: with the gradients, at a read, at the
+        end of a `strategy.run` in a loop body, or at the end of the step.
+        """
+        key = (id(var), bool(subtract))
+        if key not in self._accumulators:
+            self._accumulators[key] = (var, self._make_accumulator(var))
+        accumulator = self._accumulators[key][1]
+        with variables_lib.inside_variable_update():
+            written = accumulator.assign_add(delta, read_value=False)
+        target = self._flush_graph(graph)
+        pending = self._pending.setdefault(target, [])
+        if not any(p.accumulator is accumulator for p in pending):
+            pending.append(_Pending(var, None, apply, accumulator))
+        with tf.control_dependencies([written]):
+            marker = tf.no_op(name="accumulated_on_read_update")
+        return DeferredUpdate(var, marker) if read_value else marker
+
+    def _flush_graph(self, graph):
+        """Where the updates accumulated in `graph` (a cond branch) are written.
+
+        The nearest enclosing loop body or traced function; the traced
+        function itself for a trace that applies updates where they happen
+        (it writes what is pending in the function at its end).
+        """
+        if self._unpacked(graph):
+            return variables_lib.outermost_function_graph(graph)
+        while type(graph).__name__ not in _DEFERRABLE_GRAPHS and getattr(
+                graph, "outer_graph", None) is not None:
+            graph = graph.outer_graph
+        return graph
 
     def take(self) -> List[_Pending]:
         """Removes and returns the updates pending in the current graph.
@@ -192,7 +262,8 @@ class OnReadUpdates:
         return self._pending.pop(tf.compat.v1.get_default_graph(), [])
 
     def deltas(self, pending: List[_Pending]) -> List[tf.Tensor]:
-        return [p.delta for p in pending]
+        """The worker-local deltas of `pending` (an accumulator is read, then zeroed)."""
+        return [p.delta if p.accumulator is None else _drain(p.accumulator) for p in pending]
 
     def apply(self, pending: List[_Pending], summed: List[tf.Tensor]) -> list:
         """Writes `pending` updates given their deltas summed over the workers.
@@ -223,12 +294,23 @@ class OnReadUpdates:
         """
         if not self._pending or getattr(self._local, "flushing", False):
             return
+        current = tf.compat.v1.get_default_graph()
         for graph, pending in list(self._pending.items()):
             if not any(p.var is var for p in pending):
                 continue
-            del self._pending[graph]
+            # Ops added to an enclosing graph now run before the cond being
+            # traced: its accumulated updates wait for a later flush (a read
+            # inside a branch cannot see them: no collective can run there).
+            now = [p for p in pending if p.accumulator is None or graph is current]
+            if not now:
+                continue
+            later = [p for p in pending if not any(p is q for q in now)]
+            if later:
+                self._pending[graph] = later
+            else:
+                del self._pending[graph]
             with graph.as_default():
-                self._reduce_and_apply(pending)
+                self._reduce_and_apply(now)
 
     def end_of_run(self) -> None:
         """Writes what a `strategy.run` in a loop body left pending, with one all-reduce.
