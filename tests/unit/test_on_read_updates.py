@@ -385,3 +385,18 @@ def test_with_packing_off_every_update_is_reduced_where_it_happens():
     step()
     assert updates.left_pending() == []
     assert group.collectives == 2 and a.v.numpy() == b.v.numpy() == 1.0 * WORKERS
+
+
+def test_with_packing_off_a_branch_update_is_still_reduced_outside_the_branch():
+    group, updates, (a,) = _setup("a", enabled=False)
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.bool)])
+    def step(flag):
+        tf.cond(flag, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, step)
+    run(tf.constant(True))
+    run(tf.constant(True))
+    assert a.v.numpy() == 2.0 * WORKERS
+    assert "CondBranchFuncGraph" not in group.graphs

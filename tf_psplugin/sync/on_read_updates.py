@@ -42,12 +42,18 @@ other pending delta:
   cannot be mended: it raises `StrategyError` naming the variable.
 
 What is deferred is only the write: every delta is computed where the user
-computed it. An update made in a branch of a `tf.cond` (a graph that is
-neither the traced function nor a loop body, so no later flush could reach
-it) is all-reduced on the spot, as every update is with packing off: the
-branch's collective needs every worker to take the same branch, as every
-collective in a synchronous step does (a gradient all-reduce in a branch
-too).
+computed it. An update made in a branch of a `tf.cond` (an autograph
+``if`` on a tensor too) cannot wait there (no later flush reaches a
+branch) nor be all-reduced there: the predicate may come from the
+worker's own batch, so the workers of one step may take different
+branches, and a collective that only some of them run stalls the step
+until the step watchdog fails it. The
+worker adds the delta to an accumulator of its own instead (a replicated
+variable that is not ``ON_READ``, made the first time; no collective),
+and the accumulator is all-reduced, written and zeroed as a pending update
+of the nearest enclosing graph that every worker runs whole (`_accumulate`).
+A read of the variable inside that branch does not see the branch's own
+update yet (no collective can run there). This holds with packing off too.
 Variables with aggregation ``NONE`` or ``ONLY_FIRST_REPLICA`` are updated
 locally, unreduced, as before.
 """
