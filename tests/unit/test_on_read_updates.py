@@ -9,6 +9,8 @@ the real step (tests/cluster/test_strategy.py: metrics equal to
 single-process training, collectives per step).
 """
 
+import threading
+
 import pytest
 import tensorflow as tf
 
@@ -23,9 +25,11 @@ class _Group:
 
     def __init__(self):
         self.collectives = 0
+        self.graphs = []  # the kind of graph each collective was traced in
 
     def all_reduce_packed(self, tensors, mean=False):
         self.collectives += 1
+        self.graphs.append(type(tf.compat.v1.get_default_graph()).__name__)
         return [t * WORKERS / (WORKERS if mean else 1) for t in tensors]
 
 
@@ -43,6 +47,10 @@ class _Var:
     def assign_add(self, delta, read_value=True):
         return self.updates.update(self, delta, lambda d: self.v.assign_add(
             d, read_value=read_value), read_value)
+
+    def assign_sub(self, delta, read_value=True):
+        return self.updates.update(self, delta, lambda d: self.v.assign_sub(
+            d, read_value=read_value), read_value, subtract=True)
 
     def read_value(self):
         self.updates.flush_if_pending(self)  # what ReplicatedVariable.handle does
@@ -125,17 +133,46 @@ def test_the_result_of_a_deferred_update_works_as_dependency_and_value():
     assert step().numpy() == 2.0 * WORKERS
 
 
-def test_an_update_in_a_cond_branch_is_reduced_on_the_spot():
+def test_an_update_in_a_cond_branch_is_summed_locally_and_reduced_after_the_cond():
+    # No collective in a branch: a predicate computed from a worker's own
+    # batch would send only some workers into it.
     group, updates, (a,) = _setup("a")
 
     @tf.function
     def step(flag):
         tf.cond(flag, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
-        return tf.constant(0.0)
+        return a.read_value()  # after the cond: the branch's sum is written first
 
-    step(tf.constant(True))
-    assert updates.left_pending() == []  # nothing left pending
-    assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
+    assert step(tf.constant(True)).numpy() == 1.0 * WORKERS
+    assert step(tf.constant(False)).numpy() == 1.0 * WORKERS  # the sum was zeroed
+    assert step(tf.constant(True)).numpy() == 2.0 * WORKERS
+    assert updates.left_pending() == []
+    # Outside the branch (the first call traces twice: it created the sum's variable).
+    assert set(group.graphs) == {"FuncGraph"}
+
+
+def test_branch_updates_never_read_again_are_written_at_the_end_of_the_step():
+    group, updates, (a,) = _setup("a")
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.bool)])
+    def step(flag):
+        def add_then_read():
+            a.assign_add(3.0, read_value=False)
+            return a.read_value()  # cannot see the branch's own update yet
+
+        def subtract_then_read():
+            a.assign_sub(1.0, read_value=False)
+            return a.read_value()
+
+        return tf.cond(flag, add_then_read, subtract_then_read)
+
+    run = _trace_like_the_coordinator(updates, step)
+    run(tf.constant(True))
+    run(tf.constant(False))
+    run(tf.constant(True))
+    assert a.v.numpy() == (3.0 - 1.0 + 3.0) * WORKERS
+    assert updates.left_pending() == []
+    assert "CondBranchFuncGraph" not in group.graphs
 
 
 def test_updates_in_a_loop_body_are_flushed_there():
@@ -203,6 +240,109 @@ def test_an_update_left_in_a_loop_body_is_applied_where_it_happens():
     assert updates.left_pending() == []
 
 
+def _strategy_run(updates, fn):
+    """What `strategy.run` does: mirrored_run traces `fn` in a thread of its
+    own, in the caller's graph; the strategy then calls `end_of_run`."""
+    graph = tf.compat.v1.get_default_graph()
+    out = []
+
+    def replica():
+        with graph.as_default():
+            out.append(fn())
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and out, "the replica thread did not finish"
+    updates.end_of_run()
+    return out[0]
+
+
+def test_a_replica_function_in_a_loop_body_writes_its_updates_when_it_returns():
+    # TF's testCustomTrainingLoop: `for _ in tf.range(n): strategy.run(fn)`,
+    # fn updates a metric after apply_gradients and nothing reads it.
+    group, updates, (total, count) = _setup("total", "count")
+
+    def replica_fn():
+        total.assign_add(2.0)
+        count.assign_add(1.0, read_value=False)
+        return tf.constant(0.0)
+
+    @tf.function
+    def steps():
+        for _ in tf.range(4):
+            _strategy_run(updates, replica_fn)
+        return tf.constant(0.0)
+
+    assert _trace_like_the_coordinator(updates, steps) is steps  # no replacement
+    assert group.collectives == 1  # one packed all-reduce, in the loop body
+    steps()
+    assert total.v.numpy() == 4 * 2.0 * WORKERS and count.v.numpy() == 4 * 1.0 * WORKERS
+
+
+def test_a_replica_function_in_the_step_itself_leaves_its_updates_waiting():
+    # Outside a loop body they may still ride a later all-reduce.
+    group, updates, (a,) = _setup("a")
+
+    @tf.function
+    def step():
+        _strategy_run(updates, lambda: a.assign_add(1.0, read_value=False))
+        assert group.collectives == 0
+        pending = updates.take()
+        updates.apply(pending, group.all_reduce_packed(updates.deltas(pending)))
+        return tf.constant(0.0)
+
+    step()
+    assert group.collectives == 1 and a.v.numpy() == 1.0 * WORKERS
+
+
+def test_the_unpacked_replacement_applies_updates_made_in_a_replica_thread():
+    # An update left in a loop body by a replica function whose run ends
+    # without `end_of_run`: the unpacked trace must catch it in the replica
+    # thread too (it once used a thread-local flag the replica thread never saw).
+    group, updates, (a,) = _setup("a")
+
+    def replica_in_thread():
+        graph = tf.compat.v1.get_default_graph()
+
+        def replica():
+            with graph.as_default():
+                a.assign_add(1.0, read_value=False)
+
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+
+    @tf.function
+    def steps():
+        for _ in tf.range(3):
+            replica_in_thread()
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, steps)
+    run()
+    assert a.v.numpy() == 3.0 * WORKERS
+    assert updates.left_pending() == []
+
+
+def test_updates_in_a_cond_inside_a_loop_body_are_exact():
+    group, updates, (a, b) = _setup("a", "b")
+
+    @tf.function
+    def steps():
+        for i in tf.range(6):
+            def replica_fn():
+                tf.cond(i % 2 == 0, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
+                b.assign_add(1.0, read_value=False)
+            _strategy_run(updates, replica_fn)
+        return tf.constant(0.0)
+
+    assert _trace_like_the_coordinator(updates, steps) is steps
+    steps()
+    assert a.v.numpy() == 3.0 * WORKERS and b.v.numpy() == 6.0 * WORKERS
+
+
 def test_the_replacement_keeps_the_input_signature():
     _, updates, (a,) = _setup("a")
 
@@ -245,3 +385,18 @@ def test_with_packing_off_every_update_is_reduced_where_it_happens():
     step()
     assert updates.left_pending() == []
     assert group.collectives == 2 and a.v.numpy() == b.v.numpy() == 1.0 * WORKERS
+
+
+def test_with_packing_off_a_branch_update_is_still_reduced_outside_the_branch():
+    group, updates, (a,) = _setup("a", enabled=False)
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.bool)])
+    def step(flag):
+        tf.cond(flag, lambda: a.assign_add(1.0, read_value=False), tf.no_op)
+        return tf.constant(0.0)
+
+    run = _trace_like_the_coordinator(updates, step)
+    run(tf.constant(True))
+    run(tf.constant(True))
+    assert a.v.numpy() == 2.0 * WORKERS
+    assert "CondBranchFuncGraph" not in group.graphs

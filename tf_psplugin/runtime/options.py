@@ -68,7 +68,8 @@ class HybridOptions:
             accumulators and batch-norm statistics with their deltas packed
             into the gradient all-reduce, or into one all-reduce when the
             step next reads them (default). False: one all-reduce per update,
-            where it happens (see `on_read_updates.py`).
+            where it happens, or after the `tf.cond` whose branch made it
+            (see `on_read_updates.py`).
         fuse_lookups: Look up the sharded tables of a functional Keras
             model's `Embedding` layers together, one round trip per PS for
             all the tables of one width, instead of one per table; the rows

@@ -41,6 +41,7 @@ the plugin's table sharding), for comparison and for fully-async users.
 """
 
 import random
+import threading
 from typing import List, Optional
 
 import tensorflow as tf
@@ -314,7 +315,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.collective_group = collectives_lib.CollectiveGroup(
             self._num_workers, group_key=_FRESH.randint(10_000, 2**30))
         self.on_read_updates = on_read_updates_lib.OnReadUpdates(
-            self.collective_group, self._num_workers, enabled=pack_on_read_updates)
+            self.collective_group, self._num_workers, enabled=pack_on_read_updates,
+            make_accumulator=self._create_on_read_accumulator)
         # Enforced by the coordinator's watchdog, not by the collective ops.
         self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
@@ -360,6 +362,41 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def admits_after_update(self) -> bool:
         """True while a sync step is traced whose table updates run `run_after_update` hooks."""
         return self.updates.admits_after_update()
+
+    def _create_on_read_accumulator(self, var):
+        """A worker's own sum of `var`'s updates in `tf.cond` branches (`on_read_updates`).
+
+        Replicated but not ``ON_READ`` (its writes stay local) and not
+        recorded. Called while a replica function is traced, where neither
+        this strategy's scope nor eager variable creation can be entered
+        (``init_scope`` keeps the replica context), so it is made eagerly in
+        a thread of its own, as the chief makes any variable in the scope.
+        """
+        name = "tf_psplugin_branch_sum_" + var.name.split(":")[0].replace("/", "_")
+        made, failed = [], []
+
+        def create():
+            try:
+                with self.creation.internal_variables(), self._container_strategy().scope():
+                    made.append(tf.Variable(tf.zeros(var.shape, var.dtype), trainable=False,
+                                            name=name))
+            except Exception as e:  # pylint: disable=broad-except
+                failed.append(e)  # Re-raised in the tracing thread below.
+
+        thread = threading.Thread(target=create, name="tf_psplugin_create_" + name)
+        thread.start()
+        thread.join(timeout=self._CREATE_TIMEOUT_SECONDS)
+        if failed:
+            raise failed[0]
+        if not made:
+            raise StrategyError(
+                f"creating {name!r} (where the workers sum their updates of {var.name!r} "
+                f"made in a tf.cond branch) took more than {self._CREATE_TIMEOUT_SECONDS} s. "
+                "Fix: check that every worker is reachable, or update the metric outside "
+                "the tf.cond.")
+        return made[0]
+
+    _CREATE_TIMEOUT_SECONDS = 300.0
 
     def create_step_counters(self):
         """Creates the per-worker step counters failover reads (allreduce mode).
@@ -419,6 +456,14 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def in_sync_step(self) -> bool:
         """Whether a synchronous step is being traced (the plugin's reductions and updates)."""
         return self.dense_allreduce and self.tracing_sync_step and not tf.executing_eagerly()
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        result = super()._call_for_each_replica(fn, args, kwargs)
+        if self.in_sync_step():
+            # In a loop body, metric updates the replica function left
+            # pending are written now (see `on_read_updates.end_of_run`).
+            self.on_read_updates.end_of_run()
+        return result
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if not self.in_sync_step():

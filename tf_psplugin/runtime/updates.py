@@ -224,11 +224,12 @@ class Updates:
             stamps.mark(self._gradient_of(args))
         return result
 
-    def on_read_update(self, var, delta, apply, read_value):
+    def on_read_update(self, var, delta, apply, read_value, subtract=False):
         """An in-step update of an ON_READ replicated variable (see `on_read_updates`)."""
         if not self._extended.in_sync_step():
             return apply(delta)
-        return self._extended.on_read_updates.update(var, delta, apply, read_value)
+        return self._extended.on_read_updates.update(var, delta, apply, read_value,
+                                                     subtract=subtract)
 
     def on_read_use(self, var):
         """A traced use of an ON_READ replicated variable: its pending update first."""

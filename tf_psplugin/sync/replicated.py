@@ -119,7 +119,8 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         update_reduce_fn: For ``ON_READ`` variables (metric accumulators,
             batch-norm statistics): called with `(variable, delta, apply,
             read_value)` for an in-step `assign_add`/`assign_sub`, where
-            `apply(d)` does the write with delta `d`; it writes the delta
+            `apply(d)` does the write with delta `d` (keyword ``subtract``:
+            the write is an ``assign_sub``); it writes the delta
             reduced across workers (per the variable's aggregation), now or
             later (`on_read_updates`), so every replica applies the global
             update and stays identical, and returns what the write returns.
@@ -296,7 +297,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         with tf.control_dependencies(self._barrier_deps()):
             return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
-    def _update(self, write, delta, read_value):
+    def _update(self, write, delta, read_value, subtract=False):
         """An `assign_add`/`assign_sub` (`write`), reduced first for ON_READ variables."""
         self._mark_written()
 
@@ -306,7 +307,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
 
         if self._update_reduce_fn is None or tf.executing_eagerly():
             return apply(delta)
-        return self._update_reduce_fn(self, delta, apply, read_value)
+        return self._update_reduce_fn(self, delta, apply, read_value, subtract=subtract)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         write = functools.partial(super().assign_add, use_locking=use_locking, name=name,
@@ -316,7 +317,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         write = functools.partial(super().assign_sub, use_locking=use_locking, name=name,
                                   read_value=read_value)
-        return self._update(write, delta, read_value)
+        return self._update(write, delta, read_value, subtract=True)
 
     def _as_graph_element(self):
         # Keras's AutoCastVariable (mixed precision) resolves a control

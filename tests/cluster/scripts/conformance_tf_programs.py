@@ -345,6 +345,124 @@ def scratch_loop(strategy):
     check("scratch_loop_learns", seen[-2][1] < seen[0][1], seen)
 
 
+@program("loop_per_execution")
+def loop_per_execution(strategy):
+    """Several replica steps per scheduled step, in a `tf.range` loop.
+
+    How TF's docs teach `steps_per_execution` for custom loops, and TF's
+    `ParameterServerCustomTrainingLoopTest.testCustomTrainingLoop`:
+    `for _ in tf.range(k): strategy.run(replica_fn, args=(next(iterator),))`,
+    `replica_fn` applies gradients and then updates an accuracy metric, a
+    `Mean` of the loss only every other optimizer step, in a `tf.cond` (the
+    optimizer's step counter is the same on every worker), and a `Mean` of
+    the loss of the batches that are mostly positive, in an autograph `if`
+    on the worker's own labels (a `tf.cond` that the workers of one step
+    decide differently). Checked against one process on the global batch:
+    the metrics count every example once and equal its values, and the
+    losses and weights are its.
+    """
+    batch, k, schedules, epochs = 8, 4, 3, 2
+    ids, labels = scratch_data(seed=5)
+    tf.keras.utils.set_random_seed(5)
+    with strategy.scope():
+        model = scratch_model()
+        optimizer = tf.keras.optimizers.legacy.SGD(learning_rate=0.5)
+        accuracy = tf.keras.metrics.SparseCategoricalAccuracy()
+        every_other = tf.keras.metrics.Mean()
+        mostly_positive = tf.keras.metrics.Mean()
+    initial = model.get_weights()
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+
+    @tf.function
+    def train_steps(iterator):
+        def replica_fn(inputs):
+            x, y = inputs
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                per_example = loss_fn(y, logits)
+                loss = tf.nn.compute_average_loss(per_example)
+            grads = tape.gradient(loss, model.trainable_weights)
+            optimizer.apply_gradients(zip(grads, model.trainable_weights))
+            accuracy.update_state(y, logits)
+            tf.cond(optimizer.iterations % 2 == 0,
+                    lambda: tf.group(every_other.update_state(per_example)), tf.no_op)
+            if tf.reduce_sum(y) * 2 > tf.size(y, out_type=y.dtype):
+                mostly_positive.update_state(per_example)
+            return loss
+
+        total = tf.constant(0.0)
+        for _ in tf.range(k):
+            loss = strategy.run(replica_fn, args=(next(iterator),))
+            total += strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        return total
+
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    train = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(batch).repeat()
+    iterator = iter(coordinator.create_per_worker_dataset(train))
+    seen, losses = [], []
+    for _ in range(epochs):
+        values = [coordinator.schedule(train_steps, args=(iterator,))
+                  for _ in range(schedules)]
+        coordinator.join()
+        losses.extend(float(v.fetch()) for v in values)
+        seen.append((float(accuracy.result()), float(accuracy.count),
+                     float(every_other.result()), float(every_other.count),
+                     float(mostly_positive.result()), float(mostly_positive.count)))
+        for metric in (accuracy, every_other, mostly_positive):
+            metric.reset_states()
+
+    # One process, global batch = WORKERS * batch, same examples in the same order.
+    local = scratch_model()
+    local.set_weights(initial)
+    local_opt = tf.keras.optimizers.legacy.SGD(learning_rate=0.5)
+    acc, mean, positive = (tf.keras.metrics.SparseCategoricalAccuracy(),
+                           tf.keras.metrics.Mean(), tf.keras.metrics.Mean())
+    disagreements = 0  # replica steps whose workers decide the `if` differently
+    global_train = iter(tf.data.Dataset.from_tensor_slices((ids, labels)).batch(
+        batch * WORKERS).repeat())
+    expected, expected_losses = [], []
+    for _ in range(epochs):
+        for _ in range(schedules):
+            total = 0.0
+            for _ in range(k):
+                x, y = next(global_train)
+                with tf.GradientTape() as tape:
+                    logits = local(x, training=True)
+                    per_example = loss_fn(y, logits)
+                    loss = tf.reduce_mean(per_example)
+                grads = tape.gradient(loss, local.trainable_weights)
+                local_opt.apply_gradients(zip(grads, local.trainable_weights))
+                acc.update_state(y, logits)
+                if int(local_opt.iterations) % 2 == 0:
+                    mean.update_state(per_example)
+                decisions = []
+                for w in range(WORKERS):  # worker w's batch is this slice of the global one
+                    part = slice(w * batch, (w + 1) * batch)
+                    decisions.append(int(tf.reduce_sum(y[part])) * 2 > batch)
+                    if decisions[-1]:
+                        positive.update_state(per_example[part])
+                disagreements += len(set(decisions)) > 1
+                total += float(loss)
+            expected_losses.append(total)
+        expected.append((float(acc.result()), float(acc.count), float(mean.result()),
+                         float(mean.count), float(positive.result()), float(positive.count)))
+        for metric in (acc, mean, positive):
+            metric.reset_states()
+    examples = schedules * k * batch * WORKERS
+    check("loop_per_execution_counts_every_example",
+          [s[1] for s in seen] == [examples] * epochs
+          and [s[3] for s in seen] == [examples / 2] * epochs, seen)
+    close = all(abs(a - b) < 1e-5 for s, e in zip(seen, expected) for a, b in zip(s, e))
+    check("loop_per_execution_metrics_equal_one_process", close and disagreements > 0,
+          (seen, expected, disagreements))
+    check("loop_per_execution_losses_equal_one_process",
+          np.allclose(losses, expected_losses, atol=1e-5), (losses, expected_losses))
+    diff = max(float(np.max(np.abs(a - b)))
+               for a, b in zip(model.get_weights(), local.get_weights()))
+    check("loop_per_execution_weights_equal_one_process", diff < 1e-5, diff)
+
+
 @program("fit_with_preprocessing")
 def fit_with_preprocessing(strategy):
     """`model.fit` on a plain Dataset through a StringLookup in the input pipeline."""
@@ -370,7 +488,8 @@ def fit_with_preprocessing(strategy):
 
 
 PROGRAMS = {"tutorial_custom_loop": tutorial_custom_loop, "tutorial_fit": tutorial_fit,
-            "scratch_loop": scratch_loop, "fit_with_preprocessing": fit_with_preprocessing}
+            "scratch_loop": scratch_loop, "loop_per_execution": loop_per_execution,
+            "fit_with_preprocessing": fit_with_preprocessing}
 
 
 def main():
