@@ -105,8 +105,12 @@ __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "obje
 
 DELTA_SUFFIX = "/.DELTA/"
 DENSE_FILE = "dense"
-# Legacy Keras optimizers whose sparse apply changes only the gradient's rows.
-ROW_WISE_OPTIMIZERS = ("SGD", "Adagrad", "Ftrl")
+# tf.Variable methods that write a whole value, rows by IndexedSlices, rows by nd indices.
+_WHOLE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update")
+_ROW_WRITES = ("scatter_add", "scatter_sub", "scatter_max", "scatter_min", "scatter_mul",
+               "scatter_div", "scatter_update")
+_ND_WRITES = ("scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_max",
+              "scatter_nd_min")
 
 
 # --- Which key is which object ------------------------------------------------
@@ -190,10 +194,119 @@ class RowStamps:
                 resource=self.stamps.handle, indices=local,
                 updates=tf.fill(tf.shape(local)[:1], self.generation.read_value()))
 
+    def mark_all(self):
+        """Stamps every row of the shard (a write of its whole value)."""
+        with tf.device(self.device):
+            return tf.raw_ops.AssignVariableOp(
+                resource=self.stamps.handle,
+                value=tf.fill(tf.shape(self.stamps), self.generation.read_value()))
+
     def dirty_rows(self, since: int) -> tf.Tensor:
         """Local ids (int64) of the rows stamped at or after generation `since`."""
         with tf.device(self.device):
             return tf.reshape(tf.where(self.stamps >= since), [-1])
+
+    def watch(self, var) -> None:
+        """Makes every write through `var`'s own methods stamp the rows it writes.
+
+        `var` is this shard or a slot of it (same rows). The optimizer's
+        apply is stamped by `HybridExtended` (`mark`); every other write a
+        user or Keras makes goes through a `tf.Variable` method: `assign*`
+        (`set_weights`, `EarlyStopping(restore_best_weights=True)`, an EMA
+        overwrite, a reset) stamps every row, `scatter_*` its rows. Each
+        write gets its stamp in the same trace, so a write in a traced
+        function is stamped each time it runs. Instance-level and
+        idempotent: the variable's class is untouched. Not seen: writes
+        through raw ops on the variable's handle (a `tf.train.Checkpoint`
+        restore); `CheckpointManager.restore` makes the next save full.
+        """
+        if getattr(var, "_tf_psplugin_row_watch", None) is self:
+            return
+        for method in _WHOLE_WRITES + _ROW_WRITES + _ND_WRITES:
+            original = getattr(type(var), method, None)
+            if original is not None:
+                setattr(var, method, self._watched(var, method, original))
+        var._tf_psplugin_row_watch = self  # pylint: disable=protected-access
+
+    def _watched(self, var, method: str, original):
+        def write(*args, **kwargs):
+            result = original(var, *args, **kwargs)
+            first = args[0] if args else kwargs.get(
+                "indices" if method in _ND_WRITES else "sparse_delta")
+            if method in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
+                self.mark_rows(tf.reshape(tf.cast(first.indices, tf.int64), [-1]))
+            elif method in _ND_WRITES and first is not None:
+                indices = tf.convert_to_tensor(first)
+                self.mark_rows(tf.reshape(tf.cast(indices[..., 0], tf.int64), [-1]))
+            else:
+                self.mark_all()
+            return result
+
+        write.__name__ = method
+        return write
+
+
+_LEGACY_ROW_LOCAL = ("SGD", "Adagrad", "Ftrl")
+
+
+def row_local_refusal(optimizer) -> Optional[str]:
+    """Why `optimizer`'s table updates cannot be saved as deltas; None when they can.
+
+    Deltas stay small only if a sparse update writes the gradient's rows
+    (and their slots) alone: Keras's legacy SGD, Adagrad and Ftrl; Keras's
+    own (new) Adagrad; `tf_psplugin.LazyAdam`; and
+    any optimizer whose class sets ``row_local_sparse_updates = True``.
+    (Every write reaches the next delta either way, see `RowStamps.watch`:
+    this check keeps an optimizer that writes whole tables each step from
+    making every delta as large as a full save.)
+    """
+    from tf_psplugin._internal.compat import keras  # pylint: disable=g-import-not-at-top
+
+    fix = " Fix: use one of those, or drop full_every."
+    allowed = ("a sparse update must change only the gradient's rows: Keras's legacy "
+               "SGD/Adagrad/Ftrl, Keras's Adagrad, "
+               "tf_psplugin.LazyAdam, or an optimizer class with row_local_sparse_updates = "
+               "True.")
+    if optimizer is None:
+        return "the checkpoint has no optimizer; " + allowed + fix
+    name = type(optimizer).__name__
+    if getattr(type(optimizer), "row_local_sparse_updates", False) is True:
+        return None
+    if hasattr(optimizer, "get_slot_names"):  # Keras 2 legacy (optimizer_v2).
+        if name in _LEGACY_ROW_LOCAL:
+            return None
+        if name == "Adam":
+            return ("tf.keras.optimizers.legacy.Adam decays every table row's moments each "
+                    "step, so every delta would hold whole tables. Fix: "
+                    "tf_psplugin.LazyAdam (moments updated only for the looked-up rows), or "
+                    "drop full_every.")
+        return f"{name}: " + allowed + fix
+    extras = [f"{attr}={getattr(optimizer, attr)!r}" for attr in ("weight_decay", "use_ema")
+              if getattr(optimizer, attr, None)]
+    if extras:
+        return (f"{name}({', '.join(extras)}) writes every row of every table each step. "
+                f"Fix: drop {' and '.join(e.split('=')[0] for e in extras)}, or drop "
+                "full_every.")
+    kind = type(optimizer)
+    if kind is keras.optimizers.Adagrad:
+        return None
+    if kind is keras.optimizers.SGD:
+        # Even with momentum=0 it keeps a momentum slot and, for a sparse
+        # gradient, assigns it and the table whole (m = m * momentum; var += m).
+        return ("Keras's SGD (tf.keras.optimizers.SGD) assigns every table row and its "
+                "momentum slot each step, even with momentum=0. Fix: "
+                "tf.keras.optimizers.legacy.SGD (row-local sparse update, also with momentum), "
+                "or drop full_every.")
+    if kind is keras.optimizers.Adam or name == "Adam":
+        return ("Keras's Adam (tf.keras.optimizers.Adam) decays every table row's moments "
+                "each step, so every delta would hold whole tables. Fix: "
+                "tf_psplugin.LazyAdam (moments updated only for the looked-up rows; see "
+                "docs/checkpoints.md for how it differs), or drop full_every.")
+    if kind is keras.optimizers.Ftrl:
+        return ("Keras's Ftrl (tf.keras.optimizers.Ftrl) computes its update densely and "
+                "assigns every table row each step. Fix: tf.keras.optimizers.legacy.Ftrl "
+                "(row-local sparse update), or drop full_every.")
+    return f"{name}: " + allowed + fix
 
 
 def _task_name(device: str) -> str:
@@ -210,6 +323,8 @@ class _Table:
         self.shards = shards
         self.stamps: List[RowStamps] = []
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
+        # Keras's new optimizers: one slot variable per shard (key per shard s).
+        self.shard_slot_keys: List[List[str]] = [[] for _ in shards]
         # The DynamicEmbedding whose rows these are (None: a plain table).
         self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
 
@@ -277,6 +392,7 @@ class IncrementalSaver:
                     trainable=False, name=f"{shard.name.split(':')[0]}/tf_psplugin_row_stamps")
                 row_stamps = RowStamps(shard, generation, stamps)
                 extended.track_updated_rows(shard, row_stamps)
+                row_stamps.watch(shard)  # Writes outside the optimizer (set_weights, ...).
                 table.stamps.append(row_stamps)
         by_key = {table.key: table for table in self.tables}
         for dynamic in self.dynamic:
@@ -296,16 +412,9 @@ class IncrementalSaver:
 
     @staticmethod
     def _check_optimizer(optimizer) -> None:
-        name = type(optimizer).__name__ if optimizer is not None else None
-        legacy = optimizer is not None and hasattr(optimizer, "get_slot_names")
-        if not legacy or name not in ROW_WISE_OPTIMIZERS:
-            raise CheckpointError(
-                f"incremental checkpoints (full_every) cannot save a {name} optimizer's table "
-                "slots as deltas: they need an optimizer whose sparse update changes only the "
-                "rows of the gradient, and whose slots the checkpoint can name (Keras legacy "
-                f"{', '.join(ROW_WISE_OPTIMIZERS)}; Adam decays every row's moments each "
-                "step). Fix: use tf.keras.optimizers.legacy.Adagrad/SGD/Ftrl, or drop "
-                "full_every.")
+        why = row_local_refusal(optimizer)
+        if why is not None:
+            raise CheckpointError(f"incremental checkpoints (full_every): {why}")
 
     def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
         """The row tables among `variables`, except those whose id is in `skip`."""
@@ -331,6 +440,49 @@ class IncrementalSaver:
                 tables.append(_Table(key, var, [var]))  # A one-shard table.
         return tables
 
+    def _find_slots(self, variables: Mapping[str, Any],
+                    slots: Mapping[str, Tuple[str, str]]) -> None:
+        """Finds each table's optimizer slots, and stamps the rows any write to them touches.
+
+        Legacy optimizers' slots are checkpoint slot variables (one logical
+        slot per table). Keras's new optimizers make one plain variable per
+        table shard, named ``<slot name>/<shard name>``, on the shard's
+        device (`add_variable_from_reference`); a variable matched by name,
+        shape and device to exactly one shard is that shard's slot.
+        """
+        slots_of: Dict[str, List[Tuple[str, str]]] = {}
+        for slot_key, (owner, slot_name) in sorted(slots.items()):
+            slots_of.setdefault(owner, []).append((slot_key, slot_name))
+        by_name: Dict[str, List[Tuple[str, Any]]] = {}
+        slot_ids = {id(variables[k]) for k in slots if k in variables}
+        table_ids = {id(s) for t in self.tables for s in t.shards}
+        table_ids.update(id(t.container) for t in self.tables)
+        for key, var in variables.items():
+            name = getattr(var, "name", "") or ""
+            if (isinstance(var, tf.Variable) and "/" in name and id(var) not in slot_ids
+                    and id(var) not in table_ids):
+                by_name.setdefault(name.split("/", 1)[1], []).append((key, var))
+        for table in self.tables:
+            table.slot_keys = slots_of.get(table.key, [])
+            for slot_key, _ in table.slot_keys:
+                slot = variables[slot_key]
+                parts = list(slot.variables) if len(table.shards) > 1 else [slot]
+                for s, part in enumerate(parts):
+                    table.stamps[s].watch(part)
+        owners: Dict[str, List[Tuple[_Table, int]]] = {}
+        for table in self.tables:
+            for s, shard in enumerate(table.shards):
+                for key, var in by_name.get(shard.name, []):
+                    if var.shape == shard.shape and var.device == shard.device:
+                        owners.setdefault(key, []).append((table, s))
+        for table in self.tables:
+            table.shard_slot_keys = [[] for _ in table.shards]
+        for key, found in sorted(owners.items()):
+            if len(found) == 1:  # Else ambiguous: saved whole with the dense state.
+                table, s = found[0]
+                table.shard_slot_keys[s].append(key)
+                table.stamps[s].watch(variables[key])
+
     def _generation(self, device: str) -> tf.Variable:
         task = _task_name(device)
         if task not in self._generations:
@@ -351,6 +503,7 @@ class IncrementalSaver:
     def begin_full(self) -> None:
         """Call right before a full save: rows updated after it go into the next delta."""
         self.advance()
+        self._find_slots(*object_keys(self._root)[:2])
         for dynamic in self.dynamic:
             dynamic.start_save(full=True)
 
@@ -389,20 +542,20 @@ class IncrementalSaver:
         for dynamic in self.dynamic:
             dynamic.start_save(full=False)
         variables, slots, _ = object_keys(self._root)
-        slots_of: Dict[str, List[Tuple[str, str]]] = {}
-        for slot_key, (owner, slot_name) in sorted(slots.items()):
-            slots_of.setdefault(owner, []).append((slot_key, slot_name))
+        self._find_slots(variables, slots)
         tf.io.gfile.makedirs(prefix)
         by_task: Dict[str, List[Tuple[_Table, int]]] = {}
         manifest_tables = {}
         for table in self.tables:
-            table.slot_keys = slots_of.get(table.key, [])
             for s, shard in enumerate(table.shards):
                 by_task.setdefault(_task_name(shard.device), []).append((table, s))
             manifest_tables[table.key] = {
                 "shape": [int(d) for d in table.container.shape],
                 "dtype": table.container.dtype.name,
                 "slots": [k for k, _ in table.slot_keys]}
+            shard_slots = [k for keys in table.shard_slot_keys for k in keys]
+            if shard_slots:
+                manifest_tables[table.key]["shard_slots"] = shard_slots
         row_files = []
         for task, entries in sorted(by_task.items()):
             device = entries[0][0].shards[entries[0][1]].device
@@ -425,6 +578,11 @@ class IncrementalSaver:
                         slot_shard = slot.variables[s] if len(table.shards) > 1 else slot
                         pieces.setdefault(slot_key + DELTA_SUFFIX + "rows", []).append(
                             tf.gather(slot_shard, local))
+                    for slot_key in table.shard_slot_keys[s]:
+                        # One variable per shard (Keras's new optimizers): local ids.
+                        add(slot_key + DELTA_SUFFIX + "ids", local)
+                        add(slot_key + DELTA_SUFFIX + "rows",
+                            tf.gather(variables[slot_key], local))
                     if table.dynamic is not None:
                         table.dynamic.add_row_pieces(s, local, ids, add)
                 for dynamic in self.dynamic:
@@ -442,6 +600,7 @@ class IncrementalSaver:
         table_vars = {id(t.container) for t in self.tables}
         table_vars.update(*[d.not_dense() for d in self.dynamic])
         table_slot_keys = {k for t in self.tables for k, _ in t.slot_keys}
+        table_slot_keys.update(k for t in self.tables for keys in t.shard_slot_keys for k in keys)
         dense_names, dense_values = [], []
         for key, var in sorted(variables.items()):
             if id(var) in table_vars or key in table_slot_keys:
@@ -527,6 +686,13 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
                 continue
             rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
             target.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
+        for key in meta.get("shard_slots", []):
+            target = find(key)
+            local = parts.get(key + DELTA_SUFFIX + "ids")
+            if target is not None and local:
+                rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
+                target.scatter_update(tf.IndexedSlices(tf.constant(rows),
+                                                       tf.constant(np.concatenate(local))))
         rows_written += len(ids)
     if manifest.get("dynamic"):
         incremental_dynamic.apply(root, manifest["dynamic"], parts, find, paths, info.path)
