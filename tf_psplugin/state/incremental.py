@@ -446,22 +446,20 @@ class IncrementalSaver:
 
         Legacy optimizers' slots are checkpoint slot variables (one logical
         slot per table). Keras's new optimizers make one plain variable per
-        table shard, named ``<slot name>/<shard name>``, on the shard's
-        device (`add_variable_from_reference`); a variable matched by name,
-        shape and device to exactly one shard is that shard's slot.
+        table shard, named ``[<optimizer>/]<slot name>/<shard name>``, on
+        the shard's device (`add_variable_from_reference`); a variable whose
+        name ends with one shard's name (the longest match), with its shape
+        and device, is that shard's slot. Ambiguous ones are saved whole
+        with the dense state (correct, only larger).
         """
         slots_of: Dict[str, List[Tuple[str, str]]] = {}
         for slot_key, (owner, slot_name) in sorted(slots.items()):
             slots_of.setdefault(owner, []).append((slot_key, slot_name))
-        by_name: Dict[str, List[Tuple[str, Any]]] = {}
         slot_ids = {id(variables[k]) for k in slots if k in variables}
         table_ids = {id(s) for t in self.tables for s in t.shards}
         table_ids.update(id(t.container) for t in self.tables)
-        for key, var in variables.items():
-            name = getattr(var, "name", "") or ""
-            if (isinstance(var, tf.Variable) and "/" in name and id(var) not in slot_ids
-                    and id(var) not in table_ids):
-                by_name.setdefault(name.split("/", 1)[1], []).append((key, var))
+        candidates = [(key, var) for key, var in sorted(variables.items())
+                      if isinstance(var, tf.Variable) and id(var) not in slot_ids | table_ids]
         for table in self.tables:
             table.slot_keys = slots_of.get(table.key, [])
             for slot_key, _ in table.slot_keys:
@@ -470,11 +468,14 @@ class IncrementalSaver:
                 for s, part in enumerate(parts):
                     table.stamps[s].watch(part)
         owners: Dict[str, List[Tuple[_Table, int]]] = {}
-        for table in self.tables:
-            for s, shard in enumerate(table.shards):
-                for key, var in by_name.get(shard.name, []):
-                    if var.shape == shard.shape and var.device == shard.device:
-                        owners.setdefault(key, []).append((table, s))
+        for key, var in candidates:
+            name = var.name or ""
+            found = [(len(shard.name), table, s) for table in self.tables
+                     for s, shard in enumerate(table.shards)
+                     if name.endswith("/" + shard.name) and var.shape == shard.shape
+                     and var.device == shard.device]
+            longest = max((n for n, _, _ in found), default=0)
+            owners[key] = [(table, s) for n, table, s in found if n == longest]
         for table in self.tables:
             table.shard_slot_keys = [[] for _ in table.shards]
         for key, found in sorted(owners.items()):
