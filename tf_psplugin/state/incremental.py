@@ -18,6 +18,10 @@ advances every generation, then a delta takes the rows stamped at or after
 the generation the previous save advanced to. A row updated while a delta is
 being gathered is stamped with the new generation, so the next delta has
 it: nothing is lost between gather and "clear", and nothing is ever cleared.
+Writes outside the optimizer (`set_weights`, `EarlyStopping`'s restore, a
+reset, an EMA overwrite, weight decay) go through the shard's or its slot's
+`tf.Variable` methods: `RowStamps.watch` makes each of those stamp the rows
+it writes (every row for an ``assign*``), so they reach the next delta too.
 
 Writing a delta. Each PS task gathers its dirty rows (table and every slot
 of that table), turns local row ids into logical ones (the table's layout),
@@ -45,6 +49,10 @@ The delta format, for readers such as the serving loader
   each optimizer slot of the table, ``S/.DELTA/rows`` under the slot's key
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
+  Keras's new optimizers keep one slot variable per table shard (its own
+  key ``S``, the shard's physical rows): for each, ``S/.DELTA/ids`` (int64
+  local row ids of that shard) and ``S/.DELTA/rows``, applied as
+  ``slot[ids] = rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
   full-checkpoint key.
 * For each `DynamicEmbedding` layer (added to the format above; nothing
@@ -68,19 +76,23 @@ The delta format, for readers such as the serving loader
   written by counter rather than whole: `incremental_dynamic`.
 * ``delta-<step>.commit`` (JSON): ``kind: "delta"``, ``step``, ``base``
   (``ckpt-<m>``), ``parent`` (the base or the previous delta), ``files``
-  (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys),
+  (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys, and
+  ``shard_slots``: the per-shard slot keys, when there are any),
   ``row_files`` and ``dense`` (prefixes relative to the model directory),
   and, when the model has a `DynamicEmbedding`, ``dynamic``: layer object
   path -> ``table`` (its embeddings' key, also in ``tables``),
   ``row_state`` (the ``R`` keys), ``key_index`` (``P``), ``key_dtype``
   (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
-Limits (refused with `CheckpointError` when a delta would be wrong):
-stacked tables (`stack_tables=True`) are not supported; the optimizer must
-be a Keras legacy SGD, Adagrad or Ftrl, whose sparse update changes only
-the gradient's rows (Adam decays every row's moments each step). A table
-update with a dense gradient (a regularizer) or a constraint marks every
-row of the shard. `DynamicEmbedding` tables are supported
+Limits (refused with `CheckpointError` when the manager is built):
+stacked tables (`stack_tables=True`) are not supported; the optimizer's
+sparse update must change only the gradient's rows, or every delta would
+hold whole tables (`row_local_refusal`: Keras's legacy SGD, Adagrad and
+Ftrl, Keras's Adagrad, `tf_psplugin.LazyAdam`; Keras's Adam, new SGD and
+new Ftrl are refused by name). A table update with a dense gradient (a
+regularizer) or a constraint marks every row of the shard. A restore by
+another tool than `CheckpointManager` (raw ops on the variables' handles)
+is not seen. `DynamicEmbedding` tables are supported
 (`incremental_dynamic`); they restore into any PS count, as their full
 checkpoints do.
 
@@ -100,18 +112,12 @@ from tf_psplugin._internal.tf_internal import trackable_base, trackable_utils
 from tf_psplugin.state import incremental_dynamic
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
+from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
 
 __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "object_keys"]
 
 DELTA_SUFFIX = "/.DELTA/"
 DENSE_FILE = "dense"
-# tf.Variable methods that write a whole value, rows by IndexedSlices, rows by nd indices.
-_WHOLE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update")
-_ROW_WRITES = ("scatter_add", "scatter_sub", "scatter_max", "scatter_min", "scatter_mul",
-               "scatter_div", "scatter_update")
-_ND_WRITES = ("scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_max",
-              "scatter_nd_min")
-
 
 # --- Which key is which object ------------------------------------------------
 
@@ -158,155 +164,7 @@ def object_keys(root) -> Tuple[Dict[str, Any], Dict[str, Tuple[str, str]], Dict[
     return variables, slots, paths
 
 
-# --- Stamps: which rows changed -----------------------------------------------
-
-
-class RowStamps:
-    """The rows of one table shard updated since a generation, tracked on its PS.
-
-    `mark` runs inside the optimizer's apply to the shard (installed by
-    `HybridExtended.track_updated_rows`): one ResourceScatterUpdate of the
-    gradient's row ids with the PS's current generation.
-    """
-
-    def __init__(self, shard, generation: tf.Variable, stamps: tf.Variable):
-        self.shard = shard
-        self.generation = generation
-        self.stamps = stamps
-        self.device = shard.device
-
-    def mark(self, gradient) -> None:
-        """Stamps the rows `gradient` updates (every row for a dense gradient)."""
-        with tf.device(self.device):
-            generation = self.generation.read_value()
-            constraint = getattr(self.shard, "constraint", None)
-            if isinstance(gradient, tf.IndexedSlices) and constraint is None:
-                self.mark_rows(gradient.indices)
-            else:  # A dense gradient or a constraint may change every row.
-                tf.raw_ops.AssignVariableOp(
-                    resource=self.stamps.handle,
-                    value=tf.fill(tf.shape(self.stamps), generation))
-
-    def mark_rows(self, local: tf.Tensor):
-        """Stamps the shard's `local` rows (1-D ids); the write op (None when eager)."""
-        with tf.device(self.device):
-            return tf.raw_ops.ResourceScatterUpdate(
-                resource=self.stamps.handle, indices=local,
-                updates=tf.fill(tf.shape(local)[:1], self.generation.read_value()))
-
-    def mark_all(self):
-        """Stamps every row of the shard (a write of its whole value)."""
-        with tf.device(self.device):
-            return tf.raw_ops.AssignVariableOp(
-                resource=self.stamps.handle,
-                value=tf.fill(tf.shape(self.stamps), self.generation.read_value()))
-
-    def dirty_rows(self, since: int) -> tf.Tensor:
-        """Local ids (int64) of the rows stamped at or after generation `since`."""
-        with tf.device(self.device):
-            return tf.reshape(tf.where(self.stamps >= since), [-1])
-
-    def watch(self, var) -> None:
-        """Makes every write through `var`'s own methods stamp the rows it writes.
-
-        `var` is this shard or a slot of it (same rows). The optimizer's
-        apply is stamped by `HybridExtended` (`mark`); every other write a
-        user or Keras makes goes through a `tf.Variable` method: `assign*`
-        (`set_weights`, `EarlyStopping(restore_best_weights=True)`, an EMA
-        overwrite, a reset) stamps every row, `scatter_*` its rows. Each
-        write gets its stamp in the same trace, so a write in a traced
-        function is stamped each time it runs. Instance-level and
-        idempotent: the variable's class is untouched. Not seen: writes
-        through raw ops on the variable's handle (a `tf.train.Checkpoint`
-        restore); `CheckpointManager.restore` makes the next save full.
-        """
-        if getattr(var, "_tf_psplugin_row_watch", None) is self:
-            return
-        for method in _WHOLE_WRITES + _ROW_WRITES + _ND_WRITES:
-            original = getattr(type(var), method, None)
-            if original is not None:
-                setattr(var, method, self._watched(var, method, original))
-        var._tf_psplugin_row_watch = self  # pylint: disable=protected-access
-
-    def _watched(self, var, method: str, original):
-        def write(*args, **kwargs):
-            result = original(var, *args, **kwargs)
-            first = args[0] if args else kwargs.get(
-                "indices" if method in _ND_WRITES else "sparse_delta")
-            if method in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
-                self.mark_rows(tf.reshape(tf.cast(first.indices, tf.int64), [-1]))
-            elif method in _ND_WRITES and first is not None:
-                indices = tf.convert_to_tensor(first)
-                self.mark_rows(tf.reshape(tf.cast(indices[..., 0], tf.int64), [-1]))
-            else:
-                self.mark_all()
-            return result
-
-        write.__name__ = method
-        return write
-
-
-_LEGACY_ROW_LOCAL = ("SGD", "Adagrad", "Ftrl")
-
-
-def row_local_refusal(optimizer) -> Optional[str]:
-    """Why `optimizer`'s table updates cannot be saved as deltas; None when they can.
-
-    Deltas stay small only if a sparse update writes the gradient's rows
-    (and their slots) alone: Keras's legacy SGD, Adagrad and Ftrl; Keras's
-    own (new) Adagrad; `tf_psplugin.LazyAdam`; and
-    any optimizer whose class sets ``row_local_sparse_updates = True``.
-    (Every write reaches the next delta either way, see `RowStamps.watch`:
-    this check keeps an optimizer that writes whole tables each step from
-    making every delta as large as a full save.)
-    """
-    from tf_psplugin._internal.compat import keras  # pylint: disable=g-import-not-at-top
-
-    fix = " Fix: use one of those, or drop full_every."
-    allowed = ("a sparse update must change only the gradient's rows: Keras's legacy "
-               "SGD/Adagrad/Ftrl, Keras's Adagrad, "
-               "tf_psplugin.LazyAdam, or an optimizer class with row_local_sparse_updates = "
-               "True.")
-    if optimizer is None:
-        return "the checkpoint has no optimizer; " + allowed + fix
-    name = type(optimizer).__name__
-    if getattr(type(optimizer), "row_local_sparse_updates", False) is True:
-        return None
-    if hasattr(optimizer, "get_slot_names"):  # Keras 2 legacy (optimizer_v2).
-        if name in _LEGACY_ROW_LOCAL:
-            return None
-        if name == "Adam":
-            return ("tf.keras.optimizers.legacy.Adam decays every table row's moments each "
-                    "step, so every delta would hold whole tables. Fix: "
-                    "tf_psplugin.LazyAdam (moments updated only for the looked-up rows), or "
-                    "drop full_every.")
-        return f"{name}: " + allowed + fix
-    extras = [f"{attr}={getattr(optimizer, attr)!r}" for attr in ("weight_decay", "use_ema")
-              if getattr(optimizer, attr, None)]
-    if extras:
-        return (f"{name}({', '.join(extras)}) writes every row of every table each step. "
-                f"Fix: drop {' and '.join(e.split('=')[0] for e in extras)}, or drop "
-                "full_every.")
-    kind = type(optimizer)
-    if kind is keras.optimizers.Adagrad:
-        return None
-    if kind is keras.optimizers.SGD:
-        # Even with momentum=0 it keeps a momentum slot and, for a sparse
-        # gradient, assigns it and the table whole (m = m * momentum; var += m).
-        return ("Keras's SGD (tf.keras.optimizers.SGD) assigns every table row and its "
-                "momentum slot each step, even with momentum=0. Fix: "
-                "tf.keras.optimizers.legacy.SGD (row-local sparse update, also with momentum), "
-                "or drop full_every.")
-    if kind is keras.optimizers.Adam or name == "Adam":
-        return ("Keras's Adam (tf.keras.optimizers.Adam) decays every table row's moments "
-                "each step, so every delta would hold whole tables. Fix: "
-                "tf_psplugin.LazyAdam (moments updated only for the looked-up rows; see "
-                "docs/checkpoints.md for how it differs), or drop full_every.")
-    if kind is keras.optimizers.Ftrl:
-        return ("Keras's Ftrl (tf.keras.optimizers.Ftrl) computes its update densely and "
-                "assigns every table row each step. Fix: tf.keras.optimizers.legacy.Ftrl "
-                "(row-local sparse update), or drop full_every.")
-    return f"{name}: " + allowed + fix
+# --- Tracked tables -------------------------------------------------------------
 
 
 def _task_name(device: str) -> str:
