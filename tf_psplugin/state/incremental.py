@@ -52,7 +52,9 @@ The delta format, for readers such as the serving loader
   Keras's new optimizers keep one slot variable per table shard (its own
   key ``S``, the shard's physical rows): for each, ``S/.DELTA/ids`` (int64
   local row ids of that shard) and ``S/.DELTA/rows``, applied as
-  ``slot[ids] = rows``.
+  ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
+  `ShardedVariable` per slot (key ``S``): part ``s`` is under
+  ``S/.DELTA/part-<s>/ids`` and ``S/.DELTA/part-<s>/rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
   full-checkpoint key.
 * For each `DynamicEmbedding` layer (added to the format above; nothing
@@ -77,7 +79,8 @@ The delta format, for readers such as the serving loader
 * ``delta-<step>.commit`` (JSON): ``kind: "delta"``, ``step``, ``base``
   (``ckpt-<m>``), ``parent`` (the base or the previous delta), ``files``
   (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys, and
-  ``shard_slots``: the per-shard slot keys, when there are any),
+  ``shard_slots``: the per-shard slot keys, ``sharded_slots``: key ->
+  number of parts, when there are any),
   ``row_files`` and ``dense`` (prefixes relative to the model directory),
   and, when the model has a `DynamicEmbedding`, ``dynamic``: layer object
   path -> ``table`` (its embeddings' key, also in ``tables``),
@@ -183,6 +186,8 @@ class _Table:
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
         # Keras's new optimizers: one slot variable per shard (key per shard s).
         self.shard_slot_keys: List[List[str]] = [[] for _ in shards]
+        # tf-keras 2.16+: the same, wrapped in one ShardedVariable per slot (its key).
+        self.sharded_slot_keys: List[str] = []
         # The DynamicEmbedding whose rows these are (None: a plain table).
         self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
 
@@ -308,7 +313,10 @@ class IncrementalSaver:
         the shard's device (`add_variable_from_reference`); a variable whose
         name ends with one shard's name (the longest match), with its shape
         and device, is that shard's slot. Ambiguous ones are saved whole
-        with the dense state (correct, only larger).
+        with the dense state (correct, only larger). tf-keras (TF 2.16+)
+        wraps a sharded table's per-shard slots in one `ShardedVariable`:
+        one whose parts are, in order, slots of one table's shards is that
+        table's sharded slot.
         """
         slots_of: Dict[str, List[Tuple[str, str]]] = {}
         for slot_key, (owner, slot_name) in sorted(slots.items()):
@@ -336,6 +344,21 @@ class IncrementalSaver:
             owners[key] = [(table, s) for n, table, s in found if n == longest]
         for table in self.tables:
             table.shard_slot_keys = [[] for _ in table.shards]
+            table.sharded_slot_keys = []
+        for key, var in sorted(variables.items()):
+            if not isinstance(var, sharded_variable.ShardedVariable) or id(var) in (
+                    slot_ids | table_ids):
+                continue
+            parts = list(var.variables)
+            for table in self.tables:
+                if len(parts) == len(table.shards) and all(
+                        (part.name or "").endswith("/" + shard.name)
+                        and part.shape == shard.shape and part.device == shard.device
+                        for part, shard in zip(parts, table.shards)):
+                    table.sharded_slot_keys.append(key)
+                    for stamps, part in zip(table.stamps, parts):
+                        stamps.watch(part)
+                    break
         for key, found in sorted(owners.items()):
             if len(found) == 1:  # Else ambiguous: saved whole with the dense state.
                 table, s = found[0]
@@ -415,6 +438,9 @@ class IncrementalSaver:
             shard_slots = [k for keys in table.shard_slot_keys for k in keys]
             if shard_slots:
                 manifest_tables[table.key]["shard_slots"] = shard_slots
+            if table.sharded_slot_keys:
+                manifest_tables[table.key]["sharded_slots"] = {
+                    k: len(table.shards) for k in table.sharded_slot_keys}
         row_files = []
         for task, entries in sorted(by_task.items()):
             device = entries[0][0].shards[entries[0][1]].device
@@ -442,6 +468,11 @@ class IncrementalSaver:
                         add(slot_key + DELTA_SUFFIX + "ids", local)
                         add(slot_key + DELTA_SUFFIX + "rows",
                             tf.gather(variables[slot_key], local))
+                    for slot_key in table.sharded_slot_keys:
+                        # Its part `s`, by local ids (tf-keras wraps per-shard slots).
+                        part = f"{slot_key}{DELTA_SUFFIX}part-{s}/"
+                        add(part + "ids", local)
+                        add(part + "rows", tf.gather(variables[slot_key].variables[s], local))
                     if table.dynamic is not None:
                         table.dynamic.add_row_pieces(s, local, ids, add)
                 for dynamic in self.dynamic:
@@ -460,12 +491,15 @@ class IncrementalSaver:
         table_vars.update(*[d.not_dense() for d in self.dynamic])
         table_slot_keys = {k for t in self.tables for k, _ in t.slot_keys}
         table_slot_keys.update(k for t in self.tables for keys in t.shard_slot_keys for k in keys)
+        table_slot_keys.update(k for t in self.tables for k in t.sharded_slot_keys)
         dense_names, dense_values = [], []
         for key, var in sorted(variables.items()):
             if id(var) in table_vars or key in table_slot_keys:
                 continue
             dense_names.append(key)
-            dense_values.append(tf.identity(var))
+            # (A ShardedVariable whole: its parts in order, as a full save holds it.)
+            dense_values.append(tf.convert_to_tensor(var) if isinstance(
+                var, sharded_variable.ShardedVariable) else tf.identity(var))
         dense_prefix = model_dir_lib.join(prefix, DENSE_FILE)
         with tf.device(io_device):  # None: this process (the chief).
             tf.raw_ops.SaveV2(prefix=dense_prefix, tensor_names=dense_names,
@@ -552,6 +586,21 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
                 rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
                 target.scatter_update(tf.IndexedSlices(tf.constant(rows),
                                                        tf.constant(np.concatenate(local))))
+        for key, count in sorted(meta.get("sharded_slots", {}).items()):
+            target = find(key)
+            if target is None:
+                continue
+            if len(target.variables) != count:
+                raise CheckpointError(
+                    f"delta {info.path} holds {key} as {count} shard(s), the model has "
+                    f"{len(target.variables)}. Fix: restore into as many PS tasks as wrote it "
+                    "(Keras's new optimizers save a table's slots per shard).")
+            for s, part in enumerate(target.variables):
+                local = parts.get(f"{key}{DELTA_SUFFIX}part-{s}/ids")
+                if local:
+                    rows = np.concatenate(parts[f"{key}{DELTA_SUFFIX}part-{s}/rows"])
+                    part.scatter_update(tf.IndexedSlices(tf.constant(rows),
+                                                         tf.constant(np.concatenate(local))))
         rows_written += len(ids)
     if manifest.get("dynamic"):
         incremental_dynamic.apply(root, manifest["dynamic"], parts, find, paths, info.path)
