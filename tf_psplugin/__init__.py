@@ -40,6 +40,7 @@ from tf_psplugin.state.evaluator import run_evaluator, wait_for_evaluation
 from tf_psplugin.state.export import export_from_checkpoint, export_saved_model
 from tf_psplugin.state.serving import ServingModel
 from tf_psplugin.sync.replicated import ReplicatedVariable, current_worker_index
+from tf_psplugin.tables.lazy_adam import LazyAdam
 from tf_psplugin.tables.placement import PlacementPolicy, embedding_table_scope
 # The public modules that are also names of this package (not the CLIs:
 # `python -m tf_psplugin.config` must not find its module already imported).
@@ -73,6 +74,7 @@ __all__ = [
     "HybridClusterCoordinator",
     "HybridOptions",
     "HybridParameterServerStrategy",
+    "LazyAdam",
     "ModelDirError",
     "PlacementPolicy",
     "ProgressBar",

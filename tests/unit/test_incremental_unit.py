@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_psplugin
 from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as md
@@ -183,15 +184,135 @@ def test_object_keys_are_the_full_checkpoints_keys(tmp_path):
                                       "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
 
 
-@pytest.mark.parametrize("optimizer", [
-    lambda: tf.keras.optimizers.legacy.Adam(0.1),
-    lambda: None,
+@pytest.mark.parametrize("optimizer,names", [
+    (lambda: tf.keras.optimizers.legacy.Adam(0.1), "LazyAdam"),
+    (lambda: tf.keras.optimizers.Adam(0.1), "tf.keras.optimizers.Adam"),
+    (lambda: tf.keras.optimizers.Ftrl(0.1), "legacy.Ftrl"),
+    (lambda: tf.keras.optimizers.SGD(0.1), "legacy.SGD"),
+    (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9), "legacy.SGD"),
+    (lambda: tf.keras.optimizers.Adagrad(0.1, weight_decay=0.01), "weight_decay"),
+    (lambda: tf.keras.optimizers.RMSprop(0.1), "row_local_sparse_updates"),
+    (lambda: None, "no optimizer"),
 ])
-def test_optimizers_whose_sparse_update_touches_every_row_are_refused(optimizer):
+def test_optimizers_whose_sparse_update_touches_every_row_are_refused(optimizer, names):
     check = incremental.IncrementalSaver._check_optimizer  # pylint: disable=protected-access
-    with pytest.raises(ckpt_lib.CheckpointError, match="only the rows of the gradient"):
+    with pytest.raises(ckpt_lib.CheckpointError, match=names):
         check(optimizer())
-    check(tf.keras.optimizers.legacy.Adagrad(0.1))
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: tf.keras.optimizers.legacy.Adagrad(0.1),
+    lambda: tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+    lambda: tf.keras.optimizers.legacy.Ftrl(0.1),
+    lambda: tf.keras.optimizers.Adagrad(0.1),
+    lambda: tf_psplugin.LazyAdam(0.1),
+])
+def test_row_local_optimizers_are_accepted_and_are_row_local(optimizer):
+    """Accepted, and measured: two sparse steps on disjoint rows leave every other row alone."""
+    incremental.IncrementalSaver._check_optimizer(optimizer())  # pylint: disable=protected-access
+    opt = optimizer()
+    table = tf.Variable(tf.random.stateless_uniform([6, 2], seed=(1, 2)))
+    before = table.numpy()
+    for rows in ([0, 1], [2]):
+        grad = tf.IndexedSlices(tf.ones([len(rows), 2]), tf.constant(rows, tf.int64),
+                                tf.constant([6, 2], tf.int64))
+        opt.apply_gradients([(grad, table)])
+        if rows == [0, 1]:
+            after_first = table.numpy()
+            slots_first = [v.numpy() for v in _slots(opt, table)]
+    after = table.numpy()
+    np.testing.assert_array_equal(after[0:2], after_first[0:2])  # Not moved by step 2.
+    np.testing.assert_array_equal(after[3:], before[3:])  # Never looked up.
+    assert not np.array_equal(after[2], before[2])
+    for first, last in zip(slots_first, [v.numpy() for v in _slots(opt, table)]):
+        np.testing.assert_array_equal(last[0:2], first[0:2])
+        np.testing.assert_array_equal(last[3:], first[3:])
+
+
+def _slots(opt, var):
+    if hasattr(opt, "get_slot_names"):
+        return [opt.get_slot(var, name) for name in opt.get_slot_names()]
+    return [v for v in opt.variables if v.shape == var.shape]
+
+
+def test_lazy_adam_equals_adam_on_the_rows_it_updates():
+    """Rows looked up in every step move exactly (bit for bit) as under Keras's Adam."""
+    lazy, adam = tf_psplugin.LazyAdam(0.05), tf.keras.optimizers.Adam(0.05)
+    start = tf.random.stateless_uniform([5, 3], seed=(3, 4))
+    a, b = tf.Variable(start), tf.Variable(start)
+    for step in range(3):
+        values = tf.random.stateless_normal([2, 3], seed=(step, 9))
+        grad = tf.IndexedSlices(values, tf.constant([1, 3], tf.int64), tf.constant([5, 3]))
+        lazy.apply_gradients([(grad, a)])
+        adam.apply_gradients([(tf.convert_to_tensor(grad), b)])
+    np.testing.assert_array_equal(a.numpy()[[1, 3]], b.numpy()[[1, 3]])
+    np.testing.assert_array_equal(a.numpy()[[0, 2, 4]], start.numpy()[[0, 2, 4]])
+    with pytest.raises(ValueError, match="amsgrad"):
+        tf_psplugin.LazyAdam(amsgrad=True)
+
+
+def test_every_write_through_a_variable_stamps_its_rows():
+    """assign* stamps every row, scatter_* (also nd, also in a tf.function) only its rows."""
+    shard = tf.Variable(tf.zeros([10, 2]))
+    generation = tf.Variable(1, dtype=tf.int32)
+    stamps = incremental.RowStamps(shard, generation, tf.Variable(tf.zeros([10], tf.int32)))
+    stamps.watch(shard)
+    stamps.watch(shard)  # Idempotent.
+    since = [1]
+
+    def rows():
+        out = sorted(stamps.dirty_rows(since[0]).numpy().tolist())
+        since[0] = int(generation.assign_add(1).numpy())
+        return out
+
+    shard.scatter_update(tf.IndexedSlices(tf.ones([2, 2]), tf.constant([4, 8])))
+    assert rows() == [4, 8]
+    shard.scatter_add(sparse_delta=tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1])))
+    assert rows() == [1]
+    shard.scatter_nd_update(tf.constant([[6], [2]]), tf.ones([2, 2]))
+    assert rows() == [2, 6]
+    assert rows() == []
+
+    @tf.function
+    def reset_row(i):
+        shard.scatter_update(tf.IndexedSlices(tf.zeros([1, 2]), tf.reshape(i, [1])))
+
+    reset_row(tf.constant(3))
+    reset_row(tf.constant(5))  # The same trace, run twice: both stamped.
+    assert rows() == [3, 5]
+    shard.assign(tf.zeros([10, 2]))  # set_weights, EarlyStopping, a reset.
+    assert rows() == list(range(10))
+    shard.assign_sub(tf.ones([10, 2]))
+    assert rows() == list(range(10))
+    np.testing.assert_array_equal(shard.numpy(), -np.ones([10, 2]))  # The writes themselves.
+
+
+def test_a_delta_commits_only_once_every_file_is_visible(tmp_path, monkeypatch):
+    """A data file a shared FS shows late is waited for; one that never shows is an error."""
+    import threading  # pylint: disable=g-import-not-at-top
+
+    write_full(str(tmp_path), 1)
+    info = write_delta(str(tmp_path), 2, "ckpt-1", "ckpt-1", ids=[3], rows=np.ones([1, DIM]))
+    bundle = os.path.join(str(tmp_path), "delta-2", "ps-0")
+    data = bundle + ".data-00000-of-00001"
+    md.remove_commit_marker(info.path)
+    os.rename(data, data + ".late")
+    timer = threading.Timer(0.3, os.rename, (data + ".late", data))
+    timer.start()
+    try:
+        late = md.commit_delta(info.path, 2, None, base="ckpt-1", parent="ckpt-1",
+                               manifest={}, bundles=[bundle])
+    finally:
+        timer.join(timeout=10)
+    assert "delta-2/ps-0.data-00000-of-00001" in late.files
+    assert md.checkpoint_chain(str(tmp_path))[1][-1].name == "delta-2"
+    md.remove_commit_marker(info.path)
+    os.remove(data)
+    monkeypatch.setattr(md.time, "sleep", lambda _: None)
+    with pytest.raises(ckpt_lib.CheckpointError, match="cannot see the files"):
+        md.commit_delta(info.path, 2, None, base="ckpt-1", parent="ckpt-1", manifest={},
+                        bundles=[bundle])
+    assert not os.path.exists(info.path + md.COMMIT_SUFFIX)
 
 
 def test_full_every_needs_the_hybrid_strategy(tmp_path):

@@ -267,6 +267,13 @@ PRIVATE_ATTRIBUTES = {
     "_aggregating_container": "ps_values.AggregatingVariable",
     "_get_save_slice_info": "tf_variables.Variable",  # asked by ShardedVariable's init
     "_slots": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # -- tables/lazy_adam.py: LazyAdam extends Keras's (new) Adam and reads, as
+    # Adam's own update_step does, the moments Adam's build made for a variable
+    # (no public accessor from a variable to its optimizer slots).
+    "_index_dict": "keras:optimizers.optimizer._BaseOptimizer",
+    "_var_key": "keras:optimizers.optimizer._BaseOptimizer",
+    "_momentums": "keras:optimizers.adam.Adam",
+    "_velocities": "keras:optimizers.adam.Adam",
     # -- runtime/coordinator.py (and runtime/watchdog.py, runtime/worker_datasets.py): one closure
     # dispatched to every worker. The stock Closure traces and wraps the
     # function; we reuse its parts per role and set results/errors on TF's

@@ -498,8 +498,10 @@ class CheckpointManager:
                 input_state.save(self.input_iterator, prefix)
             manifest = self._incremental.write_delta(
                 prefix, self.model_dir, io_device=self._options.experimental_io_device)
+            bundles = [model_dir_lib.join(self.model_dir, rel)
+                       for rel in manifest["row_files"] + [manifest["dense"]]]
             info = model_dir_lib.commit_delta(prefix, step, position, base=base, parent=parent,
-                                              manifest=manifest)
+                                              manifest=manifest, bundles=bundles)
         except (tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
                 tf.errors.FailedPreconditionError) as e:
             model_dir_lib.remove_delta(prefix)

@@ -18,6 +18,10 @@ advances every generation, then a delta takes the rows stamped at or after
 the generation the previous save advanced to. A row updated while a delta is
 being gathered is stamped with the new generation, so the next delta has
 it: nothing is lost between gather and "clear", and nothing is ever cleared.
+Writes outside the optimizer (`set_weights`, `EarlyStopping`'s restore, a
+reset, an EMA overwrite, weight decay) go through the shard's or its slot's
+`tf.Variable` methods: `RowStamps.watch` makes each of those stamp the rows
+it writes (every row for an ``assign*``), so they reach the next delta too.
 
 Writing a delta. Each PS task gathers its dirty rows (table and every slot
 of that table), turns local row ids into logical ones (the table's layout),
@@ -45,6 +49,12 @@ The delta format, for readers such as the serving loader
   each optimizer slot of the table, ``S/.DELTA/rows`` under the slot's key
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
+  Keras's new optimizers keep one slot variable per table shard (its own
+  key ``S``, the shard's physical rows): for each, ``S/.DELTA/ids`` (int64
+  local row ids of that shard) and ``S/.DELTA/rows``, applied as
+  ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
+  `ShardedVariable` per slot (key ``S``): part ``s`` is under
+  ``S/.DELTA/part-<s>/ids`` and ``S/.DELTA/part-<s>/rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
   full-checkpoint key.
 * For each `DynamicEmbedding` layer (added to the format above; nothing
@@ -68,19 +78,24 @@ The delta format, for readers such as the serving loader
   written by counter rather than whole: `incremental_dynamic`.
 * ``delta-<step>.commit`` (JSON): ``kind: "delta"``, ``step``, ``base``
   (``ckpt-<m>``), ``parent`` (the base or the previous delta), ``files``
-  (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys),
+  (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys, and
+  ``shard_slots``: the per-shard slot keys, ``sharded_slots``: key ->
+  number of parts, when there are any),
   ``row_files`` and ``dense`` (prefixes relative to the model directory),
   and, when the model has a `DynamicEmbedding`, ``dynamic``: layer object
   path -> ``table`` (its embeddings' key, also in ``tables``),
   ``row_state`` (the ``R`` keys), ``key_index`` (``P``), ``key_dtype``
   (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
-Limits (refused with `CheckpointError` when a delta would be wrong):
-stacked tables (`stack_tables=True`) are not supported; the optimizer must
-be a Keras legacy SGD, Adagrad or Ftrl, whose sparse update changes only
-the gradient's rows (Adam decays every row's moments each step). A table
-update with a dense gradient (a regularizer) or a constraint marks every
-row of the shard. `DynamicEmbedding` tables are supported
+Limits (refused with `CheckpointError` when the manager is built):
+stacked tables (`stack_tables=True`) are not supported; the optimizer's
+sparse update must change only the gradient's rows, or every delta would
+hold whole tables (`row_local_refusal`: Keras's legacy SGD, Adagrad and
+Ftrl, Keras's Adagrad, `tf_psplugin.LazyAdam`; Keras's Adam, new SGD and
+new Ftrl are refused by name). A table update with a dense gradient (a
+regularizer) or a constraint marks every row of the shard. A restore by
+another tool than `CheckpointManager` (raw ops on the variables' handles)
+is not seen. `DynamicEmbedding` tables are supported
 (`incremental_dynamic`); they restore into any PS count, as their full
 checkpoints do.
 
@@ -100,14 +115,12 @@ from tf_psplugin._internal.tf_internal import trackable_base, trackable_utils
 from tf_psplugin.state import incremental_dynamic
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
+from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
 
 __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "object_keys"]
 
 DELTA_SUFFIX = "/.DELTA/"
 DENSE_FILE = "dense"
-# Legacy Keras optimizers whose sparse apply changes only the gradient's rows.
-ROW_WISE_OPTIMIZERS = ("SGD", "Adagrad", "Ftrl")
-
 
 # --- Which key is which object ------------------------------------------------
 
@@ -154,46 +167,7 @@ def object_keys(root) -> Tuple[Dict[str, Any], Dict[str, Tuple[str, str]], Dict[
     return variables, slots, paths
 
 
-# --- Stamps: which rows changed -----------------------------------------------
-
-
-class RowStamps:
-    """The rows of one table shard updated since a generation, tracked on its PS.
-
-    `mark` runs inside the optimizer's apply to the shard (installed by
-    `HybridExtended.track_updated_rows`): one ResourceScatterUpdate of the
-    gradient's row ids with the PS's current generation.
-    """
-
-    def __init__(self, shard, generation: tf.Variable, stamps: tf.Variable):
-        self.shard = shard
-        self.generation = generation
-        self.stamps = stamps
-        self.device = shard.device
-
-    def mark(self, gradient) -> None:
-        """Stamps the rows `gradient` updates (every row for a dense gradient)."""
-        with tf.device(self.device):
-            generation = self.generation.read_value()
-            constraint = getattr(self.shard, "constraint", None)
-            if isinstance(gradient, tf.IndexedSlices) and constraint is None:
-                self.mark_rows(gradient.indices)
-            else:  # A dense gradient or a constraint may change every row.
-                tf.raw_ops.AssignVariableOp(
-                    resource=self.stamps.handle,
-                    value=tf.fill(tf.shape(self.stamps), generation))
-
-    def mark_rows(self, local: tf.Tensor):
-        """Stamps the shard's `local` rows (1-D ids); the write op (None when eager)."""
-        with tf.device(self.device):
-            return tf.raw_ops.ResourceScatterUpdate(
-                resource=self.stamps.handle, indices=local,
-                updates=tf.fill(tf.shape(local)[:1], self.generation.read_value()))
-
-    def dirty_rows(self, since: int) -> tf.Tensor:
-        """Local ids (int64) of the rows stamped at or after generation `since`."""
-        with tf.device(self.device):
-            return tf.reshape(tf.where(self.stamps >= since), [-1])
+# --- Tracked tables -------------------------------------------------------------
 
 
 def _task_name(device: str) -> str:
@@ -210,6 +184,10 @@ class _Table:
         self.shards = shards
         self.stamps: List[RowStamps] = []
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
+        # Keras's new optimizers: one slot variable per shard (key per shard s).
+        self.shard_slot_keys: List[List[str]] = [[] for _ in shards]
+        # tf-keras 2.16+: the same, wrapped in one ShardedVariable per slot (its key).
+        self.sharded_slot_keys: List[str] = []
         # The DynamicEmbedding whose rows these are (None: a plain table).
         self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
 
@@ -277,6 +255,7 @@ class IncrementalSaver:
                     trainable=False, name=f"{shard.name.split(':')[0]}/tf_psplugin_row_stamps")
                 row_stamps = RowStamps(shard, generation, stamps)
                 extended.track_updated_rows(shard, row_stamps)
+                row_stamps.watch(shard)  # Writes outside the optimizer (set_weights, ...).
                 table.stamps.append(row_stamps)
         by_key = {table.key: table for table in self.tables}
         for dynamic in self.dynamic:
@@ -296,16 +275,9 @@ class IncrementalSaver:
 
     @staticmethod
     def _check_optimizer(optimizer) -> None:
-        name = type(optimizer).__name__ if optimizer is not None else None
-        legacy = optimizer is not None and hasattr(optimizer, "get_slot_names")
-        if not legacy or name not in ROW_WISE_OPTIMIZERS:
-            raise CheckpointError(
-                f"incremental checkpoints (full_every) cannot save a {name} optimizer's table "
-                "slots as deltas: they need an optimizer whose sparse update changes only the "
-                "rows of the gradient, and whose slots the checkpoint can name (Keras legacy "
-                f"{', '.join(ROW_WISE_OPTIMIZERS)}; Adam decays every row's moments each "
-                "step). Fix: use tf.keras.optimizers.legacy.Adagrad/SGD/Ftrl, or drop "
-                "full_every.")
+        why = row_local_refusal(optimizer)
+        if why is not None:
+            raise CheckpointError(f"incremental checkpoints (full_every): {why}")
 
     def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
         """The row tables among `variables`, except those whose id is in `skip`."""
@@ -331,6 +303,68 @@ class IncrementalSaver:
                 tables.append(_Table(key, var, [var]))  # A one-shard table.
         return tables
 
+    def _find_slots(self, variables: Mapping[str, Any],
+                    slots: Mapping[str, Tuple[str, str]]) -> None:
+        """Finds each table's optimizer slots, and stamps the rows any write to them touches.
+
+        Legacy optimizers' slots are checkpoint slot variables (one logical
+        slot per table). Keras's new optimizers make one plain variable per
+        table shard, named ``[<optimizer>/]<slot name>/<shard name>``, on
+        the shard's device (`add_variable_from_reference`); a variable whose
+        name ends with one shard's name (the longest match), with its shape
+        and device, is that shard's slot. Ambiguous ones are saved whole
+        with the dense state (correct, only larger). tf-keras (TF 2.16+)
+        wraps a sharded table's per-shard slots in one `ShardedVariable`:
+        one whose parts are, in order, slots of one table's shards is that
+        table's sharded slot.
+        """
+        slots_of: Dict[str, List[Tuple[str, str]]] = {}
+        for slot_key, (owner, slot_name) in sorted(slots.items()):
+            slots_of.setdefault(owner, []).append((slot_key, slot_name))
+        slot_ids = {id(variables[k]) for k in slots if k in variables}
+        table_ids = {id(s) for t in self.tables for s in t.shards}
+        table_ids.update(id(t.container) for t in self.tables)
+        candidates = [(key, var) for key, var in sorted(variables.items())
+                      if isinstance(var, tf.Variable) and id(var) not in slot_ids | table_ids]
+        for table in self.tables:
+            table.slot_keys = slots_of.get(table.key, [])
+            for slot_key, _ in table.slot_keys:
+                slot = variables[slot_key]
+                parts = list(slot.variables) if len(table.shards) > 1 else [slot]
+                for s, part in enumerate(parts):
+                    table.stamps[s].watch(part)
+        owners: Dict[str, List[Tuple[_Table, int]]] = {}
+        for key, var in candidates:
+            name = var.name or ""
+            found = [(len(shard.name), table, s) for table in self.tables
+                     for s, shard in enumerate(table.shards)
+                     if name.endswith("/" + shard.name) and var.shape == shard.shape
+                     and var.device == shard.device]
+            longest = max((n for n, _, _ in found), default=0)
+            owners[key] = [(table, s) for n, table, s in found if n == longest]
+        for table in self.tables:
+            table.shard_slot_keys = [[] for _ in table.shards]
+            table.sharded_slot_keys = []
+        for key, var in sorted(variables.items()):
+            if not isinstance(var, sharded_variable.ShardedVariable) or id(var) in (
+                    slot_ids | table_ids):
+                continue
+            parts = list(var.variables)
+            for table in self.tables:
+                if len(parts) == len(table.shards) and all(
+                        (part.name or "").endswith("/" + shard.name)
+                        and part.shape == shard.shape and part.device == shard.device
+                        for part, shard in zip(parts, table.shards)):
+                    table.sharded_slot_keys.append(key)
+                    for stamps, part in zip(table.stamps, parts):
+                        stamps.watch(part)
+                    break
+        for key, found in sorted(owners.items()):
+            if len(found) == 1:  # Else ambiguous: saved whole with the dense state.
+                table, s = found[0]
+                table.shard_slot_keys[s].append(key)
+                table.stamps[s].watch(variables[key])
+
     def _generation(self, device: str) -> tf.Variable:
         task = _task_name(device)
         if task not in self._generations:
@@ -351,6 +385,7 @@ class IncrementalSaver:
     def begin_full(self) -> None:
         """Call right before a full save: rows updated after it go into the next delta."""
         self.advance()
+        self._find_slots(*object_keys(self._root)[:2])
         for dynamic in self.dynamic:
             dynamic.start_save(full=True)
 
@@ -389,20 +424,23 @@ class IncrementalSaver:
         for dynamic in self.dynamic:
             dynamic.start_save(full=False)
         variables, slots, _ = object_keys(self._root)
-        slots_of: Dict[str, List[Tuple[str, str]]] = {}
-        for slot_key, (owner, slot_name) in sorted(slots.items()):
-            slots_of.setdefault(owner, []).append((slot_key, slot_name))
+        self._find_slots(variables, slots)
         tf.io.gfile.makedirs(prefix)
         by_task: Dict[str, List[Tuple[_Table, int]]] = {}
         manifest_tables = {}
         for table in self.tables:
-            table.slot_keys = slots_of.get(table.key, [])
             for s, shard in enumerate(table.shards):
                 by_task.setdefault(_task_name(shard.device), []).append((table, s))
             manifest_tables[table.key] = {
                 "shape": [int(d) for d in table.container.shape],
                 "dtype": table.container.dtype.name,
                 "slots": [k for k, _ in table.slot_keys]}
+            shard_slots = [k for keys in table.shard_slot_keys for k in keys]
+            if shard_slots:
+                manifest_tables[table.key]["shard_slots"] = shard_slots
+            if table.sharded_slot_keys:
+                manifest_tables[table.key]["sharded_slots"] = {
+                    k: len(table.shards) for k in table.sharded_slot_keys}
         row_files = []
         for task, entries in sorted(by_task.items()):
             device = entries[0][0].shards[entries[0][1]].device
@@ -425,6 +463,16 @@ class IncrementalSaver:
                         slot_shard = slot.variables[s] if len(table.shards) > 1 else slot
                         pieces.setdefault(slot_key + DELTA_SUFFIX + "rows", []).append(
                             tf.gather(slot_shard, local))
+                    for slot_key in table.shard_slot_keys[s]:
+                        # One variable per shard (Keras's new optimizers): local ids.
+                        add(slot_key + DELTA_SUFFIX + "ids", local)
+                        add(slot_key + DELTA_SUFFIX + "rows",
+                            tf.gather(variables[slot_key], local))
+                    for slot_key in table.sharded_slot_keys:
+                        # Its part `s`, by local ids (tf-keras wraps per-shard slots).
+                        part = f"{slot_key}{DELTA_SUFFIX}part-{s}/"
+                        add(part + "ids", local)
+                        add(part + "rows", tf.gather(variables[slot_key].variables[s], local))
                     if table.dynamic is not None:
                         table.dynamic.add_row_pieces(s, local, ids, add)
                 for dynamic in self.dynamic:
@@ -442,12 +490,16 @@ class IncrementalSaver:
         table_vars = {id(t.container) for t in self.tables}
         table_vars.update(*[d.not_dense() for d in self.dynamic])
         table_slot_keys = {k for t in self.tables for k, _ in t.slot_keys}
+        table_slot_keys.update(k for t in self.tables for keys in t.shard_slot_keys for k in keys)
+        table_slot_keys.update(k for t in self.tables for k in t.sharded_slot_keys)
         dense_names, dense_values = [], []
         for key, var in sorted(variables.items()):
             if id(var) in table_vars or key in table_slot_keys:
                 continue
             dense_names.append(key)
-            dense_values.append(tf.identity(var))
+            # (A ShardedVariable whole: its parts in order, as a full save holds it.)
+            dense_values.append(tf.convert_to_tensor(var) if isinstance(
+                var, sharded_variable.ShardedVariable) else tf.identity(var))
         dense_prefix = model_dir_lib.join(prefix, DENSE_FILE)
         with tf.device(io_device):  # None: this process (the chief).
             tf.raw_ops.SaveV2(prefix=dense_prefix, tensor_names=dense_names,
@@ -527,6 +579,28 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
                 continue
             rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
             target.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
+        for key in meta.get("shard_slots", []):
+            target = find(key)
+            local = parts.get(key + DELTA_SUFFIX + "ids")
+            if target is not None and local:
+                rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
+                target.scatter_update(tf.IndexedSlices(tf.constant(rows),
+                                                       tf.constant(np.concatenate(local))))
+        for key, count in sorted(meta.get("sharded_slots", {}).items()):
+            target = find(key)
+            if target is None:
+                continue
+            if len(target.variables) != count:
+                raise CheckpointError(
+                    f"delta {info.path} holds {key} as {count} shard(s), the model has "
+                    f"{len(target.variables)}. Fix: restore into as many PS tasks as wrote it "
+                    "(Keras's new optimizers save a table's slots per shard).")
+            for s, part in enumerate(target.variables):
+                local = parts.get(f"{key}{DELTA_SUFFIX}part-{s}/ids")
+                if local:
+                    rows = np.concatenate(parts[f"{key}{DELTA_SUFFIX}part-{s}/rows"])
+                    part.scatter_update(tf.IndexedSlices(tf.constant(rows),
+                                                         tf.constant(np.concatenate(local))))
         rows_written += len(ids)
     if manifest.get("dynamic"):
         incremental_dynamic.apply(root, manifest["dynamic"], parts, find, paths, info.path)

@@ -40,7 +40,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -292,6 +292,8 @@ KIND_FULL = "full"
 KIND_DELTA = "delta"
 COMMIT_SUFFIX = ".commit"
 _DATA_RE = re.compile(r"\.data-(\d{5})-of-(\d{5})$")
+# Listings of a save's files before its commit: a shared FS may show them late.
+_COMMIT_ATTEMPTS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,9 +482,29 @@ def delta_files(directory: str, model_dir: str) -> Dict[str, int]:
     return files
 
 
+def _complete_delta_files(prefix: str, bundles: Sequence[str]) -> Dict[str, int]:
+    """`delta_files` once every bundle in `bundles` is complete (index and all data files).
+
+    Raises:
+        CheckpointError: a bundle is incomplete, or the directory holds no file.
+    """
+    for bundle in bundles:
+        checkpoint_files(bundle)
+    files = delta_files(prefix, os.path.dirname(prefix))
+    if not files:
+        raise CheckpointError(f"delta {prefix} has no files.")
+    return files
+
+
 def commit_delta(prefix: str, step: int, input_position: Optional[int], base: str,
-                 parent: str, manifest: Mapping[str, Any]) -> CheckpointInfo:
+                 parent: str, manifest: Mapping[str, Any],
+                 bundles: Sequence[str] = ()) -> CheckpointInfo:
     """Writes the commit marker of a delta whose files are all written.
+
+    As for a full checkpoint (`commit_checkpoint`), the files are listed
+    only once every bundle the delta wrote is complete, retried for a
+    while: a shared filesystem may show the PS tasks' files late, and a
+    marker that missed one would name a delta no reader can apply.
 
     Args:
         prefix: ``<model_dir>/delta-<step>`` (the delta's directory).
@@ -491,14 +513,28 @@ def commit_delta(prefix: str, step: int, input_position: Optional[int], base: st
         base: Base name of the chain's full checkpoint (``ckpt-<m>``).
         parent: Base name of the checkpoint or delta this one applies on.
         manifest: What the delta holds (tables, slots, dense keys), for readers.
+        bundles: Prefixes of the tensor bundles written (each must have its
+            index and every data file).
 
     Returns:
         The committed delta's `CheckpointInfo`.
+
+    Raises:
+        CheckpointError: a bundle is still incomplete after the retries.
     """
-    model_dir = os.path.dirname(prefix)
-    files = delta_files(prefix, model_dir)
-    if not files:
-        raise CheckpointError(f"delta {prefix} has no files.")
+    files = None
+    for attempt in range(_COMMIT_ATTEMPTS):  # A shared FS may show the PS tasks' files late.
+        try:
+            files = _complete_delta_files(prefix, bundles)
+            break
+        except CheckpointError as e:
+            if attempt == _COMMIT_ATTEMPTS - 1:
+                raise CheckpointError(
+                    f"{e} TF reported the delta as written, but the chief cannot see the "
+                    "files the PS tasks wrote. Fix: model_dir must be one filesystem shared "
+                    "by the chief and every PS task under the same absolute path, or use "
+                    "write_on_chief=True.") from None
+            time.sleep(0.2 * (attempt + 1))
     info = CheckpointInfo(path=prefix, step=int(step), input_position=input_position,
                           wall_time=time.time(), files=files, kind=KIND_DELTA, base=base,
                           parent=parent)
@@ -558,12 +594,12 @@ def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
 def commit_checkpoint(prefix: str, step: int, input_position: Optional[int]) -> CheckpointInfo:
     """Writes the commit marker of a checkpoint TF has finished writing."""
     files = None
-    for attempt in range(5):  # A shared FS may show the PS tasks' files late.
+    for attempt in range(_COMMIT_ATTEMPTS):  # A shared FS may show the PS tasks' files late.
         try:
             files = checkpoint_files(prefix)
             break
         except CheckpointError as e:
-            if attempt == 4:
+            if attempt == _COMMIT_ATTEMPTS - 1:
                 raise CheckpointError(
                     f"{e} TF reported the save as done, but the chief cannot see the files the "
                     "PS tasks wrote. Fix: model_dir must be one filesystem shared by the chief "
