@@ -149,6 +149,26 @@ def _prefetch(run: _Run, node, tensor_dict) -> None:
             run.rows[(id(table), id(ids))] = (table, ids, rows)
 
 
+def separate_before_slots(model) -> None:
+    """Splits `model`'s stacks now, as its first traced call would, before slots seal them.
+
+    A fresh run splits a functional model's stacks per model and per
+    trainability when its first traced call starts (`patch_keras_functional`),
+    before its optimizer makes slots. A restore (`ChiefCheckpoint`,
+    `CheckpointManager`, `load_into`) and `build_optimizer_slots` make the
+    slots before any call is traced, which seals the stacks: they call this
+    first, so that the stacks, and so the slots a checkpoint holds, are the
+    same in a fresh run, after a restore and after `build_optimizer_slots`.
+    Only functional models (and Sequential), as the traced-call split.
+
+    Args:
+        model: A Keras model (anything else: nothing happens).
+    """
+    functional = _tf_internal.keras_private_module("engine.functional").Functional
+    if isinstance(model, functional):
+        table_stacking.separate_by_model(model)
+
+
 def patch_keras_functional():
     """Wraps Keras's functional run and argument mapping; returns the undo.
 

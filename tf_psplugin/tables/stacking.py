@@ -32,7 +32,10 @@ How no Keras or TF API can tell (issue 29):
   trainable tables, its frozen ones and everything else
   (`separate_by_model`), so a second model built in the same scope (a
   target network, a teacher) or a frozen table never shares a stack with
-  the tables an optimizer trains.
+  the tables an optimizer trains. A restore and `build_optimizer_slots`
+  make slots before any call is traced: they split first the same way
+  (`fusion.separate_before_slots`), so a restarted job has the stacks, and
+  the slots, of its fresh run.
 * **Everything that names a table sees the `StackedTable`**: lookups
   (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
   reads, `assign`, checkpoints (each table saved under its own key, in
