@@ -6,7 +6,8 @@ restart that restores it), stacked and unstacked. The restart restores, and
 so makes the optimizer's slots, before any step is traced: the stacks must
 be split per model and per trainability there as in the fresh run, or Adam's
 one apply per stack would move the frozen table's rows (refused with a
-`StackingError`). Both jobs must end with the same weights.
+`StackingError`). Both jobs must end with the same weights; with
+``use_ema`` too, whose averages and overwrites act per table.
 """
 
 import os
@@ -37,7 +38,7 @@ def _fresh_then_restart(make_cluster, tmp_path, mode, variant):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("variant", ["adam", "build_slots"])
+@pytest.mark.parametrize("variant", ["adam", "build_slots", "ema"])
 def test_restart_of_stacked_job_trains_like_unstacked(make_cluster, tmp_path, variant):
     stacked = _fresh_then_restart(make_cluster, tmp_path, "stacked", variant)
     unstacked = _fresh_then_restart(make_cluster, tmp_path, "unstacked", variant)

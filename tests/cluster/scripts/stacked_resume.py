@@ -13,6 +13,8 @@ trains on. Variants:
 * ``adam`` (default): as above.
 * ``build_slots``: the program calls `tf_psplugin.build_optimizer_slots`
   after `compile`, as docs/api.md tells stock-callback users to.
+* ``ema``: Adam with ``use_ema=True`` (an overwrite every 4 steps, and at the
+  end of `fit`).
 
 It writes every table and dense weight of both models to
 ``<out_dir>/weights.npz`` and prints ``DONE``.
@@ -68,7 +70,9 @@ def main():
     with strategy.scope():
         model = build_model("m")
         target = build_model("t")  # A second model in scope (a target network).
-        model.compile(tf.keras.optimizers.Adam(0.05), loss="mse")
+        ema = {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 4}
+        model.compile(tf.keras.optimizers.Adam(0.05, **(ema if variant == "ema" else {})),
+                      loss="mse")
     if variant == "build_slots":
         tf_psplugin.build_optimizer_slots(model)
     # Each run sees its own data (the restart is not the first run again).
