@@ -7,7 +7,9 @@ so makes the optimizer's slots, before any step is traced: the stacks must
 be split per model and per trainability there as in the fresh run, or Adam's
 one apply per stack would move the frozen table's rows (refused with a
 `StackingError`). Both jobs must end with the same weights; with
-``use_ema`` too, whose averages and overwrites act per table.
+``use_ema`` too, whose averages and overwrites act per table, and with an
+optimizer class stacking does not know (each table then has storage of its
+own, which the placement report names).
 """
 
 import os
@@ -38,7 +40,7 @@ def _fresh_then_restart(make_cluster, tmp_path, mode, variant):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("variant", ["adam", "build_slots", "ema"])
+@pytest.mark.parametrize("variant", ["adam", "build_slots", "ema", "custom"])
 def test_restart_of_stacked_job_trains_like_unstacked(make_cluster, tmp_path, variant):
     stacked = _fresh_then_restart(make_cluster, tmp_path, "stacked", variant)
     unstacked = _fresh_then_restart(make_cluster, tmp_path, "unstacked", variant)
@@ -47,3 +49,11 @@ def test_restart_of_stacked_job_trains_like_unstacked(make_cluster, tmp_path, va
         np.testing.assert_allclose(stacked[name], value, atol=1e-5, rtol=0, err_msg=name)
     # The restart trained: the trainable table moved, the frozen one did not.
     assert not np.allclose(stacked["m_item/embeddings"], stacked["t_item/embeddings"])
+    report = (tmp_path / "stacked" / "restart" / "placement.txt").read_text()
+    # The trained model's three tables, made first (the report names them "embeddings").
+    lines = [line for line in report.splitlines() if line.strip().startswith("table ")][:3]
+    assert len(lines) == 3, report
+    if variant == "custom":  # Each table alone, and the report says why.
+        assert all("not stacked: optimizer MyAdam" in line for line in lines), report
+    else:
+        assert all("stacked in" in line for line in lines), report

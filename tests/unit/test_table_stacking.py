@@ -663,3 +663,54 @@ def test_fit_with_ema_ends_like_unstacked():
         weights.append(export.logical_weights(model))
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _NormalizedSGD(tf.keras.optimizers.Optimizer):
+    """A custom optimizer: each variable's step scaled by its whole gradient's norm.
+
+    Not elementwise: one apply to a stack (its tables' gradients together)
+    would scale each table by the others' gradients too.
+    """
+
+    def __init__(self, learning_rate=0.5, name="NormalizedSGD"):
+        super().__init__(name=name)
+        self._learning_rate = self._build_learning_rate(learning_rate)
+
+    def update_step(self, gradient, variable):
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            step = gradient.values * lr / (tf.norm(gradient.values) + 1.0)
+            variable.scatter_sub(tf.IndexedSlices(step, gradient.indices))
+        else:
+            variable.assign_sub(gradient * lr / (tf.norm(gradient) + 1.0))
+
+    def get_config(self):
+        config = super().get_config()
+        config["learning_rate"] = self._serialize_hyperparameter(self._learning_rate)
+        return config
+
+
+@pytest.mark.parametrize("make", [_NormalizedSGD,
+                                  type("MyAdam", (tf.keras.optimizers.Adam,), {})])
+def test_an_optimizer_of_another_class_gets_each_table_alone(monkeypatch, make):
+    """A custom optimizer (or a subclass of a known one): no error, as unstacked.
+
+    Its model's tables are each left alone in a stack at its first traced
+    call (their own variables), and the placement report is told why.
+    """
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    patches.install("keras_functional_fusion")
+    told = {}
+    stacks = TableStacks(lambda s: None,
+                         on_restack=lambda table, name, why: told.update({id(table): (name, why)}))
+    weights = []
+    for model in (_model(stacks), _model(None)):
+        model.compile(make(), loss="mse")
+        x, y = zip(*_batches(4))
+        model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
+                  shuffle=False)
+        weights.append(export.logical_weights(model))
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(told) == FEATURES, told
+    assert all(name == "" and make.__name__ in why for name, why in told.values()), told

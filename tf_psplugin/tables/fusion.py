@@ -48,6 +48,7 @@ from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.tables import prefetched
+from tf_psplugin.tables import stacked_updates
 from tf_psplugin.tables import stacking as table_stacking
 from tf_psplugin.tables.lookups import lookup_tables
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
@@ -166,7 +167,13 @@ def separate_before_slots(model) -> None:
     """
     functional = _tf_internal.keras_private_module("engine.functional").Functional
     if isinstance(model, functional):
-        table_stacking.separate_by_model(model)
+        _separate(model)
+
+
+def _separate(model) -> None:
+    """`separate_by_model`, each table alone if the model's optimizer needs it."""
+    table_stacking.separate_by_model(
+        model, apart=stacked_updates.why_apart(getattr(model, "optimizer", None)))
 
 
 def patch_keras_functional():
@@ -185,7 +192,7 @@ def patch_keras_functional():
         if _stacking():
             # Before anything reads its stacks: its tables in stacks of
             # their own (not another model's, not its frozen tables').
-            table_stacking.separate_by_model(self)
+            _separate(self)
         runs = prefetched.runs()
         runs.append(_Run(self))
         try:

@@ -38,8 +38,12 @@ nothing for a variable list without views.
   move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
   only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
   another (Adam's moment decay moves every row) the merge refuses with a
-  `StackingError` naming the tables and the fix. An optimizer of an
-  unknown class is refused too.
+  `StackingError` naming the tables and the fix. An optimizer of another
+  class (a subclass, a custom optimizer) gets each table of its model
+  alone in a stack before the model's first traced call or its slots
+  (`why_apart`, `stacking.separate_by_model`): its one apply is then the
+  table's own. Only where that split cannot happen (a custom loop whose
+  model Keras did not compile with the optimizer) is it refused.
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
@@ -98,6 +102,21 @@ def _kind(optimizer) -> Optional[str]:
     if cls in _classes(_legacy, _ELEMENTWISE_NAMES) + _classes(_new, _ELEMENTWISE_NAMES):
         return "elementwise"
     return None
+
+
+def why_apart(optimizer) -> Optional[str]:
+    """Why `optimizer`'s tables each need storage of their own, or None.
+
+    One apply to a stack equals per-table applies only for the optimizers
+    known to update elementwise (`_ELEMENTWISE_NAMES`, exact classes: a
+    subclass may change the update). Another optimizer's tables are each
+    left alone in a stack (`stacking.separate_by_model`), where one apply
+    is the table's own.
+    """
+    if optimizer is None or _kind(optimizer) is not None:
+        return None
+    return (f"optimizer {type(optimizer).__name__} is not one whose one update of a stack "
+            "is known to equal its updates of each table")
 
 
 def _momentum(optimizer) -> bool:
@@ -188,6 +207,8 @@ def _check(optimizer, members) -> None:
     view = members[0][1]
     kind = _kind(optimizer)
     name = type(optimizer).__name__
+    if kind is None and [t for t in view.stack.tables] == [view.table]:
+        return  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
         raise StackingError(
             f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "

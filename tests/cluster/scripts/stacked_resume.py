@@ -15,6 +15,9 @@ trains on. Variants:
   after `compile`, as docs/api.md tells stock-callback users to.
 * ``ema``: Adam with ``use_ema=True`` (an overwrite every 4 steps, and at the
   end of `fit`).
+* ``custom``: a subclass of Adam (an optimizer stacking does not know: each
+  of the model's tables gets storage of its own, and the placement report,
+  written to ``<out_dir>/placement.txt``, says why).
 
 It writes every table and dense weight of both models to
 ``<out_dir>/weights.npz`` and prints ``DONE``.
@@ -29,6 +32,10 @@ import tensorflow as tf
 import tf_psplugin
 
 V, DIM = 40, 4
+
+
+class MyAdam(tf.keras.optimizers.Adam):
+    """A user's own optimizer class (here changing nothing)."""
 
 
 def build_model(prefix):
@@ -71,8 +78,8 @@ def main():
         model = build_model("m")
         target = build_model("t")  # A second model in scope (a target network).
         ema = {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 4}
-        model.compile(tf.keras.optimizers.Adam(0.05, **(ema if variant == "ema" else {})),
-                      loss="mse")
+        adam = MyAdam if variant == "custom" else tf.keras.optimizers.Adam
+        model.compile(adam(0.05, **(ema if variant == "ema" else {})), loss="mse")
     if variant == "build_slots":
         tf_psplugin.build_optimizer_slots(model)
     # Each run sees its own data (the restart is not the first run again).
@@ -82,6 +89,8 @@ def main():
     found = weights(model)
     found.update(weights(target))
     np.savez(os.path.join(out_dir, "weights.npz"), **found)
+    with open(os.path.join(out_dir, "placement.txt"), "w", encoding="utf-8") as f:
+        f.write(strategy.placement_report())
     print("DONE", flush=True)
 
 
