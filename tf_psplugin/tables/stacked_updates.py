@@ -207,7 +207,8 @@ def _check(optimizer, members) -> None:
     view = members[0][1]
     kind = _kind(optimizer)
     name = type(optimizer).__name__
-    if kind is None and [t for t in view.stack.tables] == [view.table]:
+    tables = list(view.stack.tables)
+    if kind is None and len(tables) == 1 and tables[0] is view.table:
         return  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
         raise StackingError(
