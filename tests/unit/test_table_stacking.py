@@ -608,3 +608,109 @@ def test_feature_column_embeddings_of_a_process_whose_first_table_is_stacked(tmp
     assert result.returncode == 0, result.stderr[-4000:]
     diff = float(result.stdout.split("RESULT")[-1])
     assert diff <= 1e-5, diff
+
+
+def _two_optimizer_step(model, *optimizers_and_variables):
+    """A traced step applying each (optimizer, variables) pair's gradients."""
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        for optimizer, variables in optimizers_and_variables:
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    return step
+
+
+@pytest.mark.parametrize("frequency", [None, 2])
+def test_ema_averages_and_overwrites_each_table_alone(frequency):
+    """`use_ema`: each table's own average, written back into its own rows only.
+
+    One optimizer with EMA trains all but `emb_1`, another (no EMA) trains
+    `emb_1`, which shares their stack; `fit`'s `finalize_variable_values`
+    (and, with a frequency, the periodic overwrite) must write the averages
+    of the first optimizer's tables only, as unstacked.
+    """
+    weights = []
+    for stacks in (TableStacks(lambda s: None), None):
+        model = _model(stacks)
+        ema = tf.keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.9,
+                                      ema_overwrite_frequency=frequency)
+        other = tf.keras.optimizers.SGD(0.5)
+        own = [v for v in model.trainable_variables if "emb_1/" not in v.name]
+        theirs = [v for v in model.trainable_variables if "emb_1/" in v.name]
+
+        step = _two_optimizer_step(model, (ema, own), (other, theirs))
+        for x, y in _batches(5):
+            step(x, y)
+        ema.finalize_variable_values(own)  # What `fit` does at its end.
+        weights.append(export.logical_weights(model))
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_with_ema_ends_like_unstacked():
+    """`fit` with `use_ema`: its end (`finalize_variable_values`) gets the views."""
+    weights = []
+    for stacks in (TableStacks(lambda s: None), None):
+        model = _model(stacks)
+        model.compile(tf.keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9,
+                                               ema_overwrite_frequency=3), loss="mse")
+        x, y = zip(*_batches(4))
+        model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
+                  shuffle=False)
+        weights.append(export.logical_weights(model))
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _NormalizedSGD(tf.keras.optimizers.Optimizer):
+    """A custom optimizer: each variable's step scaled by its whole gradient's norm.
+
+    Not elementwise: one apply to a stack (its tables' gradients together)
+    would scale each table by the others' gradients too.
+    """
+
+    def __init__(self, learning_rate=0.5, name="NormalizedSGD"):
+        super().__init__(name=name)
+        self._learning_rate = self._build_learning_rate(learning_rate)
+
+    def update_step(self, gradient, variable):
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        if isinstance(gradient, tf.IndexedSlices):
+            step = gradient.values * lr / (tf.norm(gradient.values) + 1.0)
+            variable.scatter_sub(tf.IndexedSlices(step, gradient.indices))
+        else:
+            variable.assign_sub(gradient * lr / (tf.norm(gradient) + 1.0))
+
+    def get_config(self):
+        config = super().get_config()
+        config["learning_rate"] = self._serialize_hyperparameter(self._learning_rate)
+        return config
+
+
+@pytest.mark.parametrize("make", [_NormalizedSGD,
+                                  type("MyAdam", (tf.keras.optimizers.Adam,), {})])
+def test_an_optimizer_of_another_class_gets_each_table_alone(monkeypatch, make):
+    """A custom optimizer (or a subclass of a known one): no error, as unstacked.
+
+    Its model's tables are each left alone in a stack at its first traced
+    call (their own variables), and the placement report is told why.
+    """
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    patches.install("keras_functional_fusion")
+    told = {}
+    stacks = TableStacks(lambda s: None,
+                         on_restack=lambda table, name, why: told.update({id(table): (name, why)}))
+    weights = []
+    for model in (_model(stacks), _model(None)):
+        model.compile(make(), loss="mse")
+        x, y = zip(*_batches(4))
+        model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
+                  shuffle=False)
+        weights.append(export.logical_weights(model))
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(told) == FEATURES, told
+    assert all(name == "" and make.__name__ in why for name, why in told.values()), told

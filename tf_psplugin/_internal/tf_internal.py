@@ -320,6 +320,13 @@ PRIVATE_ATTRIBUTES = {
     # apply per stack shard, after Keras's per-variable clipping and decay.
     "_distributed_apply": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
     "_distributed_apply_gradients_fn": "keras:optimizers.optimizer.Optimizer",
+    # `use_ema`: a stacked table's moving average is its rows of the stack
+    # shard's, updated and written back per table (Keras has no EMA hook).
+    "_update_model_variables_moving_average": "keras:optimizers.optimizer.Optimizer",
+    "_overwrite_model_variables_with_average_value": "keras:optimizers.optimizer.Optimizer",
+    "_model_variables_moving_average": "keras:optimizers.optimizer.Optimizer",
+    "_index_dict": "keras:optimizers.optimizer.Optimizer",
+    "_var_key": "keras:optimizers.optimizer.Optimizer",
     # -- sync/sparse_exchange.py: Keras's optimizer sums duplicate sparse rows
     # outside extended.update; for a gradient summed on a PS, that sum runs there.
     "_deduplicate_sparse_grad": "keras:optimizers.optimizer.Optimizer",

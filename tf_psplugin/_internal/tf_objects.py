@@ -415,6 +415,34 @@ def set_distributed_apply_gradients_fn(optimizer_cls, fn: Callable) -> None:
     optimizer_cls._distributed_apply_gradients_fn = fn  # pylint: disable=protected-access
 
 
+def moving_average_functions(optimizer_cls) -> tuple:
+    """Keras Optimizer's (`_update_model_variables_moving_average`,
+    `_overwrite_model_variables_with_average_value`): `use_ema`'s update and
+    write-back of a variable list (tf.keras 2.15, tf-keras 2.21).
+    """
+    # pylint: disable=protected-access
+    return (optimizer_cls._update_model_variables_moving_average,
+            optimizer_cls._overwrite_model_variables_with_average_value)
+
+
+def set_moving_average_functions(optimizer_cls, update: Callable, overwrite: Callable) -> None:
+    """Replaces the two functions `moving_average_functions` returns (patch
+    "keras_stacked_updates"; tf.keras 2.15, tf-keras 2.21).
+    """
+    # pylint: disable=protected-access
+    optimizer_cls._update_model_variables_moving_average = update
+    optimizer_cls._overwrite_model_variables_with_average_value = overwrite
+
+
+def moving_average_of(optimizer, var) -> Any:
+    """A Keras Optimizer's `use_ema` average of `var` (a variable its `build` was given;
+    `_model_variables_moving_average`, `_index_dict`, `_var_key`; tf.keras 2.15, tf-keras 2.21).
+    """
+    # pylint: disable=protected-access
+    return optimizer._model_variables_moving_average[optimizer._index_dict[
+        optimizer._var_key(var)]]
+
+
 def set_create_all_weights(optimizer_cls, fn: Callable) -> None:
     """Replaces legacy OptimizerV2's `_create_all_weights` (patch "keras_stacked_updates";
     tf.keras 2.15, tf-keras 2.21).

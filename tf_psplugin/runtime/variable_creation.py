@@ -80,12 +80,17 @@ class VariableCreation:
             # apply per stack shard.
             patches.install("keras_stacked_updates")
 
-    def _restacked(self, table, stack_name: str) -> None:
-        """A table moved to another stack before it was made (`TableStacks.separate`)."""
+    def _restacked(self, table, stack_name: str, unstacked: str = "") -> None:
+        """A table moved to another stack before it was made (`TableStacks.separate`).
+
+        An empty `stack_name`: the table is alone, with storage of its own,
+        for the reason `unstacked` (the placement report shows it).
+        """
         index = getattr(table, "_tf_psplugin_record", None)
         if index is not None:
             record = self.placement_records[index]
-            self.placement_records[index] = dataclasses.replace(record, stack=stack_name)
+            self.placement_records[index] = dataclasses.replace(
+                record, stack=stack_name, unstacked="" if stack_name else unstacked)
 
     @property
     def creates_unwrapped(self) -> bool:

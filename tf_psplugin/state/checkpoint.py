@@ -67,6 +67,7 @@ from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of t
     checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
     remove_commit_marker, resolve_checkpoint, verify_checkpoint)
 from tf_psplugin.sync.replicated import ReplicatedVariable
+from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import stacked_updates
 
@@ -178,6 +179,9 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
     """Creates the optimizer's slots now, so that a restore fills them at once."""
     if model is None or optimizer is None or not getattr(model, "trainable_variables", None):
         return
+    # Slots seal the stacks they are made for: split the model's stacks first,
+    # as its first traced call does in a fresh run (same stacks, same slots).
+    lookup_fusion.separate_before_slots(model)
     # Keras 2 legacy optimizers have no public "create slots" call (they
     # create them in the first apply_gradients); `_create_all_weights` is what
     # that calls (tf.keras 2.15, tf-keras 2.16-2.21). New optimizers: `build`.

@@ -48,6 +48,7 @@ from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.tables import prefetched
+from tf_psplugin.tables import stacked_updates
 from tf_psplugin.tables import stacking as table_stacking
 from tf_psplugin.tables.lookups import lookup_tables
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
@@ -149,6 +150,32 @@ def _prefetch(run: _Run, node, tensor_dict) -> None:
             run.rows[(id(table), id(ids))] = (table, ids, rows)
 
 
+def separate_before_slots(model) -> None:
+    """Splits `model`'s stacks now, as its first traced call would, before slots seal them.
+
+    A fresh run splits a functional model's stacks per model and per
+    trainability when its first traced call starts (`patch_keras_functional`),
+    before its optimizer makes slots. A restore (`ChiefCheckpoint`,
+    `CheckpointManager`, `load_into`) and `build_optimizer_slots` make the
+    slots before any call is traced, which seals the stacks: they call this
+    first, so that the stacks, and so the slots a checkpoint holds, are the
+    same in a fresh run, after a restore and after `build_optimizer_slots`.
+    Only functional models (and Sequential), as the traced-call split.
+
+    Args:
+        model: A Keras model (anything else: nothing happens).
+    """
+    functional = _tf_internal.keras_private_module("engine.functional").Functional
+    if isinstance(model, functional):
+        _separate(model)
+
+
+def _separate(model) -> None:
+    """`separate_by_model`, each table alone if the model's optimizer needs it."""
+    table_stacking.separate_by_model(
+        model, apart=stacked_updates.why_apart(getattr(model, "optimizer", None)))
+
+
 def patch_keras_functional():
     """Wraps Keras's functional run and argument mapping; returns the undo.
 
@@ -165,7 +192,7 @@ def patch_keras_functional():
         if _stacking():
             # Before anything reads its stacks: its tables in stacks of
             # their own (not another model's, not its frozen tables').
-            table_stacking.separate_by_model(self)
+            _separate(self)
         runs = prefetched.runs()
         runs.append(_Run(self))
         try:

@@ -24,6 +24,12 @@ nothing for a variable list without views.
   per-variable exclusions): then it happens after those, just before the
   applies (legacy `_distributed_apply`, new `_distributed_apply_gradients_fn`),
   and each view keeps its own clipping and decay.
+* **`use_ema`** (new optimizers): the moving average is made for the stack
+  shard, but updated and written back per table -- the rows of the views
+  given a gradient in this call (`_update_model_variables_moving_average`),
+  and at the end of `fit` (`finalize_variable_values`) or every
+  ``ema_overwrite_frequency`` steps the rows of the tables it is given
+  only, never another table's rows of the stack.
 * **When one apply equals per-table applies.** An optimizer whose update
   is elementwise (SGD, Adagrad, Adam, ... -- `_ELEMENTWISE`) applied once
   to a stack shard equals its update of each table of the stack, if every
@@ -32,13 +38,18 @@ nothing for a variable list without views.
   move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
   only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
   another (Adam's moment decay moves every row) the merge refuses with a
-  `StackingError` naming the tables and the fix. An optimizer of an
-  unknown class is refused too.
+  `StackingError` naming the tables and the fix. An optimizer of another
+  class (a subclass, a custom optimizer) gets each table of its model
+  alone in a stack before the model's first traced call or its slots
+  (`why_apart`, `stacking.separate_by_model`): its one apply is then the
+  table's own. Only where that split cannot happen (a custom loop whose
+  model Keras did not compile with the optimizer) is it refused.
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
-`_distributed_apply`, new `Optimizer._distributed_apply_gradients_fn` are
-wrapped; there is no public hook between a gradient and its apply.
+`_distributed_apply`, new `Optimizer._distributed_apply_gradients_fn` and its
+two moving-average functions are wrapped; there is no public hook between a
+gradient and its apply, nor for the moving average.
 """
 
 from typing import Optional, Sequence
@@ -91,6 +102,21 @@ def _kind(optimizer) -> Optional[str]:
     if cls in _classes(_legacy, _ELEMENTWISE_NAMES) + _classes(_new, _ELEMENTWISE_NAMES):
         return "elementwise"
     return None
+
+
+def why_apart(optimizer) -> Optional[str]:
+    """Why `optimizer`'s tables each need storage of their own, or None.
+
+    One apply to a stack equals per-table applies only for the optimizers
+    known to update elementwise (`_ELEMENTWISE_NAMES`, exact classes: a
+    subclass may change the update). Another optimizer's tables are each
+    left alone in a stack (`stacking.separate_by_model`), where one apply
+    is the table's own.
+    """
+    if optimizer is None or _kind(optimizer) is not None:
+        return None
+    return (f"optimizer {type(optimizer).__name__} is not one whose one update of a stack "
+            "is known to equal its updates of each table")
 
 
 def _momentum(optimizer) -> bool:
@@ -181,6 +207,9 @@ def _check(optimizer, members) -> None:
     view = members[0][1]
     kind = _kind(optimizer)
     name = type(optimizer).__name__
+    tables = list(view.stack.tables)
+    if kind is None and len(tables) == 1 and tables[0] is view.table:
+        return  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
         raise StackingError(
             f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
@@ -251,7 +280,9 @@ def _install_new(cls):
     # Each known optimizer's `build` makes slots for the stack shards (a user
     # may call `optimizer.build(model.trainable_variables)` before training,
     # as Keras's docs suggest); subclasses loop over the list they are given.
-    restore = [_restorer(cls, ("apply_gradients", "_distributed_apply_gradients_fn"))]
+    restore = [_restorer(cls, ("apply_gradients", "_distributed_apply_gradients_fn",
+                               "_update_model_variables_moving_average",
+                               "_overwrite_model_variables_with_average_value"))]
     for known in _classes(_new, _ELEMENTWISE_NAMES):
         if "build" in vars(known) and not getattr(vars(known)["build"], "_tf_psplugin", False):
             restore.append(_restorer(known, ("build",)))
@@ -259,21 +290,96 @@ def _install_new(cls):
     apply_gradients = cls.apply_gradients
     distributed_apply = tf_objects.distributed_apply_gradients_fn(cls)
 
+    update_average, overwrite_with_average = tf_objects.moving_average_functions(cls)
+
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
         if not has_views(variables):
             return apply_gradients(self, grads_and_vars, *args, **kwargs)
-        if not _late(self):
-            grads_and_vars = merge(self, grads_and_vars)
-        return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        # `use_ema` in this call sees the views given a gradient, not the stack shards.
+        previous = _APPLYING_VIEWS.get(id(self))
+        _APPLYING_VIEWS[id(self)] = _views_by_shard(grads_and_vars)
+        try:
+            if not _late(self):
+                grads_and_vars = merge(self, grads_and_vars)
+            return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        finally:
+            if previous is None:
+                _APPLYING_VIEWS.pop(id(self), None)
+            else:
+                _APPLYING_VIEWS[id(self)] = previous
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
         return distributed_apply(self, distribution, merge(self, grads_and_vars), **kwargs)
 
+    def _update_model_variables_moving_average(self, var_list):
+        others, views = _ema_targets(self, var_list)
+        if views and self.use_ema:
+            for view in views:
+                _average_rows(self, view)
+            var_list = others
+        return update_average(self, var_list)
+
+    def _overwrite_model_variables_with_average_value(self, var_list):
+        others, views = _ema_targets(self, var_list)
+        for view in views:
+            view.assign(_average_of_view(self, view))
+        return overwrite_with_average(self, others if views else var_list)
+
     cls.apply_gradients = _apply_gradients
     tf_objects.set_distributed_apply_gradients_fn(cls, _distributed_apply_gradients_fn)
+    tf_objects.set_moving_average_functions(cls, _update_model_variables_moving_average,
+                                            _overwrite_model_variables_with_average_value)
     return lambda: [r() for r in reversed(restore)]
+
+
+# id(optimizer) -> {id(stack shard): [views given a gradient]} while its
+# apply_gradients runs: `use_ema`'s update and overwrite, which Keras runs
+# on the merged list (stack shards), act on those views instead.
+_APPLYING_VIEWS = {}
+
+
+def _views_by_shard(grads_and_vars) -> dict:
+    out = {}
+    for grad, var in grads_and_vars:
+        if isinstance(var, TableView) and grad is not None:
+            out.setdefault(id(var.stack_shard), []).append(var)
+    return out
+
+
+def _ema_targets(optimizer, var_list):
+    """`var_list` as (other variables, views): stack shards stand for their views in this call."""
+    applying = _APPLYING_VIEWS.get(id(optimizer), {})
+    others, views = [], []
+    for var in var_list:
+        if isinstance(var, TableView):
+            views.append(var)
+        elif id(var) in applying:
+            views.extend(applying[id(var)])
+        else:
+            others.append(var)
+    return others, views
+
+
+def _view_rows(view) -> tf.Tensor:
+    return tf.range(view.offset, view.offset + view.num_rows, dtype=tf.int64)
+
+
+def _average_of_view(optimizer, view) -> tf.Tensor:
+    """The view's rows of its stack shard's moving average (`use_ema`)."""
+    average = tf_objects.moving_average_of(optimizer, view.stack_shard)
+    with tf.device(average.device):
+        return average.sparse_read(_view_rows(view))
+
+
+def _average_rows(optimizer, view) -> None:
+    """Keras's moving-average update of one table: its rows of the stack shard's average."""
+    average = tf_objects.moving_average_of(optimizer, view.stack_shard)
+    momentum = optimizer.ema_momentum
+    with tf.device(average.device):
+        new = momentum * _average_of_view(optimizer, view) + (1 - momentum) * view.value()
+        average.scatter_update(tf.IndexedSlices(new, _view_rows(view)))
 
 
 def _substituting_build(build):

@@ -32,7 +32,10 @@ How no Keras or TF API can tell (issue 29):
   trainable tables, its frozen ones and everything else
   (`separate_by_model`), so a second model built in the same scope (a
   target network, a teacher) or a frozen table never shares a stack with
-  the tables an optimizer trains.
+  the tables an optimizer trains. A restore and `build_optimizer_slots`
+  make slots before any call is traced: they split first the same way
+  (`fusion.separate_before_slots`), so a restarted job has the stacks, and
+  the slots, of its fresh run.
 * **Everything that names a table sees the `StackedTable`**: lookups
   (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
   reads, `assign`, checkpoints (each table saved under its own key, in
@@ -748,7 +751,7 @@ class _Stack:
         return stack
 
 
-def separate_by_model(model) -> None:
+def separate_by_model(model, apart: Optional[str] = None) -> None:
     """Gives a model's stacked tables stacks of their own before its first traced call.
 
     A stack is filled as layers are built, before any model exists; two
@@ -759,6 +762,14 @@ def separate_by_model(model) -> None:
     when it runs).
     Then an optimizer's one apply per stack updates exactly the tables it
     is given (`stacked_updates`), whatever kind of optimizer it is.
+
+    Args:
+        model: The Keras model about to run (or to get its optimizer's slots).
+        apart: Why `model`'s tables must each have storage of their own (its
+            optimizer is not known to update a stack as it updates each of
+            its tables: `stacked_updates.why_apart`), or None. Each is then
+            alone in its stack -- its own variables, as unstacked -- and the
+            placement report says why.
     """
     mine, trainable = {}, set()
     for view in model.weights:
@@ -779,13 +790,15 @@ def separate_by_model(model) -> None:
     def group_of(table):
         if id(table) not in mine:
             return "other"
+        if apart:
+            return ("alone", id(table))
         return "trainable" if id(table) in trainable else "frozen"
 
     with tf.init_scope():  # Bookkeeping of eager objects, also while a step is traced.
         for stack in stacks.values():
             owner = stack.owner() if stack.owner is not None else None
             if owner is not None:
-                owner.separate(stack, group_of)
+                owner.separate(stack, group_of, why_alone=apart or "")
 
 
 def _current_rows(variable, table, s: int) -> tf.Tensor:
@@ -889,7 +902,8 @@ class TableStacks:
     """
 
     def __init__(self, shard_devices: Callable[[int], str],
-                 on_restack: Callable[["StackedTable", str], None] = lambda table, name: None):
+                 on_restack: Callable[["StackedTable", str, str], None] = (
+                     lambda table, name, why: None)):
         self._device_of = shard_devices
         self._on_restack = on_restack
         self._open: Dict[tuple, "weakref.ref[_Stack]"] = {}
@@ -973,7 +987,8 @@ class TableStacks:
         stack.pending_tables.append(weakref.ref(table))
         return table
 
-    def separate(self, stack: _Stack, group_of: Callable[["StackedTable"], object]) -> None:
+    def separate(self, stack: _Stack, group_of: Callable[["StackedTable"], object],
+                 why_alone: str = "") -> None:
         """Splits a stack no traced function uses yet into one stack per group of its tables.
 
         `group_of(table)` names each table's group; the first group stays in
@@ -983,6 +998,8 @@ class TableStacks:
         moved table is re-pointed at its new stack's shards. Nothing happens
         once a slot exists or a traced function used the stack
         (`separate_by_model` runs this when a model starts a traced call).
+        A table left alone in a stack by a split for `why_alone` is reported
+        as not stacked, for that reason.
         """
         if stack.sealed or stack.traced:
             return  # Slots exist, or a traced function holds its variables.
@@ -1001,6 +1018,8 @@ class TableStacks:
         for table, pieces in members:
             groups.setdefault(group_of(table), []).append((table, pieces))
         if len(groups) < 2 and not dead:
+            if why_alone and len(members) == 1:
+                self._on_restack(members[0][0], "", why_alone)
             return
         if not stack.never_made():
             stack.materialize()  # Tables appended since: their rows into the variables.
@@ -1033,7 +1052,10 @@ class TableStacks:
                 if target is not stack:
                     stack.tables.discard(table)
                 table._rebind(target, offsets)  # pylint: disable=protected-access
-                self._on_restack(table, target.name)
+                if why_alone and len(items) == 1:
+                    self._on_restack(table, "", why_alone)
+                else:
+                    self._on_restack(table, target.name, "")
 
     def stack_of(self, var) -> Optional[_Stack]:
         """The stack whose shard `var` is (the wrapper, its variable or a view), or None."""
