@@ -36,9 +36,9 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import dynamic, network, procs, report
 
-# hybrid_sync_unstacked: hybrid sync with stack_tables=False (every table its
-# own variable; the strategy's default), beside hybrid_sync's stacked tables
-# (stack_tables=True, opt-in).
+# hybrid_sync: the strategy's defaults (stacked tables, stack_tables=True);
+# hybrid_sync_unstacked: the same with stack_tables=False (every table its
+# own variable).
 THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_unstacked",
                      "hybrid_async")
 # Setups that run on a PS cluster with the plugin's strategy.

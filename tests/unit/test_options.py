@@ -36,10 +36,15 @@ def test_an_unsupported_knob_is_refused_when_the_options_are_made(knob, value, e
 def test_options_are_frozen_and_replace_makes_a_changed_copy():
     options = tf_psplugin.HybridOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.stack_tables = True
-    changed = options.replace(stack_tables=True, sparse_exchange="allgather")
-    assert changed.stack_tables and changed.sparse_exchange == "allgather"
-    assert not options.stack_tables and options.sparse_exchange == "ps"
+        options.stack_tables = False
+    changed = options.replace(stack_tables=False, sparse_exchange="allgather")
+    assert not changed.stack_tables and changed.sparse_exchange == "allgather"
+    assert options.stack_tables and options.sparse_exchange == "ps"
+
+
+def test_tables_are_stacked_by_default_and_stack_tables_false_is_the_way_out():
+    assert tf_psplugin.HybridOptions().stack_tables
+    assert not options_lib.resolve(None, {"stack_tables": False}).stack_tables
 
 
 def test_knobs_alone_change_the_defaults():
@@ -49,16 +54,16 @@ def test_knobs_alone_change_the_defaults():
 
 
 def test_a_knob_given_twice_with_the_same_value_is_accepted():
-    options = tf_psplugin.HybridOptions(stack_tables=True)
-    assert options_lib.resolve(options, {"stack_tables": True}) is options
+    options = tf_psplugin.HybridOptions(stack_tables=False)
+    assert options_lib.resolve(options, {"stack_tables": False}) is options
 
 
 def test_a_knob_given_twice_with_different_values_names_both():
-    options = tf_psplugin.HybridOptions(stack_tables=True)
+    options = tf_psplugin.HybridOptions(stack_tables=False)
     with pytest.raises(tf_psplugin.StrategyError,
-                       match=r"options=HybridOptions\(stack_tables=True\), stack_tables=False\)"
+                       match=r"options=HybridOptions\(stack_tables=False\), stack_tables=True\)"
                              r".*given twice.*Fix:"):
-        options_lib.resolve(options, {"stack_tables": False})
+        options_lib.resolve(options, {"stack_tables": True})
 
 
 def test_an_unknown_keyword_is_a_type_error_naming_it():

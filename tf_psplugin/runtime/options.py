@@ -78,9 +78,9 @@ class HybridOptions:
         stack_tables: Store the embedding tables of one row width, dtype and
             shard count as one variable per shard (a stack; see
             `tables/stacking.py`): one gather, one optimizer apply and one
-            set of slots per PS and step instead of one per table. Off by
-            default, because a program can still tell (docs/api.md lists
-            every difference).
+            set of slots per PS and step instead of one per table. On by
+            default; False (the way out) gives every table its own
+            variables (docs/api.md lists what a program can still tell).
 
     Raises:
         StrategyError: a knob with a value the strategy does not support
@@ -96,7 +96,7 @@ class HybridOptions:
     sparse_exchange: str = "ps"
     pack_on_read_updates: bool = True
     fuse_lookups: bool = False
-    stack_tables: bool = False
+    stack_tables: bool = True
 
     def __post_init__(self):
         _check_one_of("sparse_exchange", self.sparse_exchange,

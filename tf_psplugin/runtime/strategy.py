@@ -135,7 +135,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             checkpoint (see `failover.py`; `tf_psplugin.elastic.run` recovers
             in-process instead).
         **knobs: Any knob of `HybridOptions` as a keyword
-            (``HybridParameterServerStrategy(stack_tables=True)``), as without
+            (``HybridParameterServerStrategy(stack_tables=False)``), as without
             `options`; with `options`, a knob given with another value than
             `options` has is an error.
 

@@ -290,11 +290,13 @@ class IncrementalSaver:
                 continue
             if isinstance(var, sharded_variable.ShardedVariable) and all(
                     is_table(s) for s in var.variables):
-                if isinstance(var, table_stacking.StackedTable):
+                if isinstance(var, table_stacking.StackedTable) and not _alone_in_stack(var):
                     raise CheckpointError(
-                        f"incremental checkpoints (full_every) do not support stacked tables "
-                        f"({var.name}). Fix: HybridParameterServerStrategy(stack_tables=False), "
-                        "or drop full_every.")
+                        f"incremental checkpoints (full_every): table {var.name} shares its "
+                        "stack with other tables (a traced function or a slot used the stack "
+                        "before the checkpoint manager was made, or a table of another model "
+                        "shares it). Fix: make the ChiefCheckpoint/CheckpointManager before the "
+                        "first step, or HybridParameterServerStrategy(stack_tables=False).")
                 tables.append(_Table(key, var, list(var.variables)))
                 in_containers.update(id(s) for s in var.variables)
         for key, var in sorted(variables.items()):
@@ -606,3 +608,16 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
         incremental_dynamic.apply(root, manifest["dynamic"], parts, find, paths, info.path)
     logging.info("tf_psplugin: applied delta %s (%d table rows)", info.path, rows_written)
     return rows_written
+
+
+def _alone_in_stack(table) -> bool:
+    """Whether a stacked table is the only table of its stack (its shards hold its rows only).
+
+    Such a table's shard variables are laid out as an unstacked table's
+    (row ``i`` on shard ``i % n`` at row ``i // n``), so its rows are stamped
+    and saved as an unstacked table's.
+    """
+    n = len(table.variables)
+    rows = int(table.shape[0])
+    return all(offset == 0 for offset in table.row_offsets) and all(
+        int(shard.shape[0]) == len(range(s, rows, n)) for s, shard in enumerate(table.variables))

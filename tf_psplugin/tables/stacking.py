@@ -49,9 +49,10 @@ How no Keras or TF API can tell (issue 29):
   each PS allocates a stack once. A table made after a slot exists for a
   stack or a traced function used it starts a new stack.
 
-Off by default (the strategy's ``stack_tables=False``): docs/api.md lists
-what a program can still tell (optimizers other than Keras's known ones
-are refused, a stack's slots are the optimizer's variables).
+On by default (the strategy's ``stack_tables=True``; ``stack_tables=False``
+is the way out): docs/api.md lists what a program can still tell (a
+model's optimizer other than Keras's known ones gets its tables unstacked,
+a stack's slots are the optimizer's variables).
 
 Which tables stack (`eligible`): 2-D float tables of a strategy with
 ``stack_tables=True``, made eagerly (Keras builds layers eagerly),

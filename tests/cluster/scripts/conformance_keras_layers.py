@@ -1,9 +1,10 @@
 """Keras layer arguments and model APIs, as a Keras user writes them, with the default strategy.
 
 Used by tests/cluster/test_conformance.py. Every point here holds in one
-process and under stock ParameterServerStrategy; with the argument
-``stacked`` the strategy is ``HybridParameterServerStrategy(stack_tables=True)``
-(issue 29: table stacking that Keras cannot tell apart). Each check prints
+process and under stock ParameterServerStrategy; the strategy is
+``HybridParameterServerStrategy()`` (its default stacks the tables: issues
+29 and 40, table stacking that Keras cannot tell apart), or with the
+argument ``unstacked`` ``HybridParameterServerStrategy(stack_tables=False)``. Each check prints
 `CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
 `DONE`. The tables are small `Embedding` layers of one width (what table
 stacking would put in one variable), in a functional model and in a second
@@ -112,8 +113,11 @@ def adam_keeps_frozen_and_other_tables(strategy):
 
 def main():
     tf_psplugin.start_server()
-    stacked = "stacked" in sys.argv[1:]
-    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=stacked)
+    if "unstacked" in sys.argv[1:]:
+        strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=False)
+    else:
+        strategy = tf_psplugin.HybridParameterServerStrategy()
+        assert strategy.options.stack_tables  # What this run checks: the default.
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         m1 = build_model("m1")
