@@ -8,7 +8,8 @@ loops, the peer cancellation and the watchdog with fake steps (no cluster),
 under that harness too.
 """
 
-import functools
+import importlib.util
+import os
 import queue
 import threading
 import time
@@ -23,28 +24,26 @@ from tf_psplugin.runtime import step_values
 from tf_psplugin.runtime import watchdog as watchdog_lib
 from tests.unit.test_failover_unit import _Worker, _errors_coordinator, _step
 
+
+def _load_checks():
+    """tests/cluster/scripts/checks.py, which holds TF's harness thread for the scripts too."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "cluster", "scripts",
+                        "checks.py")
+    spec = importlib.util.spec_from_file_location("tf_psplugin_script_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+checks = _load_checks()
+
 # pylint: disable=protected-access
-
-
-class _HarnessThread(threading.Thread):
-    """TF's `ErrorReportingThread` (cluster_coordinator_test.py): requires target=."""
-
-    def __init__(self, *args, **kwargs):
-        assert "target" in kwargs, "the harness's threads need target="
-        target = kwargs["target"]
-
-        @functools.wraps(target)
-        def wrapped(*a, **kw):
-            return target(*a, **kw)
-
-        kwargs["target"] = wrapped
-        super().__init__(*args, **kwargs)
 
 
 @pytest.fixture
 def harness_threads(monkeypatch):
     """`threading.Thread` replaced as TF's coordinator tests replace it."""
-    monkeypatch.setattr(threading, "Thread", _HarnessThread)
+    monkeypatch.setattr(threading, "Thread", checks.HarnessThread)
 
 
 def test_harness_breaks_threading_timer(harness_threads):  # pylint: disable=unused-argument

@@ -652,11 +652,17 @@ def test_ema_averages_and_overwrites_each_table_alone(frequency):
 
 def test_fit_with_ema_ends_like_unstacked():
     """`fit` with `use_ema`: its end (`finalize_variable_values`) gets the views."""
+    _assert_fit_like_unstacked(
+        TableStacks(lambda s: None),
+        lambda: tf.keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9,
+                                         ema_overwrite_frequency=3))
+
+
+def _assert_fit_like_unstacked(stacks, make_optimizer):
+    """One epoch of `fit` on a model of `stacks` and an unstacked one: the same weights."""
     weights = []
-    for stacks in (TableStacks(lambda s: None), None):
-        model = _model(stacks)
-        model.compile(tf.keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9,
-                                               ema_overwrite_frequency=3), loss="mse")
+    for model in (_model(stacks), _model(None)):
+        model.compile(make_optimizer(), loss="mse")
         x, y = zip(*_batches(4))
         model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
                   shuffle=False)
@@ -703,14 +709,6 @@ def test_an_optimizer_of_another_class_gets_each_table_alone(monkeypatch, make):
     told = {}
     stacks = TableStacks(lambda s: None,
                          on_restack=lambda table, name, why: told.update({id(table): (name, why)}))
-    weights = []
-    for model in (_model(stacks), _model(None)):
-        model.compile(make(), loss="mse")
-        x, y = zip(*_batches(4))
-        model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
-                  shuffle=False)
-        weights.append(export.logical_weights(model))
-    for a, b in zip(*weights):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_fit_like_unstacked(stacks, make)
     assert len(told) == FEATURES, told
     assert all(name == "" and make.__name__ in why for name, why in told.values()), told

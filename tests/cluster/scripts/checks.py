@@ -4,8 +4,11 @@ tests/cluster/_cluster_util.py's `assert_checks_passed` reads these lines, so
 a test asserts each check by name and a failure names what broke.
 """
 
+import contextlib
+import functools
 import os
 import sys
+import threading
 
 
 def check(name, ok, why=""):
@@ -17,3 +20,34 @@ def check(name, ok, why=""):
     line = f"CHECK {name} {'ok' if ok else 'FAIL ' + why}\n"
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), line.encode())
+
+
+class HarnessThread(threading.Thread):
+    """TF's coordinator-test harness thread (`ErrorReportingThread`): target= only.
+
+    TF's cluster_coordinator_test.py replaces `threading.Thread` with it; a
+    `threading.Timer` (whose constructor passes no target) then raises.
+    Used by tf_coordinator_cases.py and tests/unit/test_coordinator_threads.py.
+    """
+
+    def __init__(self, *args, **kwargs):
+        assert "target" in kwargs, "TF's test harness threads need target="
+        target = kwargs["target"]
+
+        @functools.wraps(target)
+        def wrapped(*a, **kw):
+            return target(*a, **kw)
+
+        kwargs["target"] = wrapped
+        super().__init__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def tf_test_harness_threads():
+    """`threading.Thread` replaced by `HarnessThread` inside, as TF's tests replace it."""
+    saved = threading.Thread
+    threading.Thread = HarnessThread
+    try:
+        yield
+    finally:
+        threading.Thread = saved

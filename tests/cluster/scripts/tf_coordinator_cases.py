@@ -10,9 +10,6 @@ on every worker, `num_replicas_in_sync` is the number of workers). Each
 prints `CHECK <name> ok|FAIL <why>`; the script ends with `DONE`.
 """
 
-import contextlib
-import functools
-import threading
 import time
 
 import numpy as np
@@ -20,7 +17,7 @@ import tensorflow as tf
 
 import tf_psplugin
 from tf_psplugin._internal.tf_internal import cluster_coordinator, resource_variable_ops
-from checks import check  # tests/cluster/scripts/checks.py
+from checks import check, tf_test_harness_threads  # tests/cluster/scripts/checks.py
 
 WORKERS = 2  # tests/cluster/test_tf_coordinator_cases.py starts 2 workers.
 ClusterCoordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
@@ -338,32 +335,6 @@ def error_reporting(strategy, coordinator):
     coordinator.join()
 
 
-class _HarnessThread(threading.Thread):
-    """TF's test harness thread (`ErrorReportingThread` in TF's coordinator tests): target= only."""
-
-    def __init__(self, *args, **kwargs):
-        assert "target" in kwargs, "TF's test harness threads need target="
-        target = kwargs["target"]
-
-        @functools.wraps(target)
-        def wrapped(*a, **kw):
-            return target(*a, **kw)
-
-        kwargs["target"] = wrapped
-        super().__init__(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _tf_test_harness_threads():
-    """`threading.Thread` replaced, as TF's cluster_coordinator_test.py replaces it."""
-    saved = threading.Thread
-    threading.Thread = _HarnessThread
-    try:
-        yield
-    finally:
-        threading.Thread = saved
-
-
 @case
 def schedule_raise_error_with_multiple_failure(strategy, coordinator):
     # testScheduleRaiseErrorWithMultipleFailure, under TF's harness threads:
@@ -371,7 +342,7 @@ def schedule_raise_error_with_multiple_failure(strategy, coordinator):
     # peers of the first failure. Its threading.Timer died under the
     # harness, and join() then waited forever (issue 43).
     normal, error, _ = _error_functions(strategy)
-    with _tf_test_harness_threads():
+    with tf_test_harness_threads():
         for _ in range(3):
             coordinator.schedule(normal)
         coordinator.schedule(error)
