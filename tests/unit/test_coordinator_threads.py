@@ -269,3 +269,19 @@ def test_a_workers_first_call_is_measured_once():
     step.sent_at = {0: time.monotonic() - 9.0}
     coord._record_call(0, None, step)  # Warm now: not a first call.
     assert coord._cold_call_seconds < 4.0
+
+
+@pytest.mark.timeout(60)
+def test_delayed_calls_thread_ends_when_idle_and_comes_back(monkeypatch):
+    # An idle thread would keep its owner (the coordinator, via on_error) alive.
+    monkeypatch.setattr(delayed_calls, "IDLE_SECONDS", 0.1)
+    ran = []
+    calls = delayed_calls.DelayedCalls("test-delayed", on_error=pytest.fail)
+    calls.call_later(0.0, lambda: ran.append(1))
+    first = calls._thread
+    first.join(5.0)
+    assert not first.is_alive() and calls._thread is None and ran == [1]
+    done = threading.Event()
+    calls.call_later(0.0, done.set)
+    assert done.wait(5.0) and calls._thread is not first
+    calls.stop(timeout=5.0)

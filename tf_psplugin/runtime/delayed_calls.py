@@ -8,7 +8,9 @@ wrapper that requires ``target=``, made `Timer`'s constructor raise inside
 the coordinator's dispatch thread: the thread died and `join()` waited
 forever. Here one plain thread (made with ``target=``, started on first
 use) runs every delayed call in deadline order, and an exception in a call
-goes to ``on_error`` instead of ending the thread.
+goes to ``on_error`` instead of ending the thread. The thread ends after
+`IDLE_SECONDS` with nothing to run (and is made again when needed), so it
+holds nothing of its owner alive for long.
 
 Example:
 
@@ -27,6 +29,9 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from absl import logging
+
+# The thread ends after this long with no call waiting.
+IDLE_SECONDS = 30.0
 
 
 class DelayedCalls:
@@ -84,7 +89,9 @@ class DelayedCalls:
         with self._cond:
             while not self._stopped:
                 if not self._heap:
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_SECONDS) and not self._heap:
+                        self._thread = None  # `call_later` makes a new one.
+                        return None
                     continue
                 wait = self._heap[0][0] - self._clock()
                 if wait <= 0:
