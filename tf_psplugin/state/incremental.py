@@ -88,7 +88,10 @@ The delta format, for readers such as the serving loader
   (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
 Limits (refused with `CheckpointError` when the manager is built):
-stacked tables (`stack_tables=True`) are not supported; the optimizer's
+a stacked table must be alone in its stack (`stack_tables=True`, the
+default: the checkpoint manager gives each table of its model a stack of
+its own before slots exist, so only a table whose stack was already used
+is refused); the optimizer's
 sparse update must change only the gradient's rows, or every delta would
 hold whole tables (`row_local_refusal`: Keras's legacy SGD, Adagrad and
 Ftrl, Keras's Adagrad, `tf_psplugin.LazyAdam`; Keras's Adam, new SGD and
