@@ -210,6 +210,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         patches.install("keras_data_handler")
         # Keras's optimizer sums duplicate sparse rows on the PS that holds them.
         patches.install("keras_dedup_on_ps")
+        if self._extended.agrees_loss_scaling:
+            # mixed_float16: Keras's loss scaling, its finite check agreed.
+            patches.install("keras_loss_scaling")
         # A functional model's table lookups: one round trip per PS.
         self._extended.fuse_lookups = bool(options.fuse_lookups)
         if options.fuse_lookups:
@@ -339,6 +342,11 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
     def enable_table_stacking(self) -> None:
         """Stores eligible tables in stacks from now on (see `table_stacking`)."""
         self.creation.enable_table_stacking()
+
+    @property
+    def agrees_loss_scaling(self) -> bool:
+        """Whether Keras's loss scaling may run (`sync/loss_scaling.py`): sync dense and tables."""
+        return self.dense_allreduce and self.embedding_updates == "sync"
 
     def update_role(self, worker_index: int) -> tuple:
         """The PS tasks whose table shards `worker_index` updates in sync mode."""
