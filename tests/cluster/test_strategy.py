@@ -179,6 +179,12 @@ def check_loss_scaling(report):
             assert step["moved"] > 1e-3, (i, step)
     for name, diff in loop["diffs"].items():
         assert diff <= 5e-4, f"custom loop {name}: max |diff| {diff} vs one process"
+    # A legacy optimizer: one clear error naming the fix (raised while the
+    # step is traced, so TF may wrap it in a StagingError that quotes it).
+    kind, message = f16["legacy_refusal"]
+    assert kind in ("StrategyError", "StagingError"), f16["legacy_refusal"]
+    assert ("mixed_float16 with a legacy optimizer (Adam from tf.keras.optimizers.legacy)"
+            in message and "Fix: use Keras's optimizer" in message), message
 
 
 @pytest.mark.cluster

@@ -303,6 +303,19 @@ def custom_loop(strategy, ids, y):
                       zip(logical_weights(model), logical_weights(ref), weight_names(ref))}}
 
 
+def legacy_refusal(strategy, ids, y):
+    """What fit says for a legacy optimizer under mixed_float16: [error type, message]."""
+    with strategy.scope():
+        model = make_model()
+        model.compile(tf.keras.optimizers.legacy.Adam(0.01), "mse")
+    try:
+        model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
+                  steps_per_epoch=1, verbose=0)
+    except Exception as e:  # pylint: disable=broad-except  (reported, checked by the test)
+        return [type(e).__name__, str(e)]
+    return None
+
+
 def set_logical_weights(model, weights):
     """Sets `model`'s layers (a plain model) to `weights`, in logical_weights' order."""
     for layer in model.layers:
@@ -383,6 +396,7 @@ def main():
             "fit_scales": worker_loss_scales(model.optimizer),
             "skip_branch": skip_branch_writes(model),
             "custom_loop": custom_loop(strategy, ids, y),
+            "legacy_refusal": legacy_refusal(strategy, ids, y),
         }
     report = {
         "float16": float16,
