@@ -217,8 +217,9 @@ class ServingModel:
 
     Load it in the serving process (no cluster, no strategy), answer
     requests with it, and call `poll` (or `start` a background poller): each
-    committed delta of the export's chain is applied to the loaded tables
-    and dense variables, and a newer full checkpoint is reloaded whole.
+    committed delta of the export's chain is applied to the loaded tables,
+    dense variables and `DynamicEmbedding` key -> row maps, and a newer
+    full checkpoint is reloaded whole.
 
     Example:
 
