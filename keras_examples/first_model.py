@@ -9,15 +9,15 @@ import os
 import numpy as np
 import tensorflow as tf
 
-import tf_psplugin
+import tf_psplugin  # tf_psplugin: raises a clear ImportError under Keras 3.
 
-tf_psplugin.start_server()  # ps/worker tasks serve here and never return; the chief goes on.
-strategy = tf_psplugin.HybridParameterServerStrategy()  # the chief: the one coordinator.
-with strategy.scope():
+tf_psplugin.start_server()  # tf_psplugin: ps/worker tasks serve here and never return.
+strategy = tf_psplugin.HybridParameterServerStrategy()  # tf_psplugin: chief = coordinator.
+with strategy.scope():  # tf_psplugin: the strategy places what is made here.
     model = tf.keras.Sequential([
-        tf.keras.layers.Embedding(10_000, 8),  # a table: sharded over the PS tasks
+        tf.keras.layers.Embedding(10_000, 8),  # A table: sharded over the PS tasks.
         tf.keras.layers.GlobalAveragePooling1D(),
-        tf.keras.layers.Dense(1),  # dense: one replica per worker, gradients all-reduced
+        tf.keras.layers.Dense(1),  # Dense: one replica per worker, gradients all-reduced.
     ])
     model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), loss="mse")
 
@@ -26,6 +26,7 @@ labels = (ids % 2).mean(axis=1, keepdims=True).astype("float32")
 dataset = tf.data.Dataset.from_tensor_slices((ids, labels)).repeat().batch(32)
 
 model_dir = os.environ.get("MODEL_DIR", "/tmp/first_model")
-model.fit(dataset, epochs=2, steps_per_epoch=10,  # each step runs on every worker
-          callbacks=[tf_psplugin.ChiefCheckpoint(model_dir)])  # restores, saves at the end
+model.fit(dataset, epochs=2, steps_per_epoch=10,  # Each step runs on every worker.
+          # tf_psplugin: restores the latest checkpoint first, saves at the end.
+          callbacks=[tf_psplugin.ChiefCheckpoint(model_dir)])
 print("first_model: done at step", int(model.optimizer.iterations.numpy()))
