@@ -76,7 +76,7 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
         assert ops["enqueue"] == 0 and ops["dequeue_on_ps"] == 0 and ops["all_gather"] > 0, ops
     assert report["replicas_identical"], "dense replicas diverged across workers"
     # With fuse_lookups=True the two tables are looked up together
-    # (lookup_fusion), so the comparison below covers fused lookups.
+    # (tables/fusion.py), so the comparison below covers fused lookups.
     if variant in ("fused", "stacked"):
         assert report["fused_lookup_gathers"] > 0, report["fused_lookup_gathers"]
     else:
