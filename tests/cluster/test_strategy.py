@@ -88,7 +88,7 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
     if variant == "mixed_float16":
         check_loss_scaling(report)
     # With fuse_lookups=True the two tables are looked up together
-    # (lookup_fusion), so the comparison below covers fused lookups.
+    # (tables/fusion.py), so the comparison below covers fused lookups.
     if variant in ("fused", "stacked"):
         assert report["fused_lookup_gathers"] > 0, report["fused_lookup_gathers"]
     else:

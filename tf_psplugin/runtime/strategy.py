@@ -323,7 +323,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # Enforced by the coordinator's watchdog, not by the collective ops.
         self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
-        # Read by lookup_fusion: set by the strategy after construction.
+        # Read by tables/fusion.py: set by the strategy after construction.
         self.fuse_lookups = False
         self.committed_steps = None
 
@@ -336,7 +336,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     @property
     def table_stacks(self) -> Optional[table_stacking.TableStacks]:
-        """The table stacks with ``stack_tables=True``, else None (read by lookup_fusion)."""
+        """The table stacks with ``stack_tables=True``, else None (read by tables/fusion.py)."""
         return self.creation.table_stacks
 
     def enable_table_stacking(self) -> None:

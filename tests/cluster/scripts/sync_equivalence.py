@@ -213,7 +213,7 @@ def _graphs_within(graph):
 
 
 def fused_lookup_gathers(model):
-    """Shard gathers of the fused lookups (lookup_fusion) in the traced step."""
+    """Shard gathers of the fused lookups (tables/fusion.py) in the traced step."""
     return sum(1 for graph in traced_graphs(model) for op in graph.get_operations()
                if op.type == "ResourceGather" and "fused_lookups" in op.name)
 
