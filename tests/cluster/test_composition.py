@@ -1,0 +1,309 @@
+"""The composition suite: stacking on/off x optimizer x mode x situation (issue 40 item 3).
+
+Table stacking is the default (``stack_tables=True``). Every cell is one
+small Keras job (tests/cluster/scripts/composition.py says what each
+optimizer, mode and situation adds), run once stacked and once with
+``stack_tables=False``; the cell holds when
+
+* both runs end with the same weights, and the same final checkpoint
+  tensors (tables, optimizer slots, dense), within 1e-5; or both are
+  refused, before the first step, with the same error naming the fix, and
+  the refusal is one of `REFUSED` (by design);
+* its mode's own check holds in both runs: ``kill`` (a chief killed after
+  its step-4 checkpoint, restarted from it) ends bit for bit (max abs diff
+  0.0) like the uninterrupted run of the same stacking, weights and final
+  checkpoint; ``full_every``: the incremental chain restores bit for bit
+  into a new model; ``export``: the `ServingModel` scores equal the live
+  weights' scores (1e-5).
+
+The full product (5 optimizers x 4 modes x 5 situations = 100 cells, each
+stacked and unstacked) does not fit CI's time. CI runs `PAIRWISE` (25 cells:
+every pair of values of two of the three factors in at least one cell, and
+every cell on and off), plus the known-gap cell in `EXTRA`: one cluster,
+two chief processes per stacking (``run``, then ``resume`` for the killed
+jobs); each cell is one test, which reads the results of that one run. The
+``slow`` tests run the whole product, one cluster per optimizer. Cells that
+fail today by a known gap are `xfail(strict=True)` with the gap as reason
+(`gap`), so they fail the suite once they pass. docs/composition.md shows
+the matrix and what each family of cells checks.
+"""
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.cluster import _cluster_util as cu
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "composition.py")
+OPTIMIZERS = ("adagrad", "adam", "sgd", "ftrl", "legacy_adagrad")
+MODES = ("fit", "kill", "full_every", "export")
+SITUATIONS = ("frozen", "second_model", "subclassed", "ema", "early_stop")
+
+pytestmark = [pytest.mark.cluster]
+
+
+def refusal(cell):
+    """The error text a cell is refused with by design (stacked or not), else None."""
+    optimizer, mode, situation = cell.split(".")
+    if optimizer == "legacy_adagrad" and situation == "ema":
+        # Keras's legacy optimizers have no use_ema: Keras itself refuses the argument.
+        return "use_ema"
+    if mode != "full_every":
+        return None
+    if situation == "ema":
+        return "(use_ema=True) writes every row of every table each step. Fix: drop use_ema"
+    return {
+        "adam": "Keras's Adam (tf.keras.optimizers.Adam) decays every table row's moments "
+                "each step, so every delta would hold whole tables. Fix: tf_psplugin.LazyAdam",
+        "sgd": "Keras's SGD (tf.keras.optimizers.SGD) assigns every table row and its "
+               "momentum slot each step, even with momentum=0. Fix: "
+               "tf.keras.optimizers.legacy.SGD",
+        "ftrl": "Keras's Ftrl (tf.keras.optimizers.Ftrl) computes its update densely and "
+                "assigns every table row each step. Fix: tf.keras.optimizers.legacy.Ftrl",
+    }.get(optimizer)
+
+
+# The pairwise design, one row per optimizer and one column per situation
+# (25 cells, every (optimizer, situation) pair once). The modes are placed by
+# hand so that every (optimizer, mode) and (mode, situation) pair is in some
+# cell too (checked below), and so that `full_every` runs for real with a
+# row-local optimizer in every situation but ``ema`` (refused with any
+# optimizer), rather than being refused.
+DESIGN = {
+    #                 frozen        second_model  subclassed    ema           early_stop
+    "adagrad":        ("full_every", "full_every", "fit",        "kill",       "export"),
+    "adam":           ("export",     "kill",       "kill",       "full_every", "fit"),
+    "sgd":            ("full_every", "fit",        "export",     "export",     "kill"),
+    "ftrl":           ("fit",        "kill",       "full_every", "export",     "fit"),
+    "legacy_adagrad": ("kill",       "export",     "full_every", "fit",        "full_every"),
+}
+
+
+def pairwise_design():
+    """The cells of `DESIGN`, as ``<optimizer>.<mode>.<situation>``."""
+    return [f"{optimizer}.{mode}.{situation}" for optimizer, modes in DESIGN.items()
+            for mode, situation in zip(modes, SITUATIONS)]
+
+
+def uncovered_pairs(cells):
+    """The value pairs of two factors no cell of `cells` has."""
+    rows = [cell.split(".") for cell in cells]
+    missing = []
+    for (a, va), (b, vb) in itertools.combinations(
+            enumerate((OPTIMIZERS, MODES, SITUATIONS)), 2):
+        seen = {(row[a], row[b]) for row in rows}
+        missing += [(x, y) for x in va for y in vb if (x, y) not in seen]
+    return missing
+
+
+PAIRWISE = pairwise_design()
+assert not uncovered_pairs(PAIRWISE), uncovered_pairs(PAIRWISE)
+FULL = [".".join(c) for c in itertools.product(OPTIMIZERS, MODES, SITUATIONS)]
+
+
+def run_cells(cluster, root, cells, timeout):
+    """Runs `cells` stacked and unstacked on `cluster`; returns {stacking: {cell: result}}."""
+    cluster.start_servers()
+    kills = any(".kill." in cell for cell in cells)
+    for stacking in ("stacked", "unstacked"):
+        for phase in ("run", "resume") if kills else ("run",):
+            result = cluster.run_chief(
+                [cu.PYTHON, SCRIPT, stacking, str(root), phase] + list(cells), timeout=timeout)
+            # A run with kill cells ends killed (-9) by its last kill cell.
+            expected = -9 if (phase == "run" and kills) else 0
+            assert result.returncode == expected, (stacking, phase, result.stdout[-8000:])
+    return {stacking: {cell: load(root / stacking / cell) for cell in cells}
+            for stacking in ("stacked", "unstacked")}
+
+
+class Runs:
+    """Cell results run on demand, one cluster per group of cells, cleaned up at the end."""
+
+    def __init__(self, root):
+        self.root, self.tracker, self.clusters, self.results = root, cu.ProcessTracker(), [], {}
+
+    def get(self, group, cells, timeout):
+        if group not in self.results:
+            from tf_psplugin.launch import LocalCluster
+
+            cluster = LocalCluster(1, 2, env=self.tracker.env())
+            self.clusters.append(cluster)
+            try:
+                self.results[group] = run_cells(cluster, self.root / group, cells, timeout)
+            except AssertionError as e:
+                self.results[group] = e
+            finally:
+                cluster.stop()
+        if isinstance(self.results[group], AssertionError):
+            raise self.results[group]
+        return self.results[group]
+
+    def close(self):
+        for cluster in self.clusters:
+            cluster.stop()
+        self.tracker.cleanup()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    runs = Runs(tmp_path_factory.mktemp("composition"))
+    yield runs
+    runs.close()
+
+
+def load(out):
+    with open(out / "result.json", encoding="utf-8") as f:
+        result = json.load(f)
+    for name in ("weights", "ref", "resumed"):
+        if (out / f"{name}.npz").exists():
+            result[name] = dict(np.load(str(out / f"{name}.npz")))
+    return result
+
+
+def split_slots(cell, weights):
+    """(`weights` without, and with only, the new optimizers' by-position slot list).
+
+    Keras's new optimizers checkpoint their variables as one list by position
+    (``optimizer/_variables/<i>``); with stacking that list holds one slot
+    per stack shard, not per table (a known gap: docs/composition.md).
+    """
+    if cell.startswith("legacy_"):
+        return weights, {}
+    listed = {k: v for k, v in weights.items() if k.startswith(SLOT_LIST)}
+    return {k: v for k, v in weights.items() if k not in listed}, listed
+
+
+SLOT_LIST = "ckpt/optimizer/_variables/"
+
+
+def max_diff(a, b):
+    """Max abs difference of two weight dicts with the same keys (inf if keys differ)."""
+    if sorted(a) != sorted(b):
+        return float("inf"), sorted(set(a) ^ set(b))
+    return max(entry_diff(a[k], b[k]) for k in a), None
+
+
+def entry_diff(a, b):
+    """Max abs difference of two arrays; 0 or inf for the checkpoint's strings."""
+    if a.dtype.kind in "SUO":
+        return 0.0 if np.array_equal(a, b) else float("inf")
+    return float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+
+
+def cell_problems(cell, stacked, unstacked):
+    """What is wrong with `cell` (a list of strings; empty when it holds)."""
+    problems = []
+    expected = refusal(cell)
+    runs = {"stacked": stacked, "unstacked": unstacked}
+    if expected is not None:
+        for name, run in runs.items():
+            if run["status"] != "refused" or expected not in run.get("error", ""):
+                problems.append(f"{name}: expected refusal {expected!r}, got {run}")
+            elif run["step"] != 0:
+                problems.append(f"{name}: refused at step {run['step']}, not before step 1")
+        return problems
+    for name, run in runs.items():
+        if run["status"] != "ok":
+            problems.append(f"{name}: {run.get('error', run['status'])}")
+    if problems:
+        return problems
+    mode = cell.split(".")[1]
+    if mode == "kill":
+        for name, run in runs.items():
+            if run["resumed_from"] != 4:
+                problems.append(f"{name}: resumed from step {run['resumed_from']}, not 4")
+            # Keras's EarlyStopping keeps its best weights in memory only: a
+            # restarted fit starts it afresh, stacked or not (docs/composition.md).
+            if cell.split(".")[2] != "early_stop":
+                diff, keys = max_diff(run["resumed"], run["ref"])
+                if diff != 0.0:
+                    problems.append(f"{name}: resumed vs uninterrupted differ by {diff} {keys}")
+        key = "resumed"
+    else:
+        key = "weights"
+    (ours, _), (theirs, _) = split_slots(cell, stacked[key]), split_slots(cell, unstacked[key])
+    diff, keys = max_diff(ours, theirs)
+    if not diff <= 1e-5:
+        worst = keys or sorted(ours, key=lambda k: -entry_diff(ours[k], theirs[k]))[:3]
+        problems.append(f"stacked vs unstacked differ by {diff}: {worst}")
+    for name, run in runs.items():
+        for check in ("restore_diff", "serving_diff"):
+            limit = 0.0 if check == "restore_diff" else 1e-5
+            if check in run and not run[check] <= limit:
+                problems.append(f"{name}: {check} = {run[check]}")
+    return problems
+
+
+def assert_cells_hold(results, cells):
+    problems = {cell: cell_problems(cell, results["stacked"][cell], results["unstacked"][cell])
+                for cell in cells}
+    problems = {cell: p for cell, p in problems.items() if p}
+    assert not problems, json.dumps(problems, indent=1)[:12000]
+
+
+# Known gaps, each failing its cells today (stacked or not, unless said).
+FINAL_SAVE_GAP = (
+    "known gap: ChiefCheckpoint skips its train-end save when it saved the same step at the "
+    "last batch, though EarlyStopping(restore_best_weights=True) or use_ema's finalize changed "
+    "the weights after it; the final checkpoint, its restore and a ServingModel then hold the "
+    "weights before the change (the skip is in CheckpointManager.save, whatever the "
+    "stacking)")
+SUBCLASSED_GAP = (
+    "known gap (issue 40): a subclassed model's tables are never split per model, so a second "
+    "subclassed model in scope shares their stack and Keras's Adam refuses the apply with a "
+    "StackingError at the first step (stack_tables=False trains)")
+EXTRA = ["adam.fit.subclassed_second"]
+
+
+def gap(cell):
+    """Why `cell` fails today (a known gap), else None."""
+    _, mode, situation = cell.split(".")
+    if situation == "subclassed_second":
+        return SUBCLASSED_GAP
+    if mode in ("export", "full_every") and situation in ("early_stop", "ema") and \
+            refusal(cell) is None:
+        return FINAL_SAVE_GAP
+    return None
+
+
+def params(cells):
+    return [pytest.param(cell, marks=pytest.mark.xfail(strict=True, reason=gap(cell)))
+            if gap(cell) else cell for cell in cells]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("cell", params(PAIRWISE + EXTRA))
+def test_pairwise_cell_ends_like_unstacked(runs, cell):
+    results = runs.get("pairwise", PAIRWISE + EXTRA, timeout=900)
+    assert_cells_hold(results, [cell])
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap (issue 40 item 1): Keras's new optimizers checkpoint their slots as one list "
+    "by position, and with stacking that list holds one slot per stack shard, so the "
+    "checkpoint differs from an unstacked run's and restores only into the same stacking"))
+def test_new_optimizer_checkpoint_slots_match_unstacked(runs):
+    results = runs.get("pairwise", PAIRWISE + EXTRA, timeout=900)
+    differ = {}
+    for cell in PAIRWISE:
+        stacked, unstacked = results["stacked"][cell], results["unstacked"][cell]
+        key = "resumed" if ".kill." in cell else "weights"
+        if key in stacked and key in unstacked and not cell.startswith("legacy_"):
+            diff, keys = max_diff(split_slots(cell, stacked[key])[1],
+                                  split_slots(cell, unstacked[key])[1])
+            if not diff <= 1e-5:
+                differ[cell] = (diff, keys)
+    assert not differ, differ
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("cell", params(FULL))
+def test_full_product_cell_ends_like_unstacked(runs, cell):
+    optimizer = cell.split(".")[0]
+    group = [c for c in FULL if c.startswith(optimizer + ".")]
+    assert_cells_hold(runs.get("full_" + optimizer, group, timeout=1200), [cell])
