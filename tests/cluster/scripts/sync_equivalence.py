@@ -18,19 +18,22 @@ from traced_graphs import ancestors, traced_graphs
 
 OUT, OPT, SHARDING, UPDATES = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 SPE = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+# The variant (argv[6]): one or several of these joined by "+", e.g.
+# "mixed_float16+stacked".
+VARIANTS = set(sys.argv[6].split("+")) if len(sys.argv) > 6 else set()
 # "dedup": the model looks up each distinct id once per batch, so the sparse
 # gradient's row count changes from step to step.
-DEDUP = len(sys.argv) > 6 and sys.argv[6] == "dedup"
+DEDUP = "dedup" in VARIANTS
 # "fused": the strategy looks both tables up together (fuse_lookups=True).
-FUSED = len(sys.argv) > 6 and sys.argv[6] in ("fused", "stacked")
+FUSED = bool(VARIANTS & {"fused", "stacked"})
 # "stacked": both tables in one stack (stack_tables=True), looked up together.
-STACKED = len(sys.argv) > 6 and sys.argv[6] == "stacked"
+STACKED = "stacked" in VARIANTS
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 # "mixed_float16" / "mixed_bfloat16": Keras's mixed-precision policy, here and
 # in the single-process reference; the output layer stays float32 (as Keras's
 # guide says), and with float16 one example of step 3 overflows the loss
 # scale, on one worker's batch only.
-MIXED = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6].startswith("mixed_") else None
+MIXED = next((v for v in sorted(VARIANTS) if v.startswith("mixed_")), None)
 OVERFLOW_ROW = 3 * 2 * 8 + 9  # Step 3, worker 1's batch (2 workers, batch 8).
 STEPS, BATCH, VOCAB, VOCAB2, DIM, FEATURES = 20, 8, 50, 30, 4, 3
 
