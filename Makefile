@@ -22,12 +22,15 @@ PYTEST_ARGS ?=
 # tf215_only (e.g. the Estimator cluster tests: tf.estimator is gone since
 # TF 2.16) are deselected; tests that need tf.estimator skip themselves there,
 # and the Estimator's clear ImportError on new TF is checked for real.
-LATEST_SELECT := -m "not tf215_only"
+LATEST_SELECT := -m "not tf215_only and not full_product"
+# What the TF 2.15 run leaves out: the composition suite's full product
+# (tests/cluster/test_composition.py, ~40 min), run by make test-composition-full.
+TF215_SELECT := -m "not full_product"
 # Known failures on the newest TF: one --deselect per test, each with its
 # reason. Keep it empty.
 LATEST_DESELECT ?=
 
-.PHONY: demo test test-tf215 test-tflatest test-fast test-cluster env env-tflatest host-tools clean
+.PHONY: demo test test-tf215 test-tflatest test-composition-full test-fast test-cluster env env-tflatest host-tools clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@start=$$SECONDS; set -ex; \
@@ -112,7 +115,7 @@ test: host-tools
 # is forced off: on 2.15 it would make tf.keras look for the tf-keras package.
 test-tf215: $(VENV)/.installed
 	@echo "== make test: TF 2.15 ($(VENV)), whole suite"
-	@start=$$SECONDS; TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) $(PYTEST_ARGS) tests; code=$$?; \
+	@start=$$SECONDS; TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) $(TF215_SELECT) $(PYTEST_ARGS) tests; code=$$?; \
 	echo "== TF 2.15 run: exit $$code in $$((SECONDS - start)) s"; exit $$code
 
 # Newest TF 2.x + tf-keras, with TF_USE_LEGACY_KERAS=1: the Keras path.
@@ -121,6 +124,12 @@ test-tflatest: $(LATEST_VENV)/.installed
 	@start=$$SECONDS; TF_USE_LEGACY_KERAS=1 $(LATEST_PY) $(PYTEST) $(LATEST_SELECT) \
 		$(LATEST_DESELECT) $(PYTEST_ARGS) tests; code=$$?; \
 	echo "== newest-TF run: exit $$code in $$((SECONDS - start)) s"; exit $$code
+
+# The composition suite's full product (stacking x optimizer x mode x
+# situation, 100 cells per stacking) on both TF versions: about 80 minutes.
+test-composition-full: $(VENV)/.installed $(LATEST_VENV)/.installed
+	TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) -m full_product tests/cluster/test_composition.py
+	TF_USE_LEGACY_KERAS=1 $(LATEST_PY) $(PYTEST) -m full_product tests/cluster/test_composition.py
 
 test-fast: $(VENV)/.installed
 	TF_USE_LEGACY_KERAS=0 $(PY) $(PYTEST) tests/unit

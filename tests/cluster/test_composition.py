@@ -300,7 +300,10 @@ def test_new_optimizer_checkpoint_slots_match_unstacked(runs):
     assert not differ, differ
 
 
-@pytest.mark.slow
+# The full product: 100 cells, about 8 minutes per optimizer group on 2 cores,
+# so about 40 minutes per TF version: beyond CI's budget, hence its own marker,
+# deselected by `make test` and run by `make test-composition-full`.
+@pytest.mark.full_product
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("cell", params(FULL))
 def test_full_product_cell_ends_like_unstacked(runs, cell):
