@@ -162,6 +162,9 @@ markers = {{n: model_dir_lib.read_json(os.path.join(model_dir, n + ".commit"))
            for n in ("ckpt-5", "delta-10", "delta-15")}}
 report["kinds"] = [m["kind"] for m in markers.values()]
 report["bytes"] = {{n: sum(m["files"].values()) for n, m in markers.items()}}
+report["slots"] = {{  # Per table: its slots, per-shard slots (Keras's new optimizers).
+    n: [len(t["slots"]), len(t.get("shard_slots", [])), sum(t.get("sharded_slots", {{}}).values())]
+    for n, t in markers["delta-15"]["manifest"]["tables"].items()}}
 live_values = snapshot(model)
 np.savez(os.path.join(out, "live.npz"), **logical(model, legacy))
 full_dir = os.path.join(root, "full")
@@ -234,6 +237,12 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
     assert report["changed15_missing"] == {"a": [], "b": [], "c": []}, report
     assert all(report["changed15"][n] > 0 for n in "abc"), report["changed15"]
     assert report["bytes"]["delta-15"] < report["bytes"]["ckpt-5"], report["bytes"]
+    slots = sorted(report["slots"].values())
+    if legacy == "1":  # The accumulator of each table, under the table's slot key.
+        assert slots == [[1, 0, 0]] * 3, report["slots"]
+    else:  # One accumulator per stack shard, listed under one table, saved row by row.
+        assert slots in ([[0, 0, 0], [0, 0, 0], [0, 2, 0]],
+                         [[0, 0, 0], [0, 0, 0], [0, 0, 2]]), report["slots"]
     # Restored stacked on the cluster: the full save's and the live model's values.
     assert report["restored"] == ["delta-15", 15], report["restored"]
     assert report["chain_stacked"] is True

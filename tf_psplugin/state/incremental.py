@@ -50,9 +50,9 @@ The delta format, for readers such as the serving loader
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
   Keras's new optimizers keep one slot variable per table shard (its own
-  key ``S``, the shard's physical rows): for each, ``S/.DELTA/ids`` (int64
-  local row ids of that shard) and ``S/.DELTA/rows``, applied as
-  ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
+  key ``S``, the shard's physical rows; for stacked tables, per stack
+  shard): for each, ``S/.DELTA/ids`` (int64 local row ids of that shard
+  variable) and ``S/.DELTA/rows``, applied as ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
   `ShardedVariable` per slot (key ``S``): part ``s`` is under
   ``S/.DELTA/part-<s>/ids`` and ``S/.DELTA/part-<s>/rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
@@ -87,11 +87,19 @@ The delta format, for readers such as the serving loader
   ``row_state`` (the ``R`` keys), ``key_index`` (``P``), ``key_dtype``
   (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
-Limits (refused with `CheckpointError` when the manager is built):
-a stacked table must be alone in its stack (`stack_tables=True`, the
-default: the checkpoint manager gives each table of its model a stack of
-its own before slots exist, so only a table whose stack was already used
-is refused); the optimizer's
+Stacked tables (`stack_tables=True`, the default) share one `RowStamps`
+per stack shard: every row of the shard is stamped (the one optimizer
+apply per stack shard stamps the merged gradient's rows; a write to one
+table scatters into, and stamps, its rows only), and each table takes the
+stamped rows of its own range of the shard (`_Table.dirty_rows`), written
+by logical id under its own key as above. A per-shard slot of Keras's new
+optimizers (one per stack shard) is listed under the first table of the
+stack (by key) and saved by the shard's changed rows (local ids of the
+shard variable: every table's rows). The manager splits a model's stacks
+before it tracks them (`fusion.separate_before_slots`); a table moved to
+another stack afterwards fails the next save.
+
+Limits (refused with `CheckpointError` when the manager is built): the optimizer's
 sparse update must change only the gradient's rows, or every delta would
 hold whole tables (`row_local_refusal`: Keras's legacy SGD, Adagrad and
 Ftrl, Keras's Adagrad, `tf_psplugin.LazyAdam`; Keras's Adam, new SGD and
