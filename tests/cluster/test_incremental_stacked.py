@@ -18,7 +18,9 @@ is in the next delta). The chain (full + 2 deltas) is restored
 * into a plain single-process model (`load_into`: one variable per table,
   another PS count);
 
-each time equal, bit for bit, to the full save restored the same way.
+each time equal, bit for bit, to the full save restored the same way. A
+model built after the manager whose tables join its stack makes the next
+save fail with a `CheckpointError` (the stamps no longer cover the stack).
 """
 
 import json
@@ -176,6 +178,19 @@ report["chain_stacked"] = all(isinstance(t, table_stacking.StackedTable)
                               for t in tables(chain_model).values())
 report["chain_vs_full"] = diff(snapshot(chain_model), snapshot(full_model))
 report["chain_vs_live"] = diff(snapshot(chain_model), live_values)
+# A model built after the manager whose tables join the tracked stack: the
+# stamps no longer cover the stack's rows, so the save refuses (not a wrong delta).
+fresh = make()
+late = ckpt_lib.CheckpointManager(os.path.join(root, "late"), model=fresh,
+                                  optimizer=fresh.optimizer, full_every=3)
+joined = make()
+report["joined_same_stack"] = any(t.stack is tables(fresh)["a"].stack
+                                  for t in tables(joined).values())
+try:
+    late.save(0)
+    report["late_join"] = None
+except ckpt_lib.CheckpointError as e:
+    report["late_join"] = str(e)
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 print("RESULT ok")
@@ -248,6 +263,8 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
     assert report["chain_stacked"] is True
     assert report["chain_vs_full"] == [], report["chain_vs_full"]
     assert report["chain_vs_live"] == [], report["chain_vs_live"]
+    assert report["joined_same_stack"] is True
+    assert "another table joined its stack" in (report["late_join"] or ""), report["late_join"]
     if legacy == "1":  # Slots saved per table: an unstacked model restores them too.
         res = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, UNSTACKED, "unstacked.py"),
                                  str(root), str(out), OPTIMIZERS[optimizer]], timeout=200)

@@ -209,6 +209,7 @@ class _Table:
         else:
             self.offsets = [0] * len(shards)
             self.counts = [int(shard.shape[0]) for shard in shards]
+        self.shard_rows = [int(shard.shape[0]) for shard in shards]  # What the stamps cover.
         self.stamps: List[RowStamps] = []
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
         # Keras's new optimizers: one slot variable per shard (key per shard s).
@@ -248,12 +249,13 @@ class _Table:
         if not isinstance(self.container, table_stacking.StackedTable):
             return
         if (any(a is not b for a, b in zip(self.container.variables, self.shards))
-                or list(self.container.row_offsets) != self.offsets):
+                or list(self.container.row_offsets) != self.offsets
+                or [int(s.shape[0]) for s in self.shards] != self.shard_rows):
             raise CheckpointError(
                 f"incremental checkpoints (full_every): table {self.container.name} was moved "
-                "to another stack after the checkpoint manager began tracking its rows (its "
-                "model's stacks were split again). Fix: make the ChiefCheckpoint/"
-                "CheckpointManager after the model is compiled and before its first step, or "
+                "to another stack, or another table joined its stack, after the checkpoint "
+                "manager began tracking its rows. Fix: build every model before the "
+                "ChiefCheckpoint/CheckpointManager (after compile, before the first step), or "
                 "HybridParameterServerStrategy(stack_tables=False).")
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
