@@ -5,8 +5,11 @@ full_every=K)`, `tf_psplugin.state.incremental`) are worth having only if a delt
 of the rows a job touched between saves is much smaller and faster than a
 full save, and restores exactly. This measures both on one loopback
 cluster (chief, 1 worker, 2 PS): one table of ``--rows`` x ``--dim``
-float32 (default 10M x 16, 640 MB) trained with Keras legacy Adagrad (its
-accumulator is another 640 MB), plus a small dense layer.
+float32 (default 10M x 16, 640 MB) trained with ``--optimizer``: Keras's
+legacy Adagrad (the default; its accumulator is another 640 MB), Keras's
+(new) Adagrad, or `tf_psplugin.LazyAdam` (two moments, 1.28 GB), plus a
+small dense layer. ``--stack_tables`` is passed to the strategy (a 10M-row
+table is too large to be stacked either way: ``table_stacked`` says).
 
 For each fraction of rows touched (default 1% and 10%), with
 ``full_every=2`` and ``max_to_keep=1``: a full save (timed), one training
@@ -15,8 +18,9 @@ spread ids, so every PS has its share), a delta save (timed), then a second
 model on the same cluster (built for the check and dropped after it, so it
 never coexists with a full save's buffers) restores the chain (full +
 delta) and is compared
-with the trained one on the PS tasks, shard by shard (table, accumulator)
-and every dense variable (`restore_exact`: all bitwise equal).
+with the trained one on the PS tasks, shard by shard (table, every
+optimizer variable, paired by name) and every dense variable
+(`restore_exact`: all bitwise equal).
 
 Freshness, with a real serving process. After the first full save the
 chief exports it (`export_from_checkpoint`) and starts a separate process
@@ -35,7 +39,11 @@ applying the delta, the request. ``serving_exact``: that answer is the
 delta's step and equals the trained rows through the trained Dense layer
 (computed on the chief, ``rtol`` 1e-5).
 
-JSON lines (kind ``incremental``): ``rows``, ``dim``, ``touched_fraction``,
+JSON lines (kind ``incremental``): the run's options (``optimizer``,
+``optimizer_class``, ``stack_tables``, ``full_every``, ``max_to_keep``,
+``num_ps``, ``workers``, ``fractions``, ``serving_poll_seconds``; the
+summary line repeats them), ``table_stacked``, ``optimizer_variables``
+(how many were compared), ``rows``, ``dim``, ``touched_fraction``,
 ``delta_rows`` (ids in the delta), ``full_bytes``, ``delta_bytes`` (every
 file of each, markers excluded), ``full_seconds``, ``delta_seconds`` (the
 `save` call: join, pull, write, commit), ``restore_seconds`` (full + delta
@@ -72,6 +80,11 @@ RESULT_PREFIX = "INCREMENTAL_RESULT "
 TARGET_BYTES_RATIO = 0.05
 TARGET_SECONDS_RATIO = 0.10
 TARGET_FRESHNESS_SECONDS = 30.0
+FULL_EVERY = 2
+# --optimizer: what the table (and the dense layer) train with, and its learning rate.
+OPTIMIZERS = {"legacy.Adagrad": "tf.keras.optimizers.legacy.Adagrad(0.1)",
+              "Adagrad": "tf.keras.optimizers.Adagrad(0.1)",
+              "LazyAdam": "tf_psplugin.LazyAdam(0.01)"}
 
 CHIEF = r'''
 import gc, json, os, queue, subprocess, sys, threading, time
@@ -83,8 +96,10 @@ from benchmarks.procs import peak_rss_mb
 rows, dim, fractions, model_dir = (int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]),
                                    sys.argv[4])
 serving_script, export_dir, poll_seconds = sys.argv[5], sys.argv[6], float(sys.argv[7])
+optimizer_name, stack_tables, full_every = sys.argv[8], sys.argv[9] == "true", int(sys.argv[10])
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False,
+                                                     stack_tables=stack_tables)
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 
@@ -99,13 +114,38 @@ def architecture(seed):
 def build(seed):
     with strategy.scope():
         model = architecture(seed)
-        optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
+        optimizer = {"legacy.Adagrad": lambda: tf.keras.optimizers.legacy.Adagrad(0.1),
+                     "Adagrad": lambda: tf.keras.optimizers.Adagrad(0.1),
+                     "LazyAdam": lambda: tf_psplugin.LazyAdam(0.01)}[optimizer_name]()
     return model, optimizer
+
+
+def optimizer_state(model, optimizer):
+    """(name, variable) of every optimizer variable of the table and the dense layer."""
+    if hasattr(optimizer, "get_slot_names"):  # Legacy: slots by (variable, name).
+        named = [(f"{w.name}/{name}", optimizer.get_slot(w, name))
+                 for w in [model.get_layer("table").embeddings] + model.get_layer("out").weights
+                 for name in optimizer.get_slot_names()]
+        return named + [("iterations", optimizer.iterations)]
+    return [(v.name, v) for v in optimizer.variables]  # Keras's new ones: in build order.
+
+
+def optimizer_mismatches(a, b):
+    """Names (in `a`) of the optimizer variables of `a` and `b` (model, optimizer) that differ.
+
+    Paired in order (both are built the same way; their names differ by
+    the optimizer's and the stacks' name counters); a variable of either
+    without its pair, or of another shape, differs.
+    """
+    a, b = optimizer_state(*a), optimizer_state(*b)
+    if len(a) != len(b):
+        return [f"{len(a)} vs {len(b)} optimizer variables"]
+    return [n for (n, x), (_, y) in zip(a, b) if x.shape != y.shape or not equal_on_ps(x, y)]
 
 
 model, optimizer = build(1)
 manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
-                                        full_every=2, max_to_keep=1)
+                                        full_every=full_every, max_to_keep=1)
 
 
 # Row i of a step is (start + i * STRIDE) % rows: distinct rows (STRIDE is a
@@ -240,11 +280,13 @@ try:
         serving_exact = (answer["checkpoint"] == delta.name and answer["ids"] == ids and
                          bool(np.allclose(answer["output"], expected_output(ids), rtol=1e-5,
                                           atol=1e-6)))
-        delta_rows = sum(
+        with open(delta.path + ".commit") as f:
+            delta_tables = json.load(f)["manifest"]["tables"]
+        delta_rows = sum(  # Table rows (not slots' ids) in the delta.
             shape[0] for f in sorted(n for n in delta.files if n.endswith(".index") and "/ps-" in n)
             for name, shape in tf.train.load_checkpoint(
                 os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
-            if name.endswith("/.DELTA/ids"))
+            if name.endswith("/.DELTA/ids") and name[:-len("/.DELTA/ids")] in delta_tables)
         other = build(2)  # Dropped after the check: it never coexists with a full save.
         restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
         start = time.perf_counter()
@@ -252,19 +294,23 @@ try:
         restore_seconds = time.perf_counter() - start
         table = model.get_layer("table").embeddings
         other_table = other[0].get_layer("table").embeddings
-        exact = (restored.path == delta.path
-                 and equal_on_ps(table, other_table)
-                 and equal_on_ps(optimizer.get_slot(table, "accumulator"),
-                                 other[1].get_slot(other_table, "accumulator"))
-                 and all(equal_on_ps(a, b) for a, b in zip(model.get_layer("out").weights,
-                                                           other[0].get_layer("out").weights))
-                 and int(other[1].iterations.numpy()) == int(optimizer.iterations.numpy()))
+        mismatches = ([] if restored.path == delta.path else ["restored " + restored.path])
+        mismatches += [] if equal_on_ps(table, other_table) else ["table"]
+        mismatches += optimizer_mismatches((model, optimizer), other)
+        mismatches += [a.name for a, b in zip(model.get_layer("out").weights,
+                                               other[0].get_layer("out").weights)
+                       if not equal_on_ps(a, b)]
+        exact = not mismatches
         print("INCREMENTAL_RESULT " + json.dumps({
+            "table_stacked": isinstance(model.get_layer("table").embeddings,
+                                        tf_psplugin.tables.stacking.StackedTable),
+            "optimizer_variables": len(optimizer_state(model, optimizer)),
             "rows": rows, "dim": dim, "touched_fraction": fraction, "touched_rows": touched,
             "delta_rows": int(delta_rows),
             "full_bytes": sum(full.files.values()), "delta_bytes": sum(delta.files.values()),
             "full_seconds": round(full_seconds, 3), "delta_seconds": round(delta_seconds, 3),
             "restore_seconds": round(restore_seconds, 3), "restore_exact": bool(exact),
+            "restore_mismatches": mismatches,
             "peak_rss_mb": {"chief": round(peak_rss_mb(), 1),
                             "serving": answer.get("peak_rss_mb")},
             "serving_freshness_seconds": round(freshness, 3),
@@ -440,9 +486,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--serving_poll_seconds", type=float, default=0.5,
                    help="how often the serving process polls the model directory")
+    p.add_argument("--optimizer", default="legacy.Adagrad", choices=sorted(OPTIMIZERS),
+                   help="the table's optimizer: " + "; ".join(
+                       f"{k}: {v}" for k, v in sorted(OPTIMIZERS.items())))
+    p.add_argument("--stack_tables", default="true", choices=("true", "false"),
+                   help="the strategy's stack_tables (the 10M-row table is too large to "
+                        "stack either way; recorded with table_stacked)")
     p.add_argument("--saves", type=int, default=0,
                    help="instead: RSS of every process over this many delta saves (leaks)")
     args = p.parse_args(argv)
+    args.stack_tables = args.stack_tables == "true"
     args.fraction_list = [float(x) for x in args.fractions.split(",") if x]
     if not args.fraction_list or not all(0 < f <= 1 for f in args.fraction_list):
         p.error("--fractions must be in (0, 1]")
@@ -451,6 +504,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.rows < 100 or args.dim < 1 or args.rows % 7919 == 0:
         p.error("--rows must be >= 100 and not a multiple of 7919, --dim >= 1")
     return args
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """Every option of a run, as each of its JSON lines records them."""
+    return {"num_ps": 2, "workers": 1, "optimizer": args.optimizer,
+            "optimizer_class": OPTIMIZERS[args.optimizer], "stack_tables": args.stack_tables,
+            "full_every": FULL_EVERY, "max_to_keep": 1, "serving_poll_seconds":
+            args.serving_poll_seconds, "fractions": args.fraction_list}
 
 
 def write_chart(records: List[dict], path: str) -> str:
@@ -473,8 +534,9 @@ def write_chart(records: List[dict], path: str) -> str:
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
     rows = records[0]["rows"] if records else 0
+    optimizer = records[0].get("optimizer", "legacy.Adagrad") if records else ""
     fig.suptitle(f"Incremental checkpoints: {rows:,} x {records[0]['dim'] if records else 0} "
-                 "table + Adagrad, 2 PS")
+                 f"table + {optimizer}, 2 PS")
     return procs.save_chart(fig, plt, path)
 
 
@@ -526,7 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 result = cluster.run_chief(
                     [sys.executable, script, str(args.rows), str(args.dim),
                      json.dumps(args.fraction_list), model_dir, serving_script,
-                     os.path.join(serving_dir, "export"), str(args.serving_poll_seconds)],
+                     os.path.join(serving_dir, "export"), str(args.serving_poll_seconds),
+                     args.optimizer, str(args.stack_tables).lower(), str(FULL_EVERY)],
                     timeout=args.timeout)
                 text = "".join(cluster.output("chief"))
                 peaks = {role: round(procs.peak_rss_mb(str(pid)), 1)
@@ -535,8 +598,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise procs.BenchmarkProcessError(f"chief exited {result.returncode}; log {log}")
         for line in text.splitlines():
             if RESULT_PREFIX in line:
-                record = {"kind": "incremental", "num_ps": 2, "workers": 1,
-                          "optimizer": "legacy.Adagrad", "full_every": 2,
+                record = {"kind": "incremental", **run_options(args),
                           **json.loads(line.split(RESULT_PREFIX, 1)[1])}
                 record["peak_rss_mb"].update(peaks)
                 records.append(record)
@@ -544,7 +606,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(serving_dir, ignore_errors=True)
-    emit(summary(records))
+    emit({**summary(records), **run_options(args)})
     if args.chart:
         print(f"chart: {write_chart(records, args.chart)}", file=sys.stderr)
     return 0

@@ -24,6 +24,19 @@ def test_arguments():
         incremental.parse_args(["--rows", str(7919 * 100)])
 
 
+def test_optimizer_option_and_recorded_options():
+    assert incremental.parse_args([]).optimizer == "legacy.Adagrad"
+    for name in ("legacy.Adagrad", "Adagrad", "LazyAdam"):
+        args = incremental.parse_args(["--quick", "--optimizer", name, "--stack_tables", "false"])
+        options = incremental.run_options(args)
+        assert options["optimizer"] == name and name in options["optimizer_class"]
+        assert options["stack_tables"] is False and options["full_every"] == 2
+        assert options["fractions"] == [0.01, 0.1]
+    assert incremental.run_options(incremental.parse_args([]))["stack_tables"] is True
+    with pytest.raises(SystemExit):
+        incremental.parse_args(["--optimizer", "Adam"])  # Not row-local: refused by name.
+
+
 def record(fraction, delta_bytes, delta_seconds, exact=True, freshness=2.0, served=True):
     return {"rows": 1000, "dim": 4, "touched_fraction": fraction, "full_bytes": 1000,
             "delta_bytes": delta_bytes, "full_seconds": 10.0, "delta_seconds": delta_seconds,
@@ -56,16 +69,27 @@ def test_chart(tmp_path):
 @pytest.mark.slow
 @pytest.mark.tf215_only  # Benchmarks run in .venv (TF 2.15); the code is the same on 2.21.
 @pytest.mark.timeout(300)
-def test_real_mini_run(tmp_path):
+@pytest.mark.parametrize("optimizer,variables", [("legacy.Adagrad", 4), ("Adagrad", 5),
+                                                 ("LazyAdam", 9)])
+def test_real_mini_run(tmp_path, optimizer, variables):
     cmd = [sys.executable, "-m", "benchmarks.incremental", "--rows", "20000", "--dim", "4",
-           "--fractions", "0.01,0.5", "--log_dir", str(tmp_path)]
+           "--fractions", "0.01,0.5", "--optimizer", optimizer, "--log_dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=290)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")]
     runs = {r["touched_fraction"]: r for r in lines if r["kind"] == "incremental"}
     assert set(runs) == {0.01, 0.5}
+    # Every line records the run's options.
+    for line in lines:
+        assert (line["optimizer"], line["stack_tables"], line["full_every"]) == (
+            optimizer, True, 2), line
+    # Table rows only (slots' ids are not counted); the 20000-row table is stacked
+    # (alone in its stack: the only table).
     assert runs[0.01]["delta_rows"] == 200 and runs[0.5]["delta_rows"] == 10000
-    assert all(r["restore_exact"] for r in runs.values())
+    assert all(r["table_stacked"] for r in runs.values())
+    # Every optimizer variable (step, table and dense slots) compared bit for bit.
+    assert all(r["optimizer_variables"] == variables for r in runs.values()), runs
+    assert all(r["restore_exact"] and r["restore_mismatches"] == [] for r in runs.values())
     assert runs[0.01]["delta_bytes"] < runs[0.5]["delta_bytes"] < runs[0.5]["full_bytes"]
     # A separate serving process answered with each step's rows.
     for run in runs.values():

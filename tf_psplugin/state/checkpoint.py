@@ -70,7 +70,6 @@ from tf_psplugin.sync.replicated import ReplicatedVariable
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import stacked_updates
-from tf_psplugin.tables import stacking as table_stacking
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -86,9 +85,6 @@ __all__ = [
 ]
 
 _CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
-# Why a model's tables get stacks of their own under full_every (placement report).
-INCREMENTAL_APART = ("incremental checkpoints (full_every) stamp and save each table's own "
-                     "rows")
 # ChiefCheckpoint's save interval when none is given (Estimator's RunConfig
 # default, save_checkpoints_secs=600): what a PS failure can cost at most.
 DEFAULT_SAVE_EVERY_SECS = 600.0
@@ -347,9 +343,10 @@ class CheckpointManager:
         # (base full checkpoint name, name of the last save, saves in this chain).
         self._chain: Optional[tuple] = None
         if self._full_every > 1 and model is not None:
-            # Rows are stamped per table: each table of the model gets a
-            # stack of its own (stored as unstacked) before slots seal it.
-            table_stacking.separate_by_model(model, apart=INCREMENTAL_APART)
+            # Rows are stamped per stack shard, and each table's are found
+            # by its place in its stack: the model's stacks are split now,
+            # as its first traced call would, so they stay where they are.
+            lookup_fusion.separate_before_slots(model)
         if self.is_writer and self._full_every > 1:
             self._incremental = incremental.IncrementalSaver(
                 self._root, self._strategy,

@@ -50,9 +50,9 @@ The delta format, for readers such as the serving loader
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
   Keras's new optimizers keep one slot variable per table shard (its own
-  key ``S``, the shard's physical rows): for each, ``S/.DELTA/ids`` (int64
-  local row ids of that shard) and ``S/.DELTA/rows``, applied as
-  ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
+  key ``S``, the shard's physical rows; for stacked tables, per stack
+  shard): for each, ``S/.DELTA/ids`` (int64 local row ids of that shard
+  variable) and ``S/.DELTA/rows``, applied as ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
   `ShardedVariable` per slot (key ``S``): part ``s`` is under
   ``S/.DELTA/part-<s>/ids`` and ``S/.DELTA/part-<s>/rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
@@ -87,11 +87,19 @@ The delta format, for readers such as the serving loader
   ``row_state`` (the ``R`` keys), ``key_index`` (``P``), ``key_dtype``
   (``"int64"`` or ``"string"``) and ``sketch`` (``C``, or null).
 
-Limits (refused with `CheckpointError` when the manager is built):
-a stacked table must be alone in its stack (`stack_tables=True`, the
-default: the checkpoint manager gives each table of its model a stack of
-its own before slots exist, so only a table whose stack was already used
-is refused); the optimizer's
+Stacked tables (`stack_tables=True`, the default) share one `RowStamps`
+per stack shard: every row of the shard is stamped (the one optimizer
+apply per stack shard stamps the merged gradient's rows; a write to one
+table scatters into, and stamps, its rows only), and each table takes the
+stamped rows of its own range of the shard (`_Table.dirty_rows`), written
+by logical id under its own key as above. A per-shard slot of Keras's new
+optimizers (one per stack shard) is listed under the first table of the
+stack (by key) and saved by the shard's changed rows (local ids of the
+shard variable: every table's rows). The manager splits a model's stacks
+before it tracks them (`fusion.separate_before_slots`); a table moved to
+another stack afterwards fails the next save.
+
+Limits (refused with `CheckpointError` when the manager is built): the optimizer's
 sparse update must change only the gradient's rows, or every delta would
 hold whole tables (`row_local_refusal`: Keras's legacy SGD, Adagrad and
 Ftrl, Keras's Adagrad, `tf_psplugin.LazyAdam`; Keras's Adam, new SGD and
@@ -179,26 +187,76 @@ def _task_name(device: str) -> str:
 
 
 class _Table:
-    """One table being tracked: its key, shards, layout and slots."""
+    """One table being tracked: its key, shards, layout and slots.
+
+    A stacked table (`table_stacking.StackedTable`) holds rows
+    ``[offsets[s], offsets[s] + counts[s])`` of each stack shard ``s``; the
+    shard's `RowStamps` (one per stack shard, shared by the tables of the
+    stack) cover every row of the shard. "Local" ids below are the table's
+    own rows of a shard (``0..counts[s]``, as an unstacked shard's);
+    "physical" ids are rows of the shard variable (local + offset).
+    """
 
     def __init__(self, key: str, container, shards: List[Any]):
+        from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
+
         self.key = key
         self.container = container
         self.shards = shards
+        if isinstance(container, table_stacking.StackedTable):
+            self.offsets = [int(o) for o in container.row_offsets]
+            self.counts = [int(c) for c in container.shard_counts]
+        else:
+            self.offsets = [0] * len(shards)
+            self.counts = [int(shard.shape[0]) for shard in shards]
+        self.shard_rows = [int(shard.shape[0]) for shard in shards]  # What the stamps cover.
         self.stamps: List[RowStamps] = []
         self.slot_keys: List[Tuple[str, str]] = []  # (slot key, slot name)
         # Keras's new optimizers: one slot variable per shard (key per shard s).
+        # A stack shard's slots are listed under one table of the stack only,
+        # and saved by physical ids (every table's rows of the shard).
         self.shard_slot_keys: List[List[str]] = [[] for _ in shards]
         # tf-keras 2.16+: the same, wrapped in one ShardedVariable per slot (its key).
         self.sharded_slot_keys: List[str] = []
         # The DynamicEmbedding whose rows these are (None: a plain table).
         self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
 
+    def shares_shards(self) -> bool:
+        """Whether the shard variables hold rows other than this table's (a shared stack)."""
+        return any(o != 0 or c != int(shard.shape[0])
+                   for o, c, shard in zip(self.offsets, self.counts, self.shards))
+
     def dirty_rows(self, s: int, since: int) -> tf.Tensor:
-        """Local ids of shard `s`'s rows changed since generation `since`."""
+        """Local ids of this table's rows of shard `s` changed since generation `since`."""
         if self.dynamic is not None:
             return self.dynamic.dirty_rows(s, self.stamps[s], since)
-        return self.stamps[s].dirty_rows(since)
+        physical = self.stamps[s].dirty_rows(since)
+        if not self.shares_shards():
+            return physical
+        start, stop = self.offsets[s], self.offsets[s] + self.counts[s]
+        with tf.device(self.stamps[s].device):
+            mine = tf.boolean_mask(physical, (physical >= start) & (physical < stop))
+            return mine - start
+
+    def physical(self, s: int, local: tf.Tensor) -> tf.Tensor:
+        """Rows of shard `s`'s variable (and of its slots) holding `local` rows of this table."""
+        return local + self.offsets[s] if self.offsets[s] else local
+
+    def check_layout(self) -> None:
+        """Raises unless the table is still where its rows were tracked (same shards, rows)."""
+        from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
+
+        if not isinstance(self.container, table_stacking.StackedTable):
+            return
+        if (any(a is not b for a, b in zip(self.container.variables, self.shards))
+                or list(self.container.row_offsets) != self.offsets
+                or [int(s.shape[0]) for s in self.shards] != self.shard_rows):
+            raise CheckpointError(
+                f"incremental checkpoints (full_every): table {self.container.name} was moved "
+                "to another stack, or another table joined its stack, after the checkpoint "
+                "manager began tracking its rows. Fix: build every model before the "
+                "ChiefCheckpoint/CheckpointManager (after compile, before the first step), or "
+                "HybridParameterServerStrategy(stack_tables=False).")
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
         """Logical row ids of `local` rows of shard `shard_index`."""
@@ -250,15 +308,21 @@ class IncrementalSaver:
             raise CheckpointError("incremental checkpoints (full_every): the model has no "
                                   "sharded embedding table. Fix: drop full_every.")
         self._generations: Dict[str, tf.Variable] = {}
+        # One RowStamps per shard variable: the tables of a stack share them.
+        stamps_of: Dict[int, RowStamps] = {}
         for table in self.tables:
             for shard in table.shards:
-                generation = self._generation(shard.device)
-                stamps = extended.create_plain_variable(
-                    shard.device, initial_value=tf.zeros([int(shard.shape[0])], tf.int32),
-                    trainable=False, name=f"{shard.name.split(':')[0]}/tf_psplugin_row_stamps")
-                row_stamps = RowStamps(shard, generation, stamps)
-                extended.track_updated_rows(shard, row_stamps)
-                row_stamps.watch(shard)  # Writes outside the optimizer (set_weights, ...).
+                row_stamps = stamps_of.get(id(shard))
+                if row_stamps is None:
+                    generation = self._generation(shard.device)
+                    stamps = extended.create_plain_variable(
+                        shard.device, initial_value=tf.zeros([int(shard.shape[0])], tf.int32),
+                        trainable=False,
+                        name=f"{shard.name.split(':')[0]}/tf_psplugin_row_stamps")
+                    row_stamps = RowStamps(shard, generation, stamps)
+                    extended.track_updated_rows(shard, row_stamps)
+                    row_stamps.watch(shard)  # Writes outside the optimizer (set_weights, ...).
+                    stamps_of[id(shard)] = row_stamps
                 table.stamps.append(row_stamps)
         by_key = {table.key: table for table in self.tables}
         for dynamic in self.dynamic:
@@ -284,8 +348,6 @@ class IncrementalSaver:
 
     def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
         """The row tables among `variables`, except those whose id is in `skip`."""
-        from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
-
         is_table = self._extended._is_table_var  # pylint: disable=protected-access
         tables, in_containers = [], set()
         for key, var in sorted(variables.items()):
@@ -293,13 +355,6 @@ class IncrementalSaver:
                 continue
             if isinstance(var, sharded_variable.ShardedVariable) and all(
                     is_table(s) for s in var.variables):
-                if isinstance(var, table_stacking.StackedTable) and not _alone_in_stack(var):
-                    raise CheckpointError(
-                        f"incremental checkpoints (full_every): table {var.name} shares its "
-                        "stack with other tables (a traced function or a slot used the stack "
-                        "before the checkpoint manager was made, or a table of another model "
-                        "shares it). Fix: make the ChiefCheckpoint/CheckpointManager before the "
-                        "first step, or HybridParameterServerStrategy(stack_tables=False).")
                 tables.append(_Table(key, var, list(var.variables)))
                 in_containers.update(id(s) for s in var.variables)
         for key, var in sorted(variables.items()):
@@ -365,7 +420,10 @@ class IncrementalSaver:
                         stamps.watch(part)
                     break
         for key, found in sorted(owners.items()):
-            if len(found) == 1:  # Else ambiguous: saved whole with the dense state.
+            # One shard variable (a stack's shard names several tables: the
+            # first, by key, lists it); else ambiguous: saved whole with the
+            # dense state.
+            if found and all(t.shards[s] is found[0][0].shards[found[0][1]] for t, s in found):
                 table, s = found[0]
                 table.shard_slot_keys[s].append(key)
                 table.stamps[s].watch(variables[key])
@@ -387,8 +445,14 @@ class IncrementalSaver:
             self._since[task] = int(generation.assign_add(1).numpy())
         return since
 
+    def check_layout(self) -> None:
+        """Raises `CheckpointError` if a table's stack changed since its rows were tracked."""
+        for table in self.tables:
+            table.check_layout()
+
     def begin_full(self) -> None:
         """Call right before a full save: rows updated after it go into the next delta."""
+        self.check_layout()
         self.advance()
         self._find_slots(*object_keys(self._root)[:2])
         for dynamic in self.dynamic:
@@ -425,6 +489,7 @@ class IncrementalSaver:
             io_device: Write every file on this device (``write_on_chief``);
                 default: each PS task writes its own rows.
         """
+        self.check_layout()
         since = self.advance()
         for dynamic in self.dynamic:
             dynamic.start_save(full=False)
@@ -458,26 +523,31 @@ class IncrementalSaver:
             with tf.device(device):
                 for table, s in entries:
                     local = table.dirty_rows(s, since[task])
+                    physical = table.physical(s, local)  # Rows of the (stack) shard.
                     shard = table.shards[s]
                     ids = table.logical_ids(s, local)
                     add(table.key + DELTA_SUFFIX + "ids", ids)
                     pieces.setdefault(table.key + DELTA_SUFFIX + "rows", []).append(
-                        tf.gather(shard, local))
+                        tf.gather(shard, physical))
                     for slot_key, _ in table.slot_keys:
                         slot = variables[slot_key]
                         slot_shard = slot.variables[s] if len(table.shards) > 1 else slot
                         pieces.setdefault(slot_key + DELTA_SUFFIX + "rows", []).append(
-                            tf.gather(slot_shard, local))
+                            tf.gather(slot_shard, physical))
+                    # Per-shard slots hold the whole shard variable's rows (every
+                    # table of a stack): saved by the shard's own changed rows.
+                    slot_ids = (table.stamps[s].dirty_rows(since[task])
+                                if table.shares_shards() else local)
                     for slot_key in table.shard_slot_keys[s]:
                         # One variable per shard (Keras's new optimizers): local ids.
-                        add(slot_key + DELTA_SUFFIX + "ids", local)
+                        add(slot_key + DELTA_SUFFIX + "ids", slot_ids)
                         add(slot_key + DELTA_SUFFIX + "rows",
-                            tf.gather(variables[slot_key], local))
+                            tf.gather(variables[slot_key], slot_ids))
                     for slot_key in table.sharded_slot_keys:
                         # Its part `s`, by local ids (tf-keras wraps per-shard slots).
                         part = f"{slot_key}{DELTA_SUFFIX}part-{s}/"
-                        add(part + "ids", local)
-                        add(part + "rows", tf.gather(variables[slot_key].variables[s], local))
+                        add(part + "ids", slot_ids)
+                        add(part + "rows", tf.gather(variables[slot_key].variables[s], slot_ids))
                     if table.dynamic is not None:
                         table.dynamic.add_row_pieces(s, local, ids, add)
                 for dynamic in self.dynamic:
@@ -612,15 +682,3 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
     logging.info("tf_psplugin: applied delta %s (%d table rows)", info.path, rows_written)
     return rows_written
 
-
-def _alone_in_stack(table) -> bool:
-    """Whether a stacked table is the only table of its stack (its shards hold its rows only).
-
-    Such a table's shard variables are laid out as an unstacked table's
-    (row ``i`` on shard ``i % n`` at row ``i // n``), so its rows are stamped
-    and saved as an unstacked table's.
-    """
-    n = len(table.variables)
-    rows = int(table.shape[0])
-    return all(offset == 0 for offset in table.row_offsets) and all(
-        int(shard.shape[0]) == len(range(s, rows, n)) for s, shard in enumerate(table.variables))

@@ -209,6 +209,11 @@ class StackedTable(InterleavedShardedVariable):
         return self._row_offsets
 
     @property
+    def shard_counts(self) -> tuple:
+        """How many of this table's rows each stack shard holds (from `row_offsets` on)."""
+        return self._shard_counts
+
+    @property
     def _unique_id(self):
         # Every table of a stack shares shard 0: the id must name the table.
         shard_id = tf_objects.variable_unique_id(self._variables[0])
