@@ -14,7 +14,7 @@ LATEST_VENV ?= .venv-tflatest
 LATEST_PY := $(LATEST_VENV)/bin/python
 DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 1500
-PYTEST := -m pytest -ra -p no:cacheprovider --durations=10
+PYTEST := -m pytest -ra -p no:cacheprovider --durations=40
 # Extra pytest arguments for both runs, e.g. make test PYTEST_ARGS="-x -k examples".
 PYTEST_ARGS ?=
 
@@ -73,12 +73,38 @@ demo: $(VENV)/.installed
 	$(PY) -m tf_psplugin.launch --workers 2 --ps 2 --evaluator -- \
 		$(PY) keras_examples/ctr.py --model_dir $(DEMO_DIR) --train_steps $(DEMO_STEPS)
 
-# Both environments, both runs, whatever the first one's result; the exit
-# status is nonzero if either failed.
-test: $(VENV)/.installed $(LATEST_VENV)/.installed host-tools
-	@status=0; \
-	$(MAKE) --no-print-directory test-tf215 || status=1; \
-	$(MAKE) --no-print-directory test-tflatest || status=1; \
+# Both environments (built side by side), then both runs side by side: each
+# writes its own log under $(TEST_LOG_DIR), printed whole when it ends, with
+# a line of progress every $(TEST_HEARTBEAT) s meanwhile. Most of a cluster
+# test's time is TF start-up, port waits and RPC latency rather than CPU, so
+# the two runs together take well under the sum of their times (measured in
+# docs/versions.md). TEST_PARALLEL=0 runs them one after the other. The exit
+# status is nonzero if either run failed.
+TEST_PARALLEL ?= 1
+TEST_LOG_DIR ?= runs/test-logs
+TEST_HEARTBEAT ?= 300
+
+test: host-tools
+	@start=$$SECONDS; $(MAKE) --no-print-directory -j2 env env-tflatest || exit 1; \
+	echo "== make test: environments ready in $$((SECONDS - start)) s"
+	@if [ "$(TEST_PARALLEL)" = 0 ]; then \
+		status=0; \
+		$(MAKE) --no-print-directory test-tf215 || status=1; \
+		$(MAKE) --no-print-directory test-tflatest || status=1; \
+	else \
+		start=$$SECONDS; mkdir -p $(TEST_LOG_DIR); \
+		echo "== make test: TF 2.15 and newest-TF runs side by side, logs in $(TEST_LOG_DIR)/"; \
+		$(MAKE) --no-print-directory test-tf215 > $(TEST_LOG_DIR)/tf215.log 2>&1 & p1=$$!; \
+		$(MAKE) --no-print-directory test-tflatest > $(TEST_LOG_DIR)/tflatest.log 2>&1 & p2=$$!; \
+		( while sleep $(TEST_HEARTBEAT); do \
+			for run in tf215 tflatest; do \
+				echo "   $$((SECONDS - start)) s $$run: $$(grep -ao '[0-9]*%]' $(TEST_LOG_DIR)/$$run.log | tail -1)"; \
+			done; done ) & beat=$$!; \
+		wait $$p1; s1=$$?; wait $$p2; s2=$$?; kill $$beat 2>/dev/null; wait $$beat 2>/dev/null; \
+		cat $(TEST_LOG_DIR)/tf215.log $(TEST_LOG_DIR)/tflatest.log; \
+		echo "== make test: both runs in $$((SECONDS - start)) s (TF 2.15 exit $$s1, newest TF exit $$s2)"; \
+		status=0; [ $$s1 -eq 0 ] && [ $$s2 -eq 0 ] || status=1; \
+	fi; \
 	if [ $$status -ne 0 ]; then echo "make test: FAILED (see the runs above)"; fi; \
 	exit $$status
 

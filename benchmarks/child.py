@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
 from benchmarks.procs import (  # noqa: E402
-    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb)
+    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb, strategy_options)
 
 
 _KEEP = []  # Objects that must live as long as the process (row tracking).
@@ -142,10 +142,7 @@ def _build_ps_chief(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            embedding_updates=job["embedding_updates"], log_placement=False,
-            sharding=job.get("sharding") or None,
-            sparse_exchange=job.get("sparse_exchange", "ps"),
-            stack_tables=bool(job.get("stack_tables", True)))
+            log_placement=False, **strategy_options(job))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.

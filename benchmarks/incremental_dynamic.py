@@ -3,7 +3,7 @@
 Why this module exists: `benchmarks.incremental` measures deltas of a
 static table; a `DynamicEmbedding` delta also carries each changed row's
 state (last use, hits), its key or its deletion, and the admission
-sketch's changed counters (`tf_psplugin.incremental_dynamic`), and its full
+sketch's changed counters (`tf_psplugin.state.incremental_dynamic`), and its full
 save holds the whole sketch and key map too. This measures what that
 costs, on one loopback cluster (chief, 1 worker, 2 PS).
 

@@ -100,6 +100,12 @@ def _wait_for_line(path: str, needle: str, proc: subprocess.Popen, timeout: floa
     raise procs.BenchmarkProcessError(f"no {needle!r} within {timeout:.0f} s; log {path}")
 
 
+def setup_options(setup: str) -> Dict[str, str]:
+    """The job fields that make a network setup what its name says."""
+    return {"embedding_updates": "async" if setup == "hybrid_async" else "sync",
+            "sparse_exchange": "allgather" if setup == "hybrid_sync_allgather" else "ps"}
+
+
 def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -> dict:
     """One (setup, W) on fresh emulated hosts; the raw measurement."""
     from tf_psplugin.testing import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
@@ -118,9 +124,7 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
         "num_workers": num_workers, "num_ps": num_ps,
         "steps_per_execution": args.network_spe, "steps_per_epoch": epoch_steps,
         "timed_epochs": args.network_epochs, "pool_batches": 4,
-        "embedding_updates": "async" if setup == "hybrid_async" else "sync",
-        "sparse_exchange": "allgather" if setup == "hybrid_sync_allgather" else "ps",
-        "partition_min_bytes": 1 << 20, "announce_epochs": True,
+        "partition_min_bytes": 1 << 20, "announce_epochs": True, **setup_options(setup),
     }
     log = os.path.join(log_dir, f"network-{setup}-w{num_workers}.log")
     env = procs.child_env()
@@ -206,6 +210,9 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec) -> di
         "analytical_min_bytes_per_example": {k: round(v, 1) for k, v in minimum.items()},
         "ratio_to_analytical_min": round(total_tx / examples / minimum["total"], 3),
         "dense_parameters": dense_parameters(spec),
+        # The plugin's strategy arguments (None: stock PSS).
+        "strategy_options": (procs.strategy_options(setup_options(setup))
+                             if setup != "stock_pss" else None),
     }
     if "chief_exit" in result:
         record["chief_exit"] = result["chief_exit"]

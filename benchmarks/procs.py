@@ -33,6 +33,19 @@ class BenchmarkProcessError(RuntimeError):
     """A benchmark process failed or timed out; the message has its log tail."""
 
 
+def strategy_options(job: dict) -> Dict[str, object]:
+    """The HybridParameterServerStrategy arguments a hybrid job runs with.
+
+    benchmarks/child.py builds the strategy from exactly these, and the
+    result lines record them, so a figure always says which options made it
+    (an option not listed here is the strategy's default).
+    """
+    return {"embedding_updates": job.get("embedding_updates", "sync"),
+            "sharding": job.get("sharding") or None,
+            "sparse_exchange": job.get("sparse_exchange", "ps"),
+            "stack_tables": bool(job.get("stack_tables", True))}
+
+
 def peak_rss_mb(pid: str = "self") -> float:
     """Peak resident set size (VmHWM) of a process in MiB; ru_maxrss as fallback."""
     try:

@@ -44,7 +44,7 @@ THROUGHPUT_SETUPS = ("single", "stock_pss", "mwms", "hybrid_sync", "hybrid_sync_
 # Setups that run on a PS cluster with the plugin's strategy.
 HYBRID_SETUPS = ("hybrid_sync", "hybrid_sync_unstacked", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
-               "peak_rss_mb", "steps", "global_batch", "tf_version")
+               "peak_rss_mb", "steps", "global_batch", "tf_version", "strategy_options")
 DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
 TARGETS = {"hybrid_sync_over_stock_pss": 2.0, "hybrid_sync_over_single": 0.8,
            "memory_worker_spread": 0.10, "memory_ps_over_share": 1.3, "balance_max_over_mean": 1.1}
@@ -269,6 +269,9 @@ def throughput_records(runs: Dict[str, List[dict]], args, num_workers: int) -> L
             "loadavg_start": [r.get("loadavg_start") for r in results],
             "epoch_examples_per_sec": [round(x, 1) for x in last.get("epoch_examples_per_sec", [])],
             "knobs": knobs(args),
+            # The plugin's strategy arguments for this setup (None: not the plugin).
+            "strategy_options": (procs.strategy_options(job_for(setup, args, num_workers))
+                                 if setup in HYBRID_SETUPS else None),
         }
         if not ok:
             rec["error"] = last.get("error")

@@ -1,16 +1,15 @@
 """Public module: a whole job on one host (`LocalCluster`).
 
-The code lives in `tf_psplugin.cluster.launch`; this module is its public
-face and the command `python -m tf_psplugin.launch --workers N --ps M
-[--evaluator] -- COMMAND`.
+The code lives in `tf_psplugin.cluster`: the processes in `local_cluster`,
+the restart budget in `restart_budget`, the command in `launch`. This
+module is their public face and the command `python -m tf_psplugin.launch
+--workers N --ps M [--evaluator] -- COMMAND`.
 """
 
 import sys
 
-from tf_psplugin.cluster.launch import (  # noqa: F401  (the public names)
-    LocalCluster,
-    main,
-)
+from tf_psplugin.cluster.launch import main  # noqa: F401  (the public names)
+from tf_psplugin.cluster.local_cluster import LocalCluster  # noqa: F401
 
 __all__ = ["LocalCluster", "main"]
 

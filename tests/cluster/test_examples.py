@@ -13,6 +13,10 @@ ids, restarted with another PS count from its checkpoint.
 `online_ctr.py` trains on its endless stream with incremental checkpoints,
 the evaluator and the serving process following.
 
+`first_model.py` is README's first model (tests/unit/test_doc_examples.py
+checks that the two are the same code); it runs twice, the second run
+resuming from the first one's checkpoint.
+
 Not here: keras_examples/ctr.py (tests/cluster/test_ctr_example.py) and
 estimator_examples/ (tests/cluster/test_estimator.py) have their own modules. These tests run in both CI environments (TF 2.15 and
 the newest TF with tf-keras, `make test`), so they hold the examples to both.
@@ -30,12 +34,12 @@ pytestmark = pytest.mark.cluster
 EXAMPLES = os.path.join(cu.REPO_ROOT, "keras_examples")
 
 
-def launch(procs, example, *args, timeout=85):
+def launch(procs, example, *args, timeout=85, env=None):
     """Runs an example under the launcher (2 workers, 1 PS); returns (code, log)."""
     cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "1",
            "--timeout", str(timeout - 5), "--", cu.PYTHON, os.path.join(EXAMPLES, example),
            *args]
-    result = procs.run(cmd, timeout=timeout, cwd=cu.REPO_ROOT)
+    result = procs.run(cmd, timeout=timeout, cwd=cu.REPO_ROOT, env=env)
     return result.returncode, result.stdout
 
 
@@ -60,6 +64,17 @@ def test_minimal_fits_under_the_launcher(procs):
     assert final, out
     # The label is learnable from the ids: the loss must go down.
     assert float(final.group(1)) < float(epochs[0]), out
+
+
+@pytest.mark.timeout(190)
+def test_the_readmes_first_model_trains_checkpoints_and_resumes(procs, tmp_path):
+    """README's first model, as README says to run it, twice: the second run restores."""
+    model_dir = tmp_path / "model"
+    for run, step in ((1, 20), (2, 40)):
+        code, out = launch(procs, "first_model.py", env={"MODEL_DIR": str(model_dir)})
+        assert_clean_exit(code, out)
+        assert f"[chief] first_model: done at step {step}\n" in out, (run, out)
+        assert (model_dir / f"ckpt-{step}.index").exists(), (run, sorted(os.listdir(model_dir)))
 
 
 @pytest.mark.timeout(90)

@@ -18,10 +18,18 @@ give exactly (np.testing.assert_array_equal) every variable the full save
 holds for the layer (rows, Adagrad slots, last use, hits, admission sketch,
 clock), its key -> row pairs, the dense weights and slots, and the
 optimizer step; and that the restored maps are consistent.
+
+A second test trains the same model with `ChiefCheckpoint(full_every=3)`
+while a `ServingModel` in a separate process (no cluster) follows the
+model directory: after every save (full, delta, delta, full, delta) the
+served predictions for raw keys (mapped, newly admitted, evicted or
+expired, never seen) equal the chief's `model.predict` and a
+single-process `load_into` model's within 1e-6.
 """
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.cluster import _cluster_util as cu
@@ -237,3 +245,140 @@ def test_dynamic_embedding_chain_restores_exactly_into_3_ps(trained, make_cluste
     assert report == {"restored": ["delta-8", "delta"], "shards": 3, "problems": [],
                       "problems_after_training": []}, report
     cu.assert_same_npz(tmp_path / "restored3.npz", trained["out"] / "live.npz")
+
+
+SERVE_COMMON = COMMON + """
+import time
+SERVE_ROUNDS = 5  # Saves at steps 2 (full), 4, 6 (deltas), 8 (full), 10 (delta).
+# Every key the rounds draw from, one round's new keys no round trains on,
+# and keys no pool has: each probe row is one key three times, so a row's
+# prediction depends on that key alone.
+PROBE_KEYS = np.concatenate([
+    np.arange(0, 8 * (SERVE_ROUNDS + 1) + 24, dtype=np.int64) * 7919 - 2**40,
+    np.array([0, -1, 2**62 + 5], np.int64)])
+PROBE = np.repeat(PROBE_KEYS[:, None], FEATURES, axis=1)
+
+
+def save_npz(path, **arrays):
+    np.savez(path + ".tmp.npz", **arrays)
+    os.replace(path + ".tmp.npz", path)  # Whole or absent for the other process.
+
+
+def wait_for(path, seconds):
+    deadline = time.time() + seconds
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise TimeoutError(f"{path} did not appear in {seconds} s")
+        time.sleep(0.2)
+"""
+
+SERVE_TRAIN = SERVE_COMMON + """
+config = tf_psplugin.start_server()
+model_dir, out = sys.argv[1], sys.argv[2]
+strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+with strategy.scope():
+    model = make_model()
+callback = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=STEPS_PER_ROUND, full_every=3)
+report = {"kinds": [], "stats": []}
+for k in range(SERVE_ROUNDS):
+    model.fit(round_data(k), epochs=1, steps_per_epoch=STEPS_PER_ROUND, verbose=0,
+              callbacks=[callback])
+    step = (k + 1) * STEPS_PER_ROUND
+    full = os.path.exists(os.path.join(model_dir, f"ckpt-{step}.commit"))
+    delta = os.path.exists(os.path.join(model_dir, f"delta-{step}.commit"))
+    report["kinds"].append("full" if full else "delta" if delta else None)
+    stats = model.get_layer("dyn").table_stats()
+    report["stats"].append({name: sum(s[name] for s in stats)
+                            for name in ("admitted", "evicted", "expired")})
+    keys, _ = model.get_layer("dyn").key_index.export()
+    # The trained model at this checkpoint, as the chief predicts.
+    live = model.predict(PROBE, batch_size=len(PROBE), verbose=0)
+    save_npz(os.path.join(out, f"live-{step}.npz"), pred=live, keys=keys.numpy(),
+             probe=PROBE_KEYS)
+    wait_for(os.path.join(out, f"served-{step}.npz"), 180)  # Then train on.
+with open(os.path.join(out, "report.json"), "w") as f:
+    json.dump(report, f)
+print("RESULT ok")
+"""
+
+SERVE = SERVE_COMMON + """
+assert "TF_CONFIG" not in os.environ
+model_dir, out = sys.argv[1], sys.argv[2]
+steps = [(k + 1) * STEPS_PER_ROUND for k in range(SERVE_ROUNDS)]
+wait_for(os.path.join(out, f"live-{steps[0]}.npz"), 300)
+export = tf_psplugin.export_from_checkpoint(
+    make_model, os.path.join(model_dir, f"ckpt-{steps[0]}"), os.path.join(out, "export"))
+serving = tf_psplugin.ServingModel(export, model_dir=model_dir)
+applied = {}
+for step in steps:
+    wait_for(os.path.join(out, f"live-{step}.npz"), 300)
+    deadline, names = time.time() + 120, []
+    while serving.step != step:
+        if time.time() > deadline:
+            raise TimeoutError(f"serving did not reach step {step}: at {serving.step}")
+        names += [i.name for i in serving.poll()]
+        time.sleep(0.2)
+    applied[step] = names
+    served = serving(tf.constant(PROBE)).numpy()
+    # A single-process model restored from the same chain.
+    reference = make_model()
+    info = ckpt_lib.load_into(reference, model_dir)
+    assert info.step == step, (info.step, step)
+    keys, _ = reference.get_layer("dyn").key_index.export()
+    save_npz(os.path.join(out, f"served-{step}.npz"), pred=served,
+             reference=reference(PROBE, training=False).numpy(), keys=keys.numpy())
+print("RESULT", json.dumps(applied))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_serving_model_follows_keys_admitted_evicted_and_expired_like_the_trained_model(
+        make_cluster, procs, tmp_path):
+    model_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    server = procs.popen([cu.PYTHON, cu.python_script(tmp_path, SERVE, "serve.py"),
+                          str(model_dir), str(out)])
+    server_output = cu.LineReader(server)
+    cluster = make_cluster(num_workers=2, num_ps=2)
+    cluster.start_servers()
+    result = cluster.run_chief([cu.PYTHON, cu.python_script(tmp_path, SERVE_TRAIN, "train.py"),
+                                str(model_dir), str(out)], timeout=480)
+    assert result.returncode == 0, result.stdout[-8000:] + server_output.text()[-4000:]
+    assert server_output.wait_exit(server, timeout=60) == 0, server_output.text()[-8000:]
+    applied = json.loads(cu.result_line(server_output.join()))
+    with open(out / "report.json") as f:
+        report = json.load(f)
+    assert report["kinds"] == ["full", "delta", "delta", "full", "delta"], report
+    # Each save reached serving as it was written: deltas applied in place,
+    # the newer full checkpoint reloaded whole.
+    assert applied == {"2": [], "4": ["delta-4"], "6": ["delta-6"], "8": ["ckpt-8"],
+                       "10": ["delta-10"]}, applied
+    first, last = report["stats"][0], report["stats"][-1]
+    for name in ("admitted", "evicted", "expired"):
+        assert last[name] > first[name], report["stats"]
+    previous = set()
+    seen = {"new": 0, "gone": 0, "unmapped": 0}
+    for step in (2, 4, 6, 8, 10):
+        live = np.load(out / f"live-{step}.npz")
+        served = np.load(out / f"served-{step}.npz")
+        np.testing.assert_allclose(served["pred"], live["pred"], rtol=0, atol=1e-6,
+                                   err_msg=f"step {step}: served vs the chief's predict")
+        np.testing.assert_allclose(served["reference"], live["pred"], rtol=0, atol=1e-6,
+                                   err_msg=f"step {step}: load_into vs the chief's predict")
+        mapped = set(live["keys"].tolist())
+        assert set(served["keys"].tolist()) == mapped, step
+        probe = live["probe"]
+        is_mapped = np.isin(probe, live["keys"])
+        # Keys without a row (never seen, waiting, evicted, expired) read the
+        # default vector: one prediction for all of them.
+        unmapped = served["pred"][~is_mapped]
+        assert len(unmapped) and np.all(unmapped == unmapped[0]), step
+        seen["unmapped"] += len(unmapped)
+        if step > 2:
+            seen["new"] += len(set(probe[is_mapped].tolist()) - previous)
+            seen["gone"] += len(previous - set(probe[is_mapped].tolist()))
+        previous = set(probe[is_mapped].tolist())
+        print(f"step {step}: served - live max {np.abs(served['pred'] - live['pred']).max():.2e}, "
+              f"mapped {int(is_mapped.sum())} of {len(probe)} probe keys, seen {seen}")
+    assert seen["new"] > 0 and seen["gone"] > 0, seen
+

@@ -75,6 +75,13 @@ def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     assert by["hybrid_sync"]["ratio_to_stock_pss"] == 2.25
     assert by["hybrid_sync_unstacked"]["ratio_to_stock_pss"] == 1.5
     assert by["mwms"]["status"] == "error" and by["mwms"]["examples_per_sec"] is None
+    # Every line says which strategy options made its figure.
+    assert by["hybrid_sync"]["strategy_options"] == {
+        "embedding_updates": "sync", "sharding": None, "sparse_exchange": "ps",
+        "stack_tables": True}
+    assert by["hybrid_sync_unstacked"]["strategy_options"]["stack_tables"] is False
+    assert by["hybrid_async"]["strategy_options"]["embedding_updates"] == "async"
+    assert by["stock_pss"]["strategy_options"] is None
     assert "hybrid_sync" in err and "examples/s" in err
 
 

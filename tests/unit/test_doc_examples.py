@@ -13,8 +13,9 @@ and the public modules):
   callable's parameters with their real defaults.
 
 The examples that need a running cluster run in the cluster tests (the
-README's quick start is `keras_examples/minimal.py`, run by
-tests/cluster/test_examples.py); this test keeps the rest from drifting.
+README's first model is `keras_examples/first_model.py`, checked here to be
+the same code and run by tests/cluster/test_examples.py); this test keeps
+the rest from drifting.
 """
 
 import ast
@@ -265,3 +266,15 @@ def test_documented_signature_is_the_real_one(where, dotted, obj, call):
         assert documented_value == actual, (
             f"{where}: {dotted}: {name} documented as {documented_value!r}, "
             f"code's default is {actual!r}")
+
+
+def test_the_readmes_first_model_is_the_example_ci_runs():
+    """README's first ```python block is keras_examples/first_model.py after its docstring."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        _, first_block = next(_fenced_blocks(f.read(), "README.md"))
+    with open(os.path.join(ROOT, "keras_examples", "first_model.py"), encoding="utf-8") as f:
+        script = f.read()
+    body = script[script.index('"""', 3) + len('"""'):].strip()
+    assert first_block.strip() == body, (
+        "README's first model and keras_examples/first_model.py differ: change both")
+    assert "dataset = " in body and "ChiefCheckpoint(" in body

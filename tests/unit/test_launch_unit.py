@@ -12,9 +12,10 @@ import pytest
 from tf_psplugin.cluster import config as cfg
 from tf_psplugin.cluster import flags as cfg_flags
 from tf_psplugin.cluster import launch
+from tf_psplugin.cluster import local_cluster
 from tf_psplugin.cluster import server
 from tf_psplugin.cluster.config import ConfigError
-from tf_psplugin.cluster.launch import LocalCluster
+from tf_psplugin.cluster.local_cluster import LocalCluster
 from tf_psplugin.errors import RESTART_EXIT_CODE
 
 PY = sys.executable
@@ -54,7 +55,14 @@ def test_parse_args_values():
 ])
 def test_check_command(command, problem):
     with pytest.raises(ConfigError, match=problem):
-        launch._check_command(command)
+        local_cluster.check_command(command)
+
+
+def test_the_former_import_paths_still_work():
+    import tf_psplugin.launch as public  # pylint: disable=g-import-not-at-top
+
+    assert launch.LocalCluster is public.LocalCluster is LocalCluster
+    assert public.main is launch.main
 
 
 def test_main_usage(capsys):
@@ -229,7 +237,7 @@ class _BudgetCluster:
     """A LocalCluster whose tasks' exits are injected one at a time."""
 
     def __init__(self, monkeypatch, max_restarts=2, max_total_restarts=None, workers=2):
-        monkeypatch.setattr(launch, "_kill_group", lambda pid, sig: None)
+        monkeypatch.setattr(local_cluster, "_kill_group", lambda pid, sig: None)
         self.cluster = LocalCluster(workers, 1, restart_failed=True, max_restarts=max_restarts,
                                     max_total_restarts=max_total_restarts,
                                     output=open(os.devnull, "w"))
@@ -239,7 +247,7 @@ class _BudgetCluster:
         self.cluster._clock = lambda: self.now
         roles = [("ps", 0)] + [("worker", i) for i in range(workers)] + [("chief", 0)]
         for job, index in roles:
-            task = launch._Task(job, index, [PY])
+            task = local_cluster._Task(job, index, [PY])
             self.cluster._tasks[task.role] = task
 
     def _spawn(self, task):
@@ -268,7 +276,7 @@ class _BudgetCluster:
             return self.cluster._restart_chief(task, code)
 
     def failures(self):
-        return {role: task.failures for role, task in self.cluster._tasks.items()}
+        return self.cluster.failures()
 
     def log(self):
         return "".join(self.cluster.output())
@@ -304,23 +312,23 @@ def test_a_crash_loop_spends_the_budget_within_one_recovery(monkeypatch):
     # The chief's abort is free once per task and recovery: a second SIGABRT
     # of the same task in the same recovery is its own.
     assert c.exit("worker:0", -signal.SIGABRT)
-    assert c.task("worker:0").failures == 0
+    assert c.cluster.failures()["worker:0"] == 0
     assert c.exit("worker:0", -signal.SIGABRT)
-    assert c.task("worker:0").failures == 1
+    assert c.cluster.failures()["worker:0"] == 1
 
 
 def test_sigabrt_with_no_failure_seen_counts(monkeypatch):
     """E.g. a TF check failure: nothing else failed, so the abort is the task's own."""
     c = _BudgetCluster(monkeypatch)
     assert c.exit("worker:0", -signal.SIGABRT)
-    assert c.task("worker:0").failures == 1
+    assert c.cluster.failures()["worker:0"] == 1
 
 
 def test_chief_restarts_count_unless_a_task_failure_caused_them(monkeypatch):
     c = _BudgetCluster(monkeypatch, max_restarts=2)
     assert c.chief_exit(-signal.SIGKILL)  # Killed: its own failure.
     assert c.chief_exit(RESTART_EXIT_CODE)  # 138 with no failed task seen: counted.
-    assert c.task("chief").failures == 2
+    assert c.cluster.failures()["chief"] == 2
     assert c.exit("ps:0", -signal.SIGKILL)
     assert c.chief_exit(RESTART_EXIT_CODE)  # After a PS failure: free.
     assert not c.chief_exit(RESTART_EXIT_CODE)  # Nothing failed since: budget spent.
@@ -385,7 +393,7 @@ def test_four_worker_kills_with_budget_two_finish_with_real_processes(tmp_path):
             cluster.start_servers([PY, "-c", _SLEEPER])
             result = cluster.run_chief([PY, "-c", _CHIEF_THAT_KILLS_WORKERS, pid_file],
                                        timeout=120)
-            failures = {role: task.failures for role, task in cluster._tasks.items()}
+            failures = cluster.failures()
     assert result.returncode == 0, result.stdout
     assert failures == {"ps:0": 0, "worker:0": 2, "worker:1": 2, "chief": 0}, result.stdout
     assert result.stdout.count("not counted against the chief's budget") == 4

@@ -1,4 +1,4 @@
-"""Automatic lookup fusion (`lookup_fusion`) in one process.
+"""Automatic lookup fusion (`tables/fusion.py`) in one process.
 
 The strategy is stood in for by patching `lookup_fusion.fuse_all`, and each
 Embedding's table is swapped for an `InterleavedShardedVariable` of the same

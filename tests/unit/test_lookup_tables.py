@@ -1,4 +1,4 @@
-"""`table_lookups.lookup_tables`: several tables, one round trip per PS.
+"""`tables/lookups.py`'s `lookup_tables`: several tables, one round trip per PS.
 
 In one process the shard variables stand in for the PS tasks: the fused path
 is the same graph, only the devices differ. The cluster test of the same

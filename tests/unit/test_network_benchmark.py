@@ -74,6 +74,11 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     assert r["worker_allreduce_bytes_per_step"] == round(ring)
     assert r["worker_bytes_per_step_beyond_allreduce"] == round((6000 + 7500) / 2 / 8 - ring)
     assert "worker_allreduce_bytes_per_step" not in by[("stock_pss", 2)]
+    # Every line says which strategy options made its figure (stacking: the default).
+    assert r["strategy_options"] == {"embedding_updates": "sync", "sharding": None,
+                                     "sparse_exchange": "ps", "stack_tables": True}
+    assert by[("hybrid_sync_allgather", 8)]["strategy_options"]["sparse_exchange"] == "allgather"
+    assert by[("stock_pss", 2)]["strategy_options"] is None
     summary = lines[-1]
     assert summary["kind"] == "network_summary"
     assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 2.5

@@ -140,7 +140,7 @@ def test_the_cycle_finder_finds_a_cycle():
 FACES = {
     "tf_psplugin.config": ["tf_psplugin.cluster.config", "tf_psplugin.cluster.flags"],
     "tf_psplugin.server": ["tf_psplugin.cluster.server"],
-    "tf_psplugin.launch": ["tf_psplugin.cluster.launch"],
+    "tf_psplugin.launch": ["tf_psplugin.cluster.local_cluster", "tf_psplugin.cluster.launch"],
     "tf_psplugin.layers": ["tf_psplugin.tables.dynamic"],
     "tf_psplugin.elastic": ["tf_psplugin.fault.elastic"],
 }

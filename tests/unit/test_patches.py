@@ -46,7 +46,16 @@ TARGETS = {
         _keras("engine.functional").Functional._run_internal_graph,
         _keras("engine.node").Node.map_arguments),
     "keras_stacked_updates": _stacked_update_targets,
+    "keras_loss_scaling": lambda: _loss_scaling_targets(),
 }
+
+
+def _loss_scaling_targets():
+    module = _keras("mixed_precision.loss_scale_optimizer")
+    return (module.strategy_supports_loss_scaling, module._is_all_finite,
+            vars(module._DynamicLossScaleState).get("update"),
+            vars(module.LossScaleOptimizerV3).get("apply_gradients"),
+            vars(module.LossScaleOptimizer).get("apply_gradients"))
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,8 @@ import pytest
 import tensorflow as tf
 
 import tf_psplugin
+from tf_psplugin.state import incremental
+from tf_psplugin.state import model_dir as md
 from tf_psplugin.state import serving
 from tests.unit.test_incremental_unit import DIM, TABLE_KEY, tiny_model, write_delta, write_full
 
@@ -246,26 +248,141 @@ def test_a_delta_removed_while_read_is_tried_again(tmp_path, monkeypatch):
     assert_serves_like(served, trained)
 
 
-def test_dynamic_embedding_exports_and_deltas_are_refused_not_served_wrong(tmp_path):
-    """Its key changes cannot be applied to an export: serving them would be wrong."""
-    from tf_psplugin import layers  # pylint: disable=g-import-not-at-top
+def dynamic_setup(tmp_path, **kwargs):
+    """A DynamicEmbedding model trained in one process, tracked as the saver would track it."""
+    from tests.unit import test_incremental_dynamic as tid  # pylint: disable=g-import-not-at-top
 
-    def dynamic_model():
-        ids = tf.keras.Input(shape=(3,), dtype=tf.int64)
-        rows = layers.DynamicEmbedding(capacity=16, output_dim=DIM, name="dyn")(ids)
-        out = tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(rows))
-        return tf.keras.Model(ids, out)
+    def model_fn():
+        return tid.layer_model(**kwargs)[1]
 
+    model, layer, table, stamps, generation = tid.tracked_model(**kwargs)
+    return model_fn, model, layer, table, stamps, generation, tid.start_save
+
+
+def write_dynamic_delta(model_dir, step, base, parent, model, table, stamps, since):
+    """A delta of the layer's rows changed since the last save, in the documented format."""
+    prefix = os.path.join(model_dir, f"delta-{step}")
+    tf.io.gfile.makedirs(prefix)
+    local = table.dirty_rows(0, stamps, since)
+    pieces = {table.table_key + "/.DELTA/ids": local.numpy(),
+              table.table_key + "/.DELTA/rows": tf.gather(table.layer.embeddings, local).numpy()}
+
+    def add(name, tensor):
+        pieces[name] = tensor.numpy()
+
+    table.add_row_pieces(0, local, local, add)
+    if table.sketch is not None:
+        table.add_sketch_pieces(0, add)
+    tf.raw_ops.SaveV2(prefix=os.path.join(prefix, "ps-0"), tensor_names=list(pieces),
+                      shape_and_slices=[""] * len(pieces), tensors=list(pieces.values()))
+    variables, _, _ = incremental.object_keys(tf.train.Checkpoint(model=model))
+    [clock_key] = [k for k, v in variables.items() if v is table.layer.clock]
+    tf.raw_ops.SaveV2(prefix=os.path.join(prefix, "dense"), tensor_names=[clock_key],
+                      shape_and_slices=[""], tensors=[table.layer.clock.numpy()])
+    layer = table.layer
+    manifest = {"tables": {table.table_key: {"shape": [layer.capacity, layer.output_dim],
+                                             "dtype": "float32", "slots": []}},
+                "row_files": [f"delta-{step}/ps-0"], "dense": f"delta-{step}/dense",
+                "dynamic": {table.path: table.manifest()}}
+    return md.commit_delta(prefix, step, None, base=base, parent=parent, manifest=manifest)
+
+
+def assert_serves_keys_like(served, model, probe, model_fn, model_dir):
+    """Served vectors for raw keys == the live model's at inference == `load_into`'s."""
+    want = model(probe, training=False).numpy()
+    np.testing.assert_allclose(served(probe).numpy(), want, rtol=0, atol=1e-6)
+    restored = model_fn()
+    tf_psplugin.load_into(restored, model_dir)
+    np.testing.assert_array_equal(restored(probe, training=False).numpy(), want)
+    for mine, theirs in zip(served_weights(served), restored.get_weights()):
+        np.testing.assert_array_equal(mine, theirs)
+    return want
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_dynamic_embedding_keys_follow_admission_eviction_and_expiry(tmp_path, key_dtype):
+    """New keys get their rows, evicted and expired keys read the default, as in training."""
+    kwargs = dict(capacity=6, eviction="lru", expire_after_steps=2, default_value=0.25,
+                  key_dtype=tf.as_dtype(key_dtype), admit_after=1 if key_dtype == "string" else 2)
+    model_fn, model, layer, table, stamps, generation, start_save = dynamic_setup(
+        tmp_path, **kwargs)
+    keys = (np.arange(40, dtype=np.int64) * 7919 - 2**40 if key_dtype == "int64"
+            else np.array([f"item-{i}".encode() for i in range(40)], object))
+
+    def train(*batches):
+        for batch in batches:
+            layer(tf.constant(keys[np.asarray(batch)].reshape(-1, 2)), training=True)
+
+    def mapped():
+        exported, _ = layer.key_index.export()
+        return {k for k in exported.numpy().tolist()}
+
+    model_dir = str(tmp_path / "run")
+    train(*[[0, 1, 2, 3]] * 3)
+    tf.train.Checkpoint(model=model).write(os.path.join(model_dir, "ckpt-2"))
+    md.commit_checkpoint(os.path.join(model_dir, "ckpt-2"), 2, None)
+    start_save(table, generation, full=True)
+    export = tf_psplugin.export_from_checkpoint(model_fn, model_dir, str(tmp_path / "export"))
+    served = tf_psplugin.ServingModel(export, model_dir=model_dir)
+    probe = tf.constant(keys[:16].reshape(8, 2))
+    assert_serves_keys_like(served, model, probe, model_fn, model_dir)
+    at_full = mapped()
+
+    # Delta 4: keys 4.. fill the table and evict 0..3; delta 6: only key 10
+    # is used, the others expire. Both applied by one poll.
+    train(*[[4, 5, 6, 7], [8, 9, 10, 11]] * 2)
+    since = start_save(table, generation, full=False)
+    write_dynamic_delta(model_dir, 4, "ckpt-2", "ckpt-2", model, table, stamps, since)
+    at_4 = mapped()
+    train(*[[10, 10]] * 4)
+    since = start_save(table, generation, full=False)
+    write_dynamic_delta(model_dir, 6, "ckpt-2", "delta-4", model, table, stamps, since)
+    stats = layer.table_stats()[0]
+    assert stats["evicted"] > 0 and stats["expired"] > 0, stats
+    assert [i.name for i in served.poll()] == ["delta-4", "delta-6"]
+    want = assert_serves_keys_like(served, model, probe, model_fn, model_dir)
+    now = mapped()
+    gone, new = at_full - now, (at_4 | now) - at_full
+    assert gone and new and now, (at_full, at_4, now)
+    # An evicted or expired key reads the default; a mapped key its row.
+    flat = probe.numpy().reshape(-1)
+    vectors = want.reshape(-1, layer.output_dim)
+    for key, vector in zip(flat.tolist(), vectors):
+        if key in now:
+            assert not np.all(vector == 0.25), key
+        else:
+            np.testing.assert_array_equal(vector, 0.25)
+
+    # A newer full checkpoint (after a key came back) is reloaded whole.
+    train(*[[0, 1, 10, 10]] * 2)
+    tf.train.Checkpoint(model=model).write(os.path.join(model_dir, "ckpt-8"))
+    md.commit_checkpoint(os.path.join(model_dir, "ckpt-8"), 8, None)
+    assert [i.name for i in served.poll()] == ["ckpt-8"]
+    assert_serves_keys_like(served, model, probe, model_fn, model_dir)
+    assert {keys[0].item() if key_dtype == "int64" else keys[0]} <= mapped()
+
+
+def test_dynamic_embedding_exports_of_older_versions_and_unknown_layers_are_refused(tmp_path):
+    """An export that does not say where its key maps are, or lacks a delta's layer."""
+    model_fn, model, layer, *_ = dynamic_setup(tmp_path, capacity=16)
     export = str(tmp_path / "export")
-    tf_psplugin.export_saved_model(dynamic_model(), export)
-    with open(os.path.join(export, serving.SERVING_METADATA)) as f:
-        assert json.load(f)["dynamic_embeddings"] == ["dyn"]
+    tf_psplugin.export_saved_model(model, export, model_fn=model_fn)
+    path = os.path.join(export, serving.SERVING_METADATA)
+    with open(path) as f:
+        metadata = json.load(f)
+    [entry] = metadata["dynamic_tables"]
+    assert entry["name"] == "dyn" and entry["key_index"] == entry["path"] + "/key_index", entry
     tf_psplugin.ServingModel(export)  # Serving it as it is works.
+    # The metadata an older version wrote: layer names only.
+    del metadata["dynamic_tables"]
+    metadata["dynamic_embeddings"] = ["dyn"]
+    with open(path, "w") as f:
+        json.dump(metadata, f)
     served = tf_psplugin.ServingModel(export, model_dir=str(tmp_path / "run"))
-    with pytest.raises(tf_psplugin.ServingError, match=r"dyn: ServingModel cannot follow.*Fix:"):
+    with pytest.raises(tf_psplugin.ServingError, match=r"dyn: the export does not record.*Fix:"):
         served.poll()
     # A delta that changes a DynamicEmbedding's keys, followed by an export
-    # without the metadata field (written before it existed): refused too.
+    # without that layer: refused.
     model_dir = str(tmp_path / "plain")
     write_full(model_dir, 2)
     plain = tf_psplugin.export_from_checkpoint(tiny_model, model_dir, str(tmp_path / "e2"))
@@ -273,8 +390,9 @@ def test_dynamic_embedding_exports_and_deltas_are_refused_not_served_wrong(tmp_p
     marker = delta.path + ".commit"
     with open(marker) as f:
         data = json.load(f)
-    data["manifest"]["dynamic"] = {"model/layer_with_weights-0": {}}
+    data["manifest"]["dynamic"] = {"model/layer_with_weights-0": {
+        "key_index": "model/layer_with_weights-0/key_index"}}
     with open(marker, "w") as f:
         json.dump(data, f)
-    with pytest.raises(tf_psplugin.ServingError, match="cannot follow their key changes"):
+    with pytest.raises(tf_psplugin.ServingError, match="which the export .* has not got"):
         tf_psplugin.ServingModel(plain, model_dir=model_dir).poll()

@@ -83,6 +83,20 @@ PATCHES: Tuple[Patch, ...] = (
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.sync.sparse_exchange:patch_keras_dedup"),
     Patch(
+        name="keras_loss_scaling",
+        replaces=("keras.src.mixed_precision.loss_scale_optimizer.strategy_supports_loss_scaling",
+                  "keras.src.mixed_precision.loss_scale_optimizer._is_all_finite",
+                  "keras.src.mixed_precision.loss_scale_optimizer._DynamicLossScaleState.update",
+                  "keras.src.mixed_precision.loss_scale_optimizer.LossScaleOptimizerV3"
+                  ".apply_gradients",
+                  "keras.src.mixed_precision.loss_scale_optimizer.LossScaleOptimizer"
+                  ".apply_gradients"),
+        why=("mixed_float16: Keras's LossScaleOptimizer runs under the synchronous strategy; "
+             "its 'every gradient is finite' check (table gradients included) is agreed by "
+             "all workers in the step's all-reduce, so all apply the step or none does"),
+        tf_versions="Keras 2.15, tf-keras 2.21",
+        apply="tf_psplugin.sync.loss_scaling:patch_keras_loss_scaling"),
+    Patch(
         name="safe_embedding_lookup_v1",
         replaces=("tf.compat.v1.nn.safe_embedding_lookup_sparse dispatch for ShardedVariable",),
         why=("feature columns' v1 safe lookups use an interleaved table's own 'mod' "

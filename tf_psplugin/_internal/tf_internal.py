@@ -150,7 +150,7 @@ def keras_private_module(name: str):
     """Keras 2's private module `<keras package>.src.<name>` (tf.keras or tf-keras).
 
     Used by the patches of `keras/progress.py`, `runtime/epochs.py`,
-    `sync/sparse_exchange.py` and `tables/fusion.py` (see `patches`)
+    `sync/sparse_exchange.py`, `sync/loss_scaling.py` and `tables/fusion.py` (see `patches`)
     (their attributes are in PRIVATE_ATTRIBUTES); checked on Keras 2.15 and
     tf-keras 2.16-2.21.
     """
@@ -330,6 +330,12 @@ PRIVATE_ATTRIBUTES = {
     # -- sync/sparse_exchange.py: Keras's optimizer sums duplicate sparse rows
     # outside extended.update; for a gradient summed on a PS, that sum runs there.
     "_deduplicate_sparse_grad": "keras:optimizers.optimizer.Optimizer",
+    # -- sync/loss_scaling.py: Keras's loss scale checks "every gradient is
+    # finite" itself, per replica; here the workers agree on it in the
+    # step's all-reduce (table gradients included), and Keras's check
+    # returns that answer. No public hook.
+    "_is_all_finite": "keras:mixed_precision.loss_scale_optimizer",
+    "_DynamicLossScaleState": "keras:mixed_precision.loss_scale_optimizer",
     # -- tables/fusion.py: a functional model's Embedding layers at one depth
     # are looked up together; Keras has no hook that sees them before they run.
     "_run_internal_graph": "keras:engine.functional.Functional",

@@ -401,6 +401,27 @@ def set_deduplicate_sparse_grad(optimizer_cls, fn: Callable) -> None:
     optimizer_cls._deduplicate_sparse_grad = fn  # pylint: disable=protected-access
 
 
+def loss_scale_is_all_finite(module) -> Callable:
+    """Keras's `loss_scale_optimizer._is_all_finite`, the loss scale's "every gradient is
+    finite" check (patch "keras_loss_scaling"; tf.keras 2.15, tf-keras 2.21).
+    """
+    return module._is_all_finite  # pylint: disable=protected-access
+
+
+def set_loss_scale_is_all_finite(module, fn: Callable) -> None:
+    """Replaces Keras's `loss_scale_optimizer._is_all_finite` (patch "keras_loss_scaling";
+    tf.keras 2.15, tf-keras 2.21).
+    """
+    module._is_all_finite = fn  # pylint: disable=protected-access
+
+
+def dynamic_loss_scale_state(module) -> type:
+    """Keras's `loss_scale_optimizer._DynamicLossScaleState`, the dynamic loss scale and
+    its `update` (patch "keras_loss_scaling"; tf.keras 2.15, tf-keras 2.21).
+    """
+    return module._DynamicLossScaleState  # pylint: disable=protected-access
+
+
 def distributed_apply_gradients_fn(optimizer_cls) -> Callable:
     """Keras Optimizer's `_distributed_apply_gradients_fn`, which applies gradients under a
     strategy (tf.keras 2.15, tf-keras 2.21).

@@ -2,9 +2,10 @@
 
 `config` (`ClusterConfig`, `TF_CONFIG`, validated), `flags` (the cluster
 flags, `resolve`), `config_command`, `restarts` (the environment a restarted
-task reads), `ports`, `server` (a ps or worker task's entry point), `launch`
-(a whole job on one host) and `connection` (resolve, wait for every task,
-connect). Uses `_internal` only.
+task reads), `ports`, `server` (a ps or worker task's entry point),
+`local_cluster` (a whole job on one host), `restart_budget` (which failures
+earn a restart), `launch` (its command) and `connection` (resolve, wait for
+every task, connect). Uses `_internal` only.
 The public faces are `tf_psplugin.config`, `tf_psplugin.server` and
 `tf_psplugin.launch`.
 """

@@ -1,7 +1,7 @@
 """How a restarted task learns about restarts: the environment the launcher sets.
 
 Why this module exists: restarting failed tasks is split between a process
-that imports no TensorFlow (the launcher, `cluster/launch.py`, or a
+that imports no TensorFlow (the launcher, `cluster/local_cluster.py`, or a
 scheduler) and the training processes (the chief's failover,
 `fault/failover.py`, and `fault/elastic.py`). They agree through two
 environment variables, named once here so that the launcher can set them

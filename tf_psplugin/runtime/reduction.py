@@ -14,6 +14,7 @@ from typing import List, NamedTuple
 import tensorflow as tf
 
 from tf_psplugin.runtime.variable_creation import _unwrap
+from tf_psplugin.sync import loss_scaling as loss_scaling_lib
 from tf_psplugin.sync import replicated as variables_lib
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
 
@@ -87,18 +88,27 @@ class Reduction:
             hand_in = self._hand_in([values[i] for i in sparse_idx],
                                     [value_destination_pairs[i][1] for i in sparse_idx])
         token = None
-        if dense_idx:
+        # Under Keras's LossScaleOptimizer: this worker's non-finite values,
+        # dense and table gradients, summed among the workers below.
+        nonfinite = (loss_scaling_lib.local_nonfinite_count(values)
+                     if loss_scaling_lib.agreeing() else None)
+        if dense_idx or nonfinite is not None:
             # Metric and batch-norm updates recorded so far in the step ride
             # along (sums: only with a summed gradient).
             pending = self._extended.on_read_updates.take() if not mean else []
+            extra = [] if nonfinite is None else [nonfinite]
             # The hand-ins first: then the dense all-reduce doubles as the
             # barrier the PS exchange needs (it completes on a worker only
             # once every worker has handed in), one collective fewer a step.
             with tf.control_dependencies(hand_in.ops if hand_in else []):
                 reduced = self._extended.collective_group.all_reduce_packed(
-                    [values[i] for i in dense_idx] + self._extended.on_read_updates.deltas(pending),
-                    mean=mean)
-            self._extended.on_read_updates.apply(pending, reduced[len(dense_idx):])
+                    [values[i] for i in dense_idx] + extra
+                    + self._extended.on_read_updates.deltas(pending), mean=mean)
+            n = len(dense_idx)
+            self._extended.on_read_updates.apply(pending, reduced[n + len(extra):])
+            if nonfinite is not None:
+                # (Averaged with a MEAN reduction: still 0 iff every value is finite.)
+                loss_scaling_lib.record_agreed(reduced[n])
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
             token = reduced[0]

@@ -210,6 +210,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         patches.install("keras_data_handler")
         # Keras's optimizer sums duplicate sparse rows on the PS that holds them.
         patches.install("keras_dedup_on_ps")
+        if self._extended.agrees_loss_scaling:
+            # mixed_float16: Keras's loss scaling, its finite check agreed.
+            patches.install("keras_loss_scaling")
         # A functional model's table lookups: one round trip per PS.
         self._extended.fuse_lookups = bool(options.fuse_lookups)
         # Float32 tables stored in half precision (None: as asked for).
@@ -322,7 +325,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         # Enforced by the coordinator's watchdog, not by the collective ops.
         self.step_timeout_seconds = float(collective_timeout_seconds)
         self.reduced_steps = None
-        # Read by lookup_fusion: set by the strategy after construction.
+        # Read by tables/fusion.py: set by the strategy after construction.
         self.fuse_lookups = False
         # Read by variable creation (HybridOptions.table_dtype): set likewise.
         self.table_dtype = None
@@ -337,12 +340,17 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     @property
     def table_stacks(self) -> Optional[table_stacking.TableStacks]:
-        """The table stacks with ``stack_tables=True``, else None (read by lookup_fusion)."""
+        """The table stacks with ``stack_tables=True``, else None (read by tables/fusion.py)."""
         return self.creation.table_stacks
 
     def enable_table_stacking(self) -> None:
         """Stores eligible tables in stacks from now on (see `table_stacking`)."""
         self.creation.enable_table_stacking()
+
+    @property
+    def agrees_loss_scaling(self) -> bool:
+        """Whether Keras's loss scaling may run (`sync/loss_scaling.py`): sync dense and tables."""
+        return self.dense_allreduce and self.embedding_updates == "sync"
 
     def update_role(self, worker_index: int) -> tuple:
         """The PS tasks whose table shards `worker_index` updates in sync mode."""

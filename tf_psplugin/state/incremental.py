@@ -72,11 +72,11 @@ The delta format, for readers such as the serving loader
   and ``C/.DELTA/rows`` (int64 counts) for the counters of the admission
   sketch ``C`` that changed. The layer's ``clock`` is in ``dense``. A
   loader applies a layer's keys after its rows: remove every key that maps
-  to one of the table's ids, then map ``keys[held] -> ids[held]``. (A
-  loader that applies only the table rows would serve new rows under the
-  keys they had before; `serving.ServingModel` does that today: it does
-  not follow a DynamicEmbedding's keys yet.) How the changes are found, and why the sketch is
-  written by counter rather than whole: `incremental_dynamic`.
+  to one of the table's ids, then map ``keys[held] -> ids[held]`` (a
+  loader that applied only the table rows would serve new rows under the
+  keys they had before; `serving.ServingModel` applies the keys too). How
+  the changes are found, and why the sketch is written by counter rather
+  than whole: `incremental_dynamic`.
 * ``delta-<step>.commit`` (JSON): ``kind: "delta"``, ``step``, ``base``
   (``ckpt-<m>``), ``parent`` (the base or the previous delta), ``files``
   (sizes), ``manifest``: ``tables`` (key -> shape, dtype, slot keys, and

@@ -40,6 +40,23 @@ lock: during a poll it may see some variables (or, during a full reload,
 whole tables) at the new step and others at the old one; each single
 variable is never half-written (each assignment is one TF op).
 
+`DynamicEmbedding` tables. The export holds each layer's key -> row map
+as a table of the SavedModel (`DynamicEmbedding.freeze_for_serving`): a
+request's raw keys (int64 or strings) are looked up there, a key with a
+row reads that row, any other key (never admitted, still waiting for
+admission, evicted, expired) reads the layer's ``default_value`` in every
+column, exactly what the trained layer's lookup gives outside training
+(``training=False``: `Model.predict`, `evaluate`). The metadata records
+where each map is in the checkpoints (its ``key_index`` path) and in the
+export (its layer's path). A full reload replaces the map with the
+checkpoint's (key, row) pairs; a delta replaces, as `load_into` restores
+it (`incremental_dynamic.merge_key_pairs`), every pair of each row it
+names by the key that row holds now, if any: keys admitted since (new
+rows, or rows taken from evicted keys) appear, evicted and expired keys
+disappear. The rows' last use, hit counts and admission counters follow
+too (the served lookup does not read them). The map is swapped whole, in
+one op, with the other assignments of the poll.
+
 Optimizer slots and state in the deltas are ignored (serving has no
 optimizer). A full reload holds each table up to three times while it is
 assigned (the variable, the values read, the assignment's copy): measured
@@ -59,6 +76,7 @@ from absl import logging
 
 from tf_psplugin.errors import ServingError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import incremental
+from tf_psplugin.state import incremental_dynamic
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointInfo
 from tf_psplugin.tables import dynamic as dynamic_lib
@@ -73,6 +91,9 @@ _NOT_SERVED = ("optimizer/", "save_counter/", "model/optimizer/")
 # A delta or full checkpoint removed or rewritten while read (the chief's
 # max_to_keep, a new full save): tried again at the next poll.
 _RACE_ERRORS = (tf.errors.NotFoundError, tf.errors.DataLossError, OSError)
+# A DynamicEmbedding's key -> row map in a full checkpoint (`tables.dynamic._KeyIndex`).
+_KEY_INDEX_KEYS = "/.ATTRIBUTES/keys"
+_KEY_INDEX_ROWS = "/.ATTRIBUTES/rows"
 
 
 def serving_metadata(model, checkpoint: Optional[CheckpointInfo] = None) -> Dict[str, Any]:
@@ -86,22 +107,26 @@ def serving_metadata(model, checkpoint: Optional[CheckpointInfo] = None) -> Dict
     Returns:
         A JSON-serialisable dict (written as ``SERVING_METADATA``).
     """
-    keys, _, _ = incremental.object_keys(tf.train.Checkpoint(model=model))
+    keys, _, paths = incremental.object_keys(tf.train.Checkpoint(model=model))
     key_of = {id(var): key for key, var in keys.items()}
     entries = [{"key": key_of.get(id(var)), "name": var.name,
                 "shape": [int(d) for d in var.shape], "dtype": var.dtype.name}
                for var in model.variables]
-    # A DynamicEmbedding's export holds a fixed key -> row table, which a
-    # delta's key changes cannot update (see `ServingModel.poll`).
-    dynamic = sorted(layer.name for layer in model.submodules
-                     if isinstance(layer, dynamic_lib.DynamicEmbedding))
+    # Each DynamicEmbedding's key -> row map: where checkpoints name it
+    # (its key_index) and where the export holds it (the layer's path).
+    dynamic = sorted(({"name": layer.name, "path": paths[id(layer)],
+                       "key_index": paths[id(layer.key_index)],
+                       "key_dtype": layer.key_dtype.name}
+                      for layer in model.submodules
+                      if isinstance(layer, dynamic_lib.DynamicEmbedding)
+                      and id(layer) in paths), key=lambda d: d["path"])
     source = None
     if checkpoint is not None:
         source = {"name": checkpoint.name, "step": int(checkpoint.step),
                   "base": checkpoint.base if checkpoint.kind == model_dir_lib.KIND_DELTA
                   else checkpoint.name}
     return {"format": METADATA_FORMAT, "checkpoint": source, "variables": entries,
-            "dynamic_embeddings": dynamic}
+            "dynamic_tables": dynamic}
 
 
 class _ReadWriteLock:
@@ -139,12 +164,51 @@ class _ReadWriteLock:
             self._cond.notify_all()
 
 
+class _KeyMap:
+    """A served `DynamicEmbedding`'s key -> row map: the export's table, replaced whole.
+
+    The export holds the map as a ``MutableHashTable`` of the frozen layer
+    (`DynamicEmbedding.freeze_for_serving`), which the SavedModel's
+    functions look raw keys up in; `load` swaps its content in one op
+    (``LookupTableImportV2`` replaces every pair), so a lookup sees the old
+    pairs or the new ones.
+
+    Args:
+        table: The loaded SavedModel's restored table (a resource).
+        key_index: The map's object path in the trainer's checkpoints (its
+            full-checkpoint keys are ``<key_index>/.ATTRIBUTES/keys`` and
+            ``/rows``, its delta entries ``<key_index>/.DELTA/keys``).
+        key_dtype: The layer's key dtype name ("int64" or "string").
+        name: The layer's name, for messages.
+    """
+
+    def __init__(self, table, key_index: str, key_dtype: str, name: str):
+        self.table = table
+        self.key_index = key_index
+        self.key_dtype = tf.as_dtype(key_dtype)
+        self.name = name
+
+    def export(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Every (key, row) pair served now."""
+        keys, rows = tf.raw_ops.LookupTableExportV2(
+            table_handle=self.table.resource_handle, Tkeys=self.key_dtype, Tvalues=tf.int64)
+        return keys.numpy(), rows.numpy()
+
+    def load(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Makes these (key, row) pairs the whole map."""
+        keys = tf.constant(keys if len(keys) else [], self.key_dtype)
+        tf.raw_ops.LookupTableImportV2(table_handle=self.table.resource_handle, keys=keys,
+                                       values=tf.constant(rows, tf.int64))
+
+
 class _Update:
-    """What one poll will assign: dense values and table rows, read from files."""
+    """What one poll will assign: dense values, table rows and key maps, read from files."""
 
     def __init__(self):
         self.assign: Dict[str, Any] = {}  # numpy arrays or tensors
         self.scatter: List[Tuple[str, np.ndarray, np.ndarray]] = []
+        # key_index path -> every (key, row) pair of the map after the update.
+        self.key_pairs: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}
         self.applied: List[CheckpointInfo] = []
 
 
@@ -153,8 +217,9 @@ class ServingModel:
 
     Load it in the serving process (no cluster, no strategy), answer
     requests with it, and call `poll` (or `start` a background poller): each
-    committed delta of the export's chain is applied to the loaded tables
-    and dense variables, and a newer full checkpoint is reloaded whole.
+    committed delta of the export's chain is applied to the loaded tables,
+    dense variables and `DynamicEmbedding` key -> row maps, and a newer
+    full checkpoint is reloaded whole.
 
     Example:
 
@@ -203,7 +268,14 @@ class ServingModel:
                     f"its metadata ({entry}). Fix: export it again.")
             if entry["key"]:
                 self._variables[entry["key"]] = var
-        self._dynamic: List[str] = list(metadata.get("dynamic_embeddings") or [])
+        # An export written before serving followed dynamic keys lists their
+        # layer names only: polling it is refused (see `poll`).
+        self._old_dynamic: List[str] = list(metadata.get("dynamic_embeddings") or [])
+        self._key_maps: Dict[str, _KeyMap] = {}
+        for entry in metadata.get("dynamic_tables") or []:
+            key_map = _KeyMap(self._find_key_table(entry), entry["key_index"],
+                              entry["key_dtype"], entry["name"])
+            self._key_maps[entry["key_index"]] = key_map
         source = metadata.get("checkpoint")
         self._base: Optional[str] = source["base"] if source else None
         self._name: Optional[str] = source["name"] if source else None
@@ -215,6 +287,21 @@ class ServingModel:
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._warned: set = set()
+
+    def _find_key_table(self, entry: Dict[str, Any]):
+        """The loaded export's key -> row table of the DynamicEmbedding `entry` names."""
+        obj = self.loaded
+        path = entry["path"][len("model/"):] if entry["path"].startswith("model/") \
+            else entry["path"]
+        for name in path.split("/") + ["serving_key_map"]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                raise ServingError(
+                    f"export {self.export_dir}: DynamicEmbedding {entry['name']} "
+                    f"({entry['path']}) has no serving key table in the SavedModel. Fix: "
+                    "export it again with tf_psplugin.export_from_checkpoint or "
+                    "export_saved_model of this version.")
+        return obj
 
     # -- requests ----------------------------------------------------------------
 
@@ -257,13 +344,19 @@ class ServingModel:
 
         Raises:
             ServingError: the model directory holds neither the export's
-                checkpoint nor a newer full one; or the export has a
-                `DynamicEmbedding`, whose key changes cannot be followed.
+                checkpoint nor a newer full one; a checkpoint holds a
+                `DynamicEmbedding` the export has not got; or the export
+                was written by a version that did not record its
+                `DynamicEmbedding` key maps.
         """
         if self.model_dir is None:
             return []
-        if self._dynamic:
-            raise self._dynamic_error(self.export_dir, self._dynamic)
+        if self._old_dynamic and not self._key_maps:
+            raise ServingError(
+                f"{self.export_dir}: DynamicEmbedding layer(s) {', '.join(self._old_dynamic)}: "
+                "the export does not record where their key -> row maps are, so their key "
+                "changes cannot be followed. Fix: export it again with this version "
+                "(tf_psplugin.export_from_checkpoint), or serve it as it is (no model_dir).")
         with self._poll_lock:
             try:
                 update = self._plan()
@@ -307,6 +400,12 @@ class ServingModel:
             f"{problem}. Fix: follow the model_dir the export was made from, or export again "
             "from this one (tf_psplugin.export_from_checkpoint(model_fn, model_dir, ...)).")
 
+    def _key_map(self, key_index: str) -> Optional[_KeyMap]:
+        found = self._key_maps.get(key_index)
+        if found is None and not key_index.startswith("model/"):
+            found = self._key_maps.get("model/" + key_index)  # A save_weights checkpoint.
+        return found
+
     def _target(self, key: str, where: str) -> Optional[tf.Variable]:
         var = self._variables.get(key)
         if var is None and not key.startswith("model/"):
@@ -325,7 +424,19 @@ class ServingModel:
         reader = tf.train.load_checkpoint(full.path)
         dtypes = reader.get_variable_to_dtype_map()
         found = set()
+        maps = set()
         for key in sorted(dtypes):
+            if key.endswith(_KEY_INDEX_KEYS):
+                key_map = self._key_map(key[:-len(_KEY_INDEX_KEYS)])
+                if key_map is not None:
+                    rows_key = key[:-len(_KEY_INDEX_KEYS)] + _KEY_INDEX_ROWS
+                    update.key_pairs[key_map.key_index] = (reader.get_tensor(key),
+                                                           reader.get_tensor(rows_key))
+                    maps.add(key_map.key_index)
+                    continue
+            if key.endswith(_KEY_INDEX_ROWS) and self._key_map(
+                    key[:-len(_KEY_INDEX_ROWS)]) is not None:
+                continue  # Read with its keys.
             var = self._target(key, full.path)
             if var is not None:
                 # Read as a tensor, not numpy: one copy less (measured: a 10M x 16
@@ -340,24 +451,62 @@ class ServingModel:
             raise ServingError(
                 f"full checkpoint {full.path} lacks {len(missing)} variable(s) of the export, "
                 f"e.g. {missing[0]}. Fix: serve an export of the model this directory trains.")
+        lacking = sorted(set(self._key_maps) - maps)
+        if lacking:
+            raise ServingError(
+                f"full checkpoint {full.path} lacks the key -> row map {lacking[0]} of the "
+                "export's DynamicEmbedding. Fix: serve an export of the model this directory "
+                "trains.")
         update.applied.append(full)
 
-    @staticmethod
-    def _dynamic_error(where: str, layers: List[str]) -> ServingError:
-        return ServingError(
-            f"{where}: DynamicEmbedding layer(s) {', '.join(layers)}: ServingModel cannot "
-            "follow their key changes yet (an export holds a fixed key -> row table), and "
-            "applying their rows alone would serve new rows under old keys. Fix: load an "
-            "export of each new full checkpoint (tf_psplugin.export_from_checkpoint) instead "
-            "of polling, or serve this export as it is (no model_dir).")
+    def _read_dynamic(self, delta: CheckpointInfo, dynamic: Dict[str, Any],
+                      parts: Dict[str, List[np.ndarray]], update: _Update) -> None:
+        """A delta's DynamicEmbedding changes: row state, sketch counters, key pairs.
+
+        The keys as `incremental_dynamic.apply` restores them: every pair of
+        a row the delta names is dropped, then each such row's key (if it
+        holds one now) maps to it. Merged into the pairs the map will have
+        after the deltas before this one in the same poll.
+        """
+        def joined(name: str) -> np.ndarray:
+            if name not in parts:
+                raise ServingError(f"delta {delta.path} has no {name}: not written by "
+                                   "tf_psplugin's incremental checkpoints.")
+            return np.concatenate(parts[name])
+
+        for path, meta in sorted(dynamic.items()):
+            key_map = self._key_map(meta["key_index"])
+            if key_map is None:
+                raise ServingError(
+                    f"delta {delta.path} changes the keys of DynamicEmbedding {path}, which "
+                    f"the export {self.export_dir} has not got (or does not record). Fix: "
+                    "serve an export of the model this directory trains, made by this "
+                    "version (tf_psplugin.export_from_checkpoint).")
+            ids = joined(meta["table"] + incremental.DELTA_SUFFIX + "ids")
+            if not len(ids):
+                continue
+            for key in meta["row_state"]:
+                if self._target(key, delta.path) is not None:
+                    update.scatter.append(
+                        (key, ids, joined(key + incremental.DELTA_SUFFIX + "rows")))
+            if meta.get("sketch") and self._target(meta["sketch"], delta.path) is not None:
+                counters = joined(meta["sketch"] + incremental.DELTA_SUFFIX + "ids")
+                if len(counters):
+                    update.scatter.append((meta["sketch"], counters, joined(
+                        meta["sketch"] + incremental.DELTA_SUFFIX + "rows")))
+            keys = joined(meta["key_index"] + incremental.DELTA_SUFFIX + "keys")
+            held = joined(meta["key_index"] + incremental.DELTA_SUFFIX + "held")
+            before = update.key_pairs.get(key_map.key_index)
+            if before is None:
+                before = key_map.export()  # Only a poll changes it, under _poll_lock.
+            update.key_pairs[key_map.key_index] = incremental_dynamic.merge_key_pairs(
+                before[0], before[1], ids, keys, held)
 
     def _read_delta(self, delta: CheckpointInfo, update: _Update) -> None:
         marker = model_dir_lib.read_json(delta.path + model_dir_lib.COMMIT_SUFFIX)
         if marker is None:  # Deleted since it was listed (retention removes markers first).
             raise tf.errors.NotFoundError(None, None, f"{delta.path} is gone")
         manifest = marker.get("manifest") or {}
-        if manifest.get("dynamic"):
-            raise self._dynamic_error(delta.path, sorted(manifest["dynamic"]))
         if "dense" not in manifest:
             raise ServingError(f"delta {delta.path} has no manifest: not written by "
                                "tf_psplugin's incremental checkpoints.")
@@ -389,6 +538,8 @@ class ServingModel:
             ids = np.concatenate(ids) if ids else np.zeros([0], np.int64)
             if len(ids):
                 update.scatter.append((table_key, ids, np.concatenate(rows)))
+        if manifest.get("dynamic"):
+            self._read_dynamic(delta, manifest["dynamic"], parts, update)
         update.applied.append(delta)
 
     def _apply(self, update: _Update) -> None:
@@ -400,6 +551,8 @@ class ServingModel:
             for key, ids, rows in update.scatter:
                 self._target(key, last.path).scatter_update(
                     tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
+            for key_index, (keys, rows) in update.key_pairs.items():
+                self._key_maps[key_index].load(keys, rows)
             self._base = last.base if last.kind == model_dir_lib.KIND_DELTA else last.name
             self._name, self.step = last.name, last.step
             self.applied_time = time.time()

@@ -57,6 +57,16 @@ def replicated_variables_used_by(concrete_function) -> List["ReplicatedVariable"
 
 
 _GRAPH_OPEN_ATTR = "_tf_psplugin_step_open"
+_GRAPH_CLOSED_IN_ATTR = "_tf_psplugin_step_closed_in"
+
+
+def _enclosing_graphs(graph) -> list:
+    """`graph` and every graph it is nested in, innermost first."""
+    out = []
+    while graph is not None:
+        out.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return out
 
 
 def open_step() -> None:
@@ -67,7 +77,13 @@ def open_step() -> None:
     `iterations.assign_add`) closes the step: it first waits for the
     strategy's end-of-step ops (the table barrier and the commit counter).
     """
-    setattr(outermost_function_graph(), _GRAPH_OPEN_ATTR, True)
+    g = outermost_function_graph()
+    if getattr(g, _GRAPH_CLOSED_IN_ATTR, None):
+        # The last step was closed in branches (see `_close_step`): what
+        # they recorded belongs to them.
+        setattr(g, _GRAPH_PENDING_ATTR, [])
+    setattr(g, _GRAPH_OPEN_ATTR, True)
+    setattr(g, _GRAPH_CLOSED_IN_ATTR, [])
 
 
 def add_pending_table_update(op) -> None:
@@ -82,18 +98,40 @@ def add_pending_table_update(op) -> None:
     if pending is None:
         pending = []
         setattr(g, _GRAPH_PENDING_ATTR, pending)
-    pending.append(op)
+    pending.append((tf.compat.v1.get_default_graph(), op))
 
 
 def _close_step() -> Optional[list]:
-    """Closes the open step of the current function; returns its table updates."""
+    """Closes the open step of the current function; returns its table updates.
+
+    Closed from a graph nested in the function (a `tf.cond` branch, such as
+    those of Keras's LossScaleOptimizer: apply the step, or skip it), the
+    step is closed for that branch only: a sibling branch (same enclosing
+    graph) closes it too, each with the table updates made in it (or around
+    it); no other graph does. Every worker takes the same branch
+    (`sync/loss_scaling.py`), so each runs the end of the step once.
+    """
     g = outermost_function_graph()
     if not getattr(g, _GRAPH_OPEN_ATTR, False):
         return None
-    setattr(g, _GRAPH_OPEN_ATTR, False)
+    here = tf.compat.v1.get_default_graph()
+    enclosing = _enclosing_graphs(here)
+    closed_in = getattr(g, _GRAPH_CLOSED_IN_ATTR, None)
+    if closed_in is None:
+        closed_in = []
+        setattr(g, _GRAPH_CLOSED_IN_ATTR, closed_in)
+    outer = getattr(here, "outer_graph", None)
+    if closed_in and (here is g or any(c is here or getattr(c, "outer_graph", None) is not outer
+                                       for c in closed_in)):
+        return None  # Closed already, for this graph: only a sibling branch closes too.
     pending = getattr(g, _GRAPH_PENDING_ATTR, None) or []
-    setattr(g, _GRAPH_PENDING_ATTR, [])
-    return pending
+    mine = [op for graph, op in pending if any(graph is e for e in enclosing)]
+    if here is g:
+        setattr(g, _GRAPH_OPEN_ATTR, False)
+        setattr(g, _GRAPH_PENDING_ATTR, [])
+    else:
+        closed_in.append(here)
+    return mine
 
 
 @contextlib.contextmanager

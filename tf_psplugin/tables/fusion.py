@@ -2,7 +2,7 @@
 
 Why this module exists: a CTR model has one `tf.keras.layers.Embedding` per
 feature, and each layer's lookup is its own set of cross-process transfers
-(ids to every PS, rows back). `table_lookups.lookup_tables` looks many tables
+(ids to every PS, rows back). `lookups.lookup_tables` looks many tables
 up in one round trip per PS, but a user's model would have to call it.
 This module makes Keras do it, with no change to the model.
 

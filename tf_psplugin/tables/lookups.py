@@ -59,7 +59,7 @@ def _embedding_lookup_v2(params, ids, max_norm=None, name=None):
     if rows is not None:
         return rows
     if max_norm is None:
-        # Rows a fused lookup of the model's tables already fetched (lookup_fusion).
+        # Rows a fused lookup of the model's tables already fetched (tables/fusion.py).
         rows = prefetched.take(params, ids)
         if rows is not None:
             return rows

@@ -138,7 +138,9 @@ def writes_not_before_barrier(model):
     inputs (collectives.barrier).
     """
     unordered, graphs = [], 0
-    for graph in traced_graphs(model):
+    # Under loss scaling the updates and the barrier are in the tf.cond
+    # branch that applies the step.
+    for graph in traced_graphs(model, branches=MIXED == "mixed_float16"):
         ops = graph.get_operations()
         writes = [op for op in ops if op.type in _PS_WRITES and "/job:ps" in op.device]
         if not writes:
@@ -178,8 +180,40 @@ def takes_before_all_hand_ins(model):
     return early, collectives_per_graph
 
 
+def skip_branch_writes(model):
+    """PS writes and queue takes in the branch of LossScaleOptimizer's tf.cond that skips.
+
+    Returns the number of conds whose other branch writes on a PS, and the
+    ops found in their skipping branch (none expected: a skipped step
+    changes nothing on a PS, and its gradients were taken before the cond).
+    """
+    conds, found = 0, []
+    for graph in traced_graphs(model, branches=True):
+        for op in graph.get_operations():
+            true_graph = getattr(op, "_true_graph", None)
+            if true_graph is None or not any(
+                    o.type in _PS_WRITES and "/job:ps" in o.device
+                    for g in _graphs_within(true_graph) for o in g.get_operations()):
+                continue
+            conds += 1
+            found += [f"{o.type} {o.name}" for g in _graphs_within(op._false_graph)
+                      for o in g.get_operations()
+                      if "/job:ps" in o.device and (o.type in _PS_WRITES
+                                                    or o.type.startswith("QueueDequeue"))]
+    return conds, found
+
+
+def _graphs_within(graph):
+    yield graph
+    for op in graph.get_operations():
+        for name in ("_body_graph", "_true_graph", "_false_graph"):
+            nested = getattr(op, name, None)
+            if nested is not None:
+                yield from _graphs_within(nested)
+
+
 def fused_lookup_gathers(model):
-    """Shard gathers of the fused lookups (lookup_fusion) in the traced step."""
+    """Shard gathers of the fused lookups (tables/fusion.py) in the traced step."""
     return sum(1 for graph in traced_graphs(model) for op in graph.get_operations()
                if op.type == "ResourceGather" and "fused_lookups" in op.name)
 
@@ -197,6 +231,97 @@ def loss_scale(optimizer):
         return None
     return [float(tf.convert_to_tensor(scale)),
             float(tf.convert_to_tensor(optimizer.dynamic_counter))]
+
+
+def worker_loss_scales(optimizer):
+    """Every worker's replica of the loss scale and its counter: [[scale, counter], ...]."""
+    # Keras keeps the dynamic loss scale's variables in a private object (no
+    # public accessor for the variables themselves, only their values).
+    state = optimizer._loss_scale  # pylint: disable=protected-access
+    out = []
+    for v in (state.current_loss_scale, state.counter):
+        assert isinstance(v, tf_psplugin.ReplicatedVariable), v
+        out.append([float(x) for x in v.replica_values()])
+    return [list(pair) for pair in zip(*out)]
+
+
+def max_diff(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def custom_loop(strategy, ids, y):
+    """mixed_float16 in a custom loop (LossScaleOptimizer by hand) vs one process.
+
+    Returns the report's "custom_loop" part: weights against the reference,
+    and per step every worker's loss scale and how much the weights moved.
+    """
+    num_workers = strategy.num_replicas_in_sync
+    global_batch = BATCH * num_workers
+    with strategy.scope():
+        model = make_model()
+        opt = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.01))
+    init = logical_weights(model)
+
+    def loss_of(m, x, labels):
+        return tf.keras.losses.mean_squared_error(labels, m(x, training=True))
+
+    @tf.function
+    def train_step(iterator):
+        def replica_fn(x, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_of(model, x, labels),
+                                                  global_batch_size=global_batch)
+                scaled = opt.get_scaled_loss(loss)
+            grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        x, labels = next(iterator)
+        strategy.run(replica_fn, args=(x, labels))
+
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    it = iter(coordinator.create_per_worker_dataset(
+        tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)))
+    steps, before = [], init
+    for _ in range(STEPS):
+        coordinator.schedule(train_step, args=(it,))
+        coordinator.join()
+        after = logical_weights(model)
+        steps.append({"scales": worker_loss_scales(opt), "moved": max_diff(after, before)})
+        before = after
+
+    ref = make_model()
+    set_logical_weights(ref, init)
+    ref_opt = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.01))
+    ref_scales = []
+    for x, labels in tf.data.Dataset.from_tensor_slices((ids, y)).batch(global_batch).take(STEPS):
+        with tf.GradientTape() as tape:
+            scaled = ref_opt.get_scaled_loss(tf.reduce_mean(loss_of(ref, x, labels)))
+        grads = ref_opt.get_unscaled_gradients(tape.gradient(scaled, ref.trainable_variables))
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+        ref_scales.append(loss_scale(ref_opt))
+    return {"steps": steps, "ref_scales": ref_scales,
+            "diffs": {w: float(np.abs(a - b).max()) for a, b, w in
+                      zip(logical_weights(model), logical_weights(ref), weight_names(ref))}}
+
+
+def legacy_refusal(strategy, ids, y):
+    """What fit says for a legacy optimizer under mixed_float16: [error type, message]."""
+    with strategy.scope():
+        model = make_model()
+        model.compile(tf.keras.optimizers.legacy.Adam(0.01), "mse")
+    try:
+        model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
+                  steps_per_epoch=1, verbose=0)
+    except Exception as e:  # pylint: disable=broad-except  (reported, checked by the test)
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def set_logical_weights(model, weights):
+    """Sets `model`'s layers (a plain model) to `weights`, in logical_weights' order."""
+    for layer in model.layers:
+        n = len(layer.weights)
+        layer.set_weights(weights[:n])
+        weights = weights[n:]
 
 
 def main():
@@ -220,6 +345,7 @@ def main():
     hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH),
                      epochs=1, steps_per_epoch=STEPS, verbose=2)
     got = logical_weights(model)
+    records = [r.to_dict() for r in strategy.placement_records()]  # Before any other model.
     unordered, graphs_with_writes = writes_not_before_barrier(model)
     exchange_ops, summed_gradient_on_workers = sparse_exchange_ops(model)
     early_takes, collectives_per_graph = takes_before_all_hand_ins(model)
@@ -234,10 +360,7 @@ def main():
             replicas_identical &= all(np.array_equal(vals[0], x) for x in vals[1:])
 
     ref = make_model()
-    for layer in ref.layers:  # Same layer order as logical_weights.
-        n = len(layer.weights)
-        layer.set_weights(init[:n])
-        init = init[n:]
+    set_logical_weights(ref, init)
     ref.compile(make_optimizer(), "mse", metrics=make_metrics())
     ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH * num_workers),
                        epochs=1, steps_per_epoch=STEPS, verbose=0)
@@ -264,7 +387,19 @@ def main():
         checkpoint["accumulator"] = float(np.abs(tf.convert_to_tensor(slot).numpy()
                                                  - plain_slot.numpy()).max())
         checkpoint["accumulator_trained"] = float(np.abs(plain_slot.numpy() - 0.1).max())
+    float16 = {}
+    if MIXED == "mixed_float16":
+        float16 = {
+            "overflow_step": OVERFLOW_ROW // (num_workers * BATCH),
+            # Batch-level callbacks are refused under a ParameterServerStrategy:
+            # fit is checked at its end (the custom loop step by step).
+            "fit_scales": worker_loss_scales(model.optimizer),
+            "skip_branch": skip_branch_writes(model),
+            "custom_loop": custom_loop(strategy, ids, y),
+            "legacy_refusal": legacy_refusal(strategy, ids, y),
+        }
     report = {
+        "float16": float16,
         "checkpoint": checkpoint,
         "loss_scale": loss_scale(model.optimizer),
         "ref_loss_scale": loss_scale(ref.optimizer),
@@ -272,7 +407,7 @@ def main():
         "replicas_identical": bool(replicas_identical),
         "num_replicas_in_sync": num_workers,
         "table_devices": [v.device for v in table.variables],
-        "records": [r.to_dict() for r in strategy.placement_records()],
+        "records": records,
         "unordered_ps_writes": unordered,
         "graphs_with_ps_writes": graphs_with_writes,
         "sparse_exchange_ops": exchange_ops,

@@ -1,0 +1,180 @@
+"""Keras's dynamic loss scaling (`mixed_float16`), agreed among the workers.
+
+Why this module exists: Keras's `LossScaleOptimizer` applies a step's
+gradients only if every gradient is finite, and moves the loss scale by
+that same check. Keras allows it only under strategies on its list, where
+the check is made on all-reduced gradients, so every replica sees the same
+answer. Under `HybridParameterServerStrategy` the dense gradients are
+all-reduced, but a table's gradient is summed on its PS (the worker that
+updates the shard holds the global gradient there, the others only their
+own part), so Keras's check would differ between workers, and computing it
+on the global gradient would copy that gradient back to a worker.
+
+So, while a `LossScaleOptimizer` applies gradients in a synchronous step
+(`agreeing()`), the reduction counts this worker's non-finite gradient
+values, dense and table ones, and sums the count in the step's dense
+all-reduce (`local_nonfinite_count`, `record_agreed`): every worker gets
+the same "all finite" answer, and Keras's check returns it
+(`patch_keras_loss_scaling`). Every worker then takes the same branch of
+Keras's `tf.cond`: all updates (dense and table) or none, and the same loss
+scale. Table gradients are unscaled where Keras unscales every gradient,
+on each worker before the reduction, so they reach the PS unscaled; a
+skipped step still takes its gradients out of the PS queues (the take runs
+before the `tf.cond`), so nothing is left behind.
+"""
+
+import contextlib
+import weakref
+from typing import Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
+from tf_psplugin.errors import StrategyError
+from tf_psplugin.sync import replicated as variables_lib
+
+# Graphs in which a LossScaleOptimizer is applying gradients -> depth. Keyed
+# by graph, not thread: a strategy runs the replica function and its
+# merge_call (where gradients are reduced) in different threads.
+_AGREEING = weakref.WeakKeyDictionary()
+
+# Graph -> its agreed "every gradient of every worker is finite" (bool tensor).
+_AGREED = weakref.WeakKeyDictionary()
+
+
+def agreeing() -> bool:
+    """Whether a LossScaleOptimizer is applying gradients in this graph (count non-finites)."""
+    return not tf.executing_eagerly() and _AGREEING.get(tf.compat.v1.get_default_graph(), 0) > 0
+
+
+@contextlib.contextmanager
+def _agreeing_scope():
+    graph = tf.compat.v1.get_default_graph()
+    _AGREEING[graph] = _AGREEING.get(graph, 0) + 1
+    try:
+        yield
+    finally:
+        _AGREEING[graph] -= 1
+
+
+def local_nonfinite_count(gradients: Sequence) -> tf.Tensor:
+    """This worker's count of non-finite gradient values (float32 scalar).
+
+    Args:
+        gradients: Tensors or `tf.IndexedSlices` (their values); None skipped.
+            Computed where each gradient is (a table gradient's values on
+            this worker, before they are handed in).
+    """
+    counts = [tf.constant(0.0)]
+    for g in gradients:
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        counts.append(tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(values)),
+                                            tf.float32)))
+    return tf.add_n(counts)
+
+
+def record_agreed(total_nonfinite: tf.Tensor) -> None:
+    """Records the all-reduced count for the graph being traced (read by Keras's check)."""
+    _AGREED[tf.compat.v1.get_default_graph()] = tf.equal(total_nonfinite, 0.0)
+
+
+def _agreed_for_current_graph() -> Optional[tf.Tensor]:
+    graph = tf.compat.v1.get_default_graph()
+    agreed = _AGREED.get(graph)
+    if agreed is not None:
+        return agreed
+    # Keras may ask in a graph nested in the one that reduced (a branch).
+    outer = getattr(graph, "outer_graph", None)
+    while outer is not None:
+        agreed = _AGREED.get(outer)
+        if agreed is not None:
+            return graph.capture(agreed)
+        outer = getattr(outer, "outer_graph", None)
+    return None
+
+
+def _strategy_agrees() -> bool:
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    return bool(getattr(getattr(strategy, "extended", None), "agrees_loss_scaling", False))
+
+
+def patch_keras_loss_scaling() -> Callable[[], None]:
+    """Lets Keras's loss scaling run under this strategy, its check agreed by all workers.
+
+    Applied through `tf_psplugin._internal.patches` ("keras_loss_scaling");
+    returns the undo. Checked on Keras 2.15 and tf-keras 2.21. Replaces, in
+    Keras's `mixed_precision.loss_scale_optimizer` module (no public hook):
+
+    * `strategy_supports_loss_scaling`: also True under a strategy whose
+      Extended says `agrees_loss_scaling` (the synchronous modes); Keras's
+      `mixed_float16` policy and `LossScaleOptimizer` ask it.
+    * `_is_all_finite`: in a step whose reduction recorded the agreed
+      answer (`record_agreed`), returns it; otherwise Keras's own.
+    * `LossScaleOptimizerV3.apply_gradients` (Keras's new optimizers): runs
+      inside `agreeing()`, so the reduction counts non-finite values.
+    * `LossScaleOptimizer.apply_gradients` (around a legacy optimizer):
+      refused under this strategy with what to use instead (Keras applies
+      the inner legacy optimizer with `experimental_aggregate_gradients=False`,
+      which Keras refuses for every ParameterServerStrategy).
+    * `_DynamicLossScaleState.update`: its writes (the loss scale and its
+      counter) are not the step's end (`inside_variable_update`), so the
+      end-of-step barrier waits for the table updates made after it.
+
+    Under any other strategy, every replaced function behaves as Keras's.
+    """
+    module = _tf_internal.keras_private_module("mixed_precision.loss_scale_optimizer")
+    supports = module.strategy_supports_loss_scaling
+    is_all_finite = tf_objects.loss_scale_is_all_finite(module)
+    state_cls = tf_objects.dynamic_loss_scale_state(module)
+    update = state_cls.update
+    v3_apply = module.LossScaleOptimizerV3.apply_gradients
+
+    def strategy_supports_loss_scaling():
+        return _strategy_agrees() or supports()
+
+    def _is_all_finite(grads):
+        agreed = _agreed_for_current_graph() if not tf.executing_eagerly() else None
+        return agreed if agreed is not None else is_all_finite(grads)
+
+    def _update(self, grads):
+        if not _strategy_agrees():
+            return update(self, grads)
+        with variables_lib.inside_variable_update():
+            return update(self, grads)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if not _strategy_agrees():
+            return v3_apply(self, grads_and_vars, *args, **kwargs)
+        with _agreeing_scope():
+            return v3_apply(self, grads_and_vars, *args, **kwargs)
+
+    legacy_apply = module.LossScaleOptimizer.apply_gradients
+
+    def legacy_apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if _strategy_agrees():
+            raise StrategyError(
+                "mixed_float16 with a legacy optimizer "
+                f"({type(self.inner_optimizer).__name__} from tf.keras.optimizers.legacy): "
+                "Keras's LossScaleOptimizer applies it with "
+                "experimental_aggregate_gradients=False, which Keras refuses under a "
+                "ParameterServerStrategy. Fix: use Keras's optimizer of the same name from "
+                "tf.keras.optimizers (not .legacy), or the mixed_bfloat16 policy.")
+        return legacy_apply(self, grads_and_vars, *args, **kwargs)
+
+    module.strategy_supports_loss_scaling = strategy_supports_loss_scaling
+    module.LossScaleOptimizer.apply_gradients = legacy_apply_gradients
+    tf_objects.set_loss_scale_is_all_finite(module, _is_all_finite)
+    state_cls.update = _update
+    module.LossScaleOptimizerV3.apply_gradients = apply_gradients
+
+    def undo():
+        module.strategy_supports_loss_scaling = supports
+        tf_objects.set_loss_scale_is_all_finite(module, is_all_finite)
+        state_cls.update = update
+        module.LossScaleOptimizerV3.apply_gradients = v3_apply
+        module.LossScaleOptimizer.apply_gradients = legacy_apply
+
+    return undo
