@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
+from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
 
 EMBEDDING_UPDATES = ("sync", "async")
@@ -81,6 +82,14 @@ class HybridOptions:
             set of slots per PS and step instead of one per table. On by
             default; False (the way out) gives every table its own
             variables (docs/api.md lists what a program can still tell).
+        table_dtype: ``"bfloat16"`` or ``"float16"``: store every float32
+            embedding table in that dtype on the PS (half the PS memory, and
+            half the bytes per looked-up row), with its optimizer slots in
+            float32 and each update computed in float32, then rounded into
+            the rows; checkpoints hold the rows as float32. None (default):
+            tables in the dtype their layer asks for. See
+            docs/mixed_precision.md, "Tables in half precision"
+            (`tables/half_precision.py`).
 
     Raises:
         StrategyError: a knob with a value the strategy does not support
@@ -97,8 +106,10 @@ class HybridOptions:
     pack_on_read_updates: bool = True
     fuse_lookups: bool = False
     stack_tables: bool = True
+    table_dtype: Optional[str] = None
 
     def __post_init__(self):
+        half_precision.check_table_dtype(self.table_dtype)
         _check_one_of("sparse_exchange", self.sparse_exchange,
                       sparse_exchange_lib.SPARSE_EXCHANGES)
         _check_one_of("embedding_updates", self.embedding_updates, EMBEDDING_UPDATES)

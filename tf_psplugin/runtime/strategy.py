@@ -215,6 +215,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             patches.install("keras_loss_scaling")
         # A functional model's table lookups: one round trip per PS.
         self._extended.fuse_lookups = bool(options.fuse_lookups)
+        # Float32 tables stored in half precision (None: as asked for).
+        self._extended.table_dtype = options.table_dtype
         if options.fuse_lookups:
             patches.install("keras_functional_fusion")
         if options.stack_tables:
@@ -325,6 +327,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.reduced_steps = None
         # Read by tables/fusion.py: set by the strategy after construction.
         self.fuse_lookups = False
+        # Read by variable creation (HybridOptions.table_dtype): set likewise.
+        self.table_dtype = None
         self.committed_steps = None
 
     # -- read by other modules ----------------------------------------------------

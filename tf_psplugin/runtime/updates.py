@@ -19,6 +19,7 @@ from tf_psplugin._internal.tf_internal import distribute_lib
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.runtime.variable_creation import _unwrap
 from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import stacked_updates
 from tf_psplugin.tables import stacking as table_stacking
 
@@ -152,6 +153,10 @@ class Updates:
                 return result
             return tf.nest.map_structure(
                 tf_objects.local_results_of(self._extended), result)
+        if (args or kwargs) and half_precision.is_half(getattr(var, "dtype", None)) \
+                and self._creation.is_table_var(var):
+            # A half-precision table's apply runs in float32 with its float32 slots.
+            fn = half_precision.float32_update(fn)
         stamps = self._row_stamps.get(_unwrap(var))
         if stamps is None and self._creation.is_table_var(var) and not tf.executing_eagerly():
             self._traced_without_stamps[_unwrap(var)] = True

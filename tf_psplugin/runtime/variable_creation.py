@@ -25,6 +25,7 @@ from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
@@ -129,6 +130,10 @@ class VariableCreation:
             kwargs.pop("colocate_with")
             return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
         if colocate_with is not None:
+            if (half_precision.is_half(getattr(colocate_with, "dtype", None))
+                    and self.is_table_var(colocate_with)):
+                # A half-precision table's slots are float32 (half_precision).
+                kwargs = half_precision.slot_kwargs(kwargs)
             if self.table_stacks is not None:
                 # An optimizer slot of a stack: no table joins that stack now.
                 self.table_stacks.seal(_unwrap(colocate_with))
@@ -191,6 +196,13 @@ class VariableCreation:
         (`placement.table_shard_count`).
         """
         shape, dtype = shard_init.shape_and_dtype(kwargs)
+        stored = half_precision.storage_dtype(dtype, self._extended.table_dtype)
+        if stored is not None:  # HybridOptions.table_dtype: float32 rows stored as half.
+            kwargs = dict(kwargs, dtype=stored)
+            if kwargs.get("initial_value") is not None:
+                kwargs["initial_value"] = half_precision.cast_initial_value(
+                    kwargs["initial_value"], stored)
+            dtype = stored
         num_shards = placement_lib.table_shard_count(
             shape, dtype if dtype is not None else tf.float32, self._num_ps,
             partitioner=self._extended.table_partitioner, name=kwargs.get("name"))

@@ -186,13 +186,16 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
     # create them in the first apply_gradients); `_create_all_weights` is what
     # that calls (tf.keras 2.15, tf-keras 2.16-2.21). New optimizers: `build`.
     create = tf_objects.create_all_weights_of(optimizer)
+    # In the strategy's scope, as in `fit` (ChiefCheckpoint restores there): the
+    # strategy makes the slots (a half-precision table's are float32).
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     if create is None:
         build = getattr(optimizer, "build", None)
         if build is not None:
-            # Idempotent. A stacked table's slots are its stack shards'.
-            build(stacked_updates.substitute(model.trainable_variables))
+            with scope:
+                # Idempotent. A stacked table's slots are its stack shards'.
+                build(stacked_updates.substitute(model.trainable_variables))
         return
-    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:
         create(model.trainable_variables)
 

@@ -45,7 +45,8 @@ The delta format, for readers such as the serving loader
   table's full-checkpoint key ``K`` (e.g.
   ``model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE``):
   ``K/.DELTA/ids`` (int64 ``[n]``, logical row ids, each at most once in the
-  whole delta) and ``K/.DELTA/rows`` (``[n, ...]``, the rows' values); for
+  whole delta) and ``K/.DELTA/rows`` (``[n, ...]``, the rows' values; float32 for a
+  half-precision table, as its full checkpoint holds it); for
   each optimizer slot of the table, ``S/.DELTA/rows`` under the slot's key
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
@@ -127,6 +128,7 @@ from tf_psplugin.state import incremental_dynamic
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
 from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
+from tf_psplugin.tables import half_precision
 
 __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "object_keys"]
 
@@ -527,8 +529,10 @@ class IncrementalSaver:
                     shard = table.shards[s]
                     ids = table.logical_ids(s, local)
                     add(table.key + DELTA_SUFFIX + "ids", ids)
+                    # As float32 for a half-precision table.
+                    rows = tf.gather(shard, physical)
                     pieces.setdefault(table.key + DELTA_SUFFIX + "rows", []).append(
-                        tf.gather(shard, physical))
+                        tf.cast(rows, half_precision.float32_for_checkpoint(rows.dtype)))
                     for slot_key, _ in table.slot_keys:
                         slot = variables[slot_key]
                         slot_shard = slot.variables[s] if len(table.shards) > 1 else slot
@@ -653,7 +657,9 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
             if target is None:
                 continue
             rows = np.concatenate(parts[key + DELTA_SUFFIX + "rows"])
-            target.scatter_update(tf.IndexedSlices(tf.constant(rows), tf.constant(ids)))
+            # (Rounded into a half-precision table, kept in a float32 one.)
+            target.scatter_update(tf.IndexedSlices(tf.cast(tf.constant(rows), target.dtype),
+                                                   tf.constant(ids)))
         for key in meta.get("shard_slots", []):
             target = find(key)
             local = parts.get(key + DELTA_SUFFIX + "ids")

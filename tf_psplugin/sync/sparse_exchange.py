@@ -74,6 +74,9 @@ def on_ps_device_of(tensor):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
+_HALF_DTYPES = (tf.bfloat16, tf.float16)
+
+
 def patch_keras_dedup():
     """Makes Keras's optimizer sum duplicate rows on the PS holding the gradient.
 
@@ -97,6 +100,12 @@ def patch_keras_dedup():
         for grad in grads:
             values = grad.values if isinstance(grad, tf.IndexedSlices) else None
             with on_ps_device_of(values):
+                if values is not None and values.dtype in _HALF_DTYPES:
+                    # A half-precision table's rows (HybridOptions.table_dtype) are
+                    # summed in float32: in bfloat16 a hot id's sum would stop
+                    # growing once it is 256 times a row's gradient.
+                    grad = tf.IndexedSlices(tf.cast(values, tf.float32), grad.indices,
+                                            grad.dense_shape)
                 result.extend(original(self, [grad]))
         return result
 

@@ -51,6 +51,7 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import CheckpointInitialValueCallable, trackable_base
 from tf_psplugin._internal.tf_internal import resource_variable_ops, saveable_object, sharded_variable
+from tf_psplugin.tables import half_precision
 from tf_psplugin.tables.layout import (  # noqa: F401  (re-exported: sharding's public API)
     _interleave, _range_plan, logical_rows_of_shard, shard_lookup_counts, shard_rows)
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
@@ -393,7 +394,8 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
                     functools.partial(self._slice_tensor, c, size),
                     info.spec,
                     name,
-                    dtype=shards[c].dtype,
+                    # A half-precision table is saved as float32 (half_precision).
+                    dtype=half_precision.float32_for_checkpoint(shards[c].dtype),
                     device=shards[c].device,
                 )
             )
@@ -408,7 +410,8 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
         pieces = _read_planned(shards, self._offsets, self._plans[c], on_shard_devices=True)
         with tf.device(shards[c].device):
             counts = [count for _, _, count in self._plans[c]]
-            return tf.identity(_interleave(pieces, counts, size))
+            value = _interleave(pieces, counts, size)
+            return tf.identity(tf.cast(value, half_precision.float32_for_checkpoint(value.dtype)))
 
     def restore(self, restored_tensors, restored_shapes):
         """Scatters each restored logical slice into the shards that own its rows."""
@@ -422,6 +425,8 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
                     continue
                 with tf.device(self._shards[c].device):
                     piece = value[j::n]  # Cut where the slice was read; ship only s's rows.
+                    # A checkpoint of another dtype (float32 into half precision, rounded).
+                    piece = tf.cast(piece, self._shards[s].dtype)
                 start = first + self._offsets[s]
                 with tf.device(self._shards[s].device):
                     updated = self._shards[s].scatter_update(
