@@ -19,7 +19,11 @@ created after a first save). What a function would freeze at trace time is
 fed in instead: the object graph is part of the cache key, and the Python
 state (`FedPythonState`: step and input position) is an argument. A
 checkpoint holding other `PythonState` objects, or asked for an async write,
-is written by TF's own path unchanged.
+is written by TF's own path unchanged. Keras's dynamic loss scale
+(`mixed_float16`) lists as its checkpoint children only the variables of
+the graph being built: while the write is traced, its eager variables are
+listed as the trace's too (`tf_objects.eager_loss_scale_weights_in_graph`),
+so the loss scale is saved as TF's eager write saves it.
 
 Checkpoints written this way are byte-for-byte the same format: TF's eager
 multi-device save already ran inside a `tf.function`.
