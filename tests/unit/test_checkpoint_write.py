@@ -105,3 +105,31 @@ def test_checkpoint_manager_keeps_its_bookkeeping(tmp_path):
     tf.train.Checkpoint(v=restored).read(manager.latest_checkpoint).assert_existing_objects_matched()
     assert restored.numpy() == 3.0
     assert _tracing_count(ckpt) == 1
+
+
+def test_a_loss_scale_is_saved_as_tf_own_write_saves_it(tmp_path):
+    """Keras's dynamic loss scale (mixed_float16) lists its variables per graph.
+
+    Its `_trackable_children` gives the current graph's only: inside the
+    traced write it gave none, and checkpoints lost the loss scale.
+    """
+    optimizer = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.1))
+    var = tf.Variable([1.0, 2.0])
+    optimizer.apply_gradients([(tf.constant([0.5, 0.5]), var)])
+    assert int(optimizer.dynamic_counter) == 1
+    ckpt = checkpoint_write.TracedWriteCheckpoint(optimizer=optimizer, var=var)
+    traced = ckpt.write(str(tmp_path / "traced"))
+    own = tf.train.Checkpoint(optimizer=optimizer, var=var).write(str(tmp_path / "own"))
+    traced_keys = tf.train.load_checkpoint(traced).get_variable_to_shape_map()
+    assert set(traced_keys) == set(tf.train.load_checkpoint(own).get_variable_to_shape_map())
+    assert any("loss_scale/current_loss_scale" in key for key in traced_keys), sorted(traced_keys)
+    fresh = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.1))
+    fresh_var = tf.Variable([0.0, 0.0])
+    fresh.build([fresh_var])
+    tf.train.Checkpoint(optimizer=fresh, var=fresh_var).read(traced).assert_consumed()
+    assert int(fresh.dynamic_counter) == 1
+    assert float(fresh.loss_scale) == float(optimizer.loss_scale)
+    ckpt.write(str(tmp_path / "again"))  # The loss scale is listed eagerly again after a write.
+    assert _tracing_count(ckpt) == 1
+    assert any("loss_scale" in key for key in
+               tf.train.load_checkpoint(str(tmp_path / "again")).get_variable_to_shape_map())

@@ -659,9 +659,13 @@ def test_fit_with_ema_ends_like_unstacked():
 
 
 def _assert_fit_like_unstacked(stacks, make_optimizer):
-    """One epoch of `fit` on a model of `stacks` and an unstacked one: the same weights."""
-    weights = []
-    for model in (_model(stacks), _model(None)):
+    """One epoch of `fit` on a model of `stacks` and an unstacked one: the same weights.
+
+    Returns:
+        The model of `stacks`, trained.
+    """
+    weights, models = [], (_model(stacks), _model(None))
+    for model in models:
         model.compile(make_optimizer(), loss="mse")
         x, y = zip(*_batches(4))
         model.fit(tf.concat(x, 0), tf.concat(y, 0), batch_size=8, epochs=1, verbose=0,
@@ -669,6 +673,7 @@ def _assert_fit_like_unstacked(stacks, make_optimizer):
         weights.append(export.logical_weights(model))
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return models[0]
 
 
 class _NormalizedSGD(tf.keras.optimizers.Optimizer):
@@ -712,3 +717,27 @@ def test_an_optimizer_of_another_class_gets_each_table_alone(monkeypatch, make):
     _assert_fit_like_unstacked(stacks, make)
     assert len(told) == FEATURES, told
     assert all(name == "" and make.__name__ in why for name, why in told.values()), told
+
+
+def test_a_loss_scale_optimizer_stacks_as_its_inner_optimizer(monkeypatch):
+    """mixed_float16: Keras's compile wraps Adam in a `LossScaleOptimizer`.
+
+    It applies the unscaled gradients with its inner Adam (or skips the
+    step): its model's tables stay in one stack, as with Adam alone.
+    """
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    patches.install("keras_functional_fusion")
+
+    def make():
+        return tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.05))
+
+    assert stacked_updates.why_apart(make()) is None
+    assert "_NormalizedSGD" in stacked_updates.why_apart(
+        tf.keras.mixed_precision.LossScaleOptimizer(_NormalizedSGD()))
+    told = []
+    stacks = TableStacks(lambda s: None, on_restack=lambda table, name, why: told.append(why))
+    stacked = _assert_fit_like_unstacked(stacks, make)
+    assert not any(told), told
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    for s in range(SHARDS):  # The three 4-wide tables still share one variable per shard.
+        assert all(t.variables[s] is narrow[0].variables[s] for t in narrow)

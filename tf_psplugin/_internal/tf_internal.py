@@ -336,6 +336,10 @@ PRIVATE_ATTRIBUTES = {
     # returns that answer. No public hook.
     "_is_all_finite": "keras:mixed_precision.loss_scale_optimizer",
     "_DynamicLossScaleState": "keras:mixed_precision.loss_scale_optimizer",
+    # -- state/checkpoint_write.py: the loss scale lists its variables per graph
+    # (`_weights` by `_graph_key`); a traced checkpoint write must see the eager ones.
+    "_weights": "keras:mixed_precision.loss_scale_optimizer._DynamicLossScaleState",
+    "_graph_key": "tf:Graph",
     # -- tables/fusion.py: a functional model's Embedding layers at one depth
     # are looked up together; Keras has no hook that sees them before they run.
     "_run_internal_graph": "keras:engine.functional.Functional",

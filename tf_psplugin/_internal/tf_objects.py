@@ -24,6 +24,7 @@ a TF/Keras private attribute outside `_internal/`.
 (tf-keras 2.21), the two versions CI runs.
 """
 
+import contextlib
 import functools
 import weakref
 from typing import Any, Callable, Optional
@@ -420,6 +421,34 @@ def dynamic_loss_scale_state(module) -> type:
     its `update` (patch "keras_loss_scaling"; tf.keras 2.15, tf-keras 2.21).
     """
     return module._DynamicLossScaleState  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def eager_loss_scale_weights_in_graph(states, graph):
+    """Lists each Keras `_DynamicLossScaleState`'s eager variables as `graph`'s too.
+
+    Its `_trackable_children` lists only the variables of the current graph
+    (`_weights`, keyed by (name, the graph's `_graph_key`; None eagerly));
+    a checkpoint written inside a traced function (`checkpoint_write`) would
+    save no loss scale. Undone on exit (tf.keras 2.15, tf-keras 2.21).
+
+    Args:
+        states: `_DynamicLossScaleState` objects (`dynamic_loss_scale_state`).
+        graph: The graph being built (the traced write's `FuncGraph`).
+    """
+    graph_key = graph._graph_key  # pylint: disable=protected-access
+    added = []
+    for state in states:
+        weights = state._weights  # pylint: disable=protected-access
+        for (name, key), variable in list(weights.items()):
+            if key is None and (name, graph_key) not in weights:
+                weights[(name, graph_key)] = variable
+                added.append((weights, (name, graph_key)))
+    try:
+        yield
+    finally:
+        for weights, key in added:
+            weights.pop(key, None)
 
 
 def distributed_apply_gradients_fn(optimizer_cls) -> Callable:

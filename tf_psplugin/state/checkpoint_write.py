@@ -19,7 +19,11 @@ created after a first save). What a function would freeze at trace time is
 fed in instead: the object graph is part of the cache key, and the Python
 state (`FedPythonState`: step and input position) is an argument. A
 checkpoint holding other `PythonState` objects, or asked for an async write,
-is written by TF's own path unchanged.
+is written by TF's own path unchanged. Keras's dynamic loss scale
+(`mixed_float16`) lists as its checkpoint children only the variables of
+the graph being built: while the write is traced, its eager variables are
+listed as the trace's too (`tf_objects.eager_loss_scale_weights_in_graph`),
+so the loss scale is saved as TF's eager write saves it.
 
 Checkpoints written this way are byte-for-byte the same format: TF's eager
 multi-device save already ran inside a `tf.function`.
@@ -30,6 +34,9 @@ import os
 from typing import Any, List, Optional
 
 import tensorflow as tf
+
+from tf_psplugin._internal import tf_internal as _tf_internal
+from tf_psplugin._internal import tf_objects
 
 
 class FedPythonState(tf.train.experimental.PythonState):
@@ -101,7 +108,8 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
         if cache.write is None or cache.key != key:
             # Only the newest function is kept: an older one holds variables
             # of a model that is no longer checkpointed.
-            cache.key, cache.write, cache.states = key, self._trace_write(inner, states), states
+            cache.key, cache.states = key, states
+            cache.write = self._trace_write(inner, states, _loss_scales(objects))
             cache.traces += 1
         tf.io.gfile.makedirs(os.path.dirname(file_prefix))  # TF does this for str prefixes only.
         cache.write(tf.constant(file_prefix, tf.string),
@@ -110,7 +118,7 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
             callback(file_prefix) if _takes_argument(callback) else callback()
         return file_prefix
 
-    def _trace_write(self, options, states):
+    def _trace_write(self, options, states, loss_scales):
         base_write = super()._write
         # The eager default device in full (this task's CPU). TF builds the
         # object-graph tensor under `device("/cpu:0")`, which eagerly resolves
@@ -123,13 +131,25 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
             for state, value in zip(states, values):
                 state._fed_value = value  # pylint: disable=protected-access
             try:
-                with tf.device(host):
+                # Keras's loss scale lists only the current graph's variables.
+                with tf.device(host), tf_objects.eager_loss_scale_weights_in_graph(
+                        loss_scales, tf.compat.v1.get_default_graph()):
                     return base_write(prefix, options=options)
             finally:
                 for state in states:
                     state._fed_value = None  # pylint: disable=protected-access
 
         return write
+
+
+def _loss_scales(objects) -> list:
+    """Keras's dynamic loss scales (`mixed_float16`) among checkpointed `objects`."""
+    try:
+        state_cls = tf_objects.dynamic_loss_scale_state(
+            _tf_internal.keras_private_module("mixed_precision.loss_scale_optimizer"))
+    except (ImportError, AttributeError):  # No Keras, or one without it.
+        return []
+    return [obj for obj in objects if isinstance(obj, state_cls)]
 
 
 def _takes_argument(callback) -> bool:

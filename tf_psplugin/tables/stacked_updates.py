@@ -89,8 +89,22 @@ _LEGACY_ROW_LOCAL_NAMES = ("SGD", "Adagrad", "Ftrl", "RMSprop", "Adadelta")
 _NEW_ROW_LOCAL_NAMES = ("Adagrad",)
 
 
+def _unwrapped(optimizer):
+    """The optimizer that applies the updates: a Keras `LossScaleOptimizer`'s inner one.
+
+    A `LossScaleOptimizer` (`mixed_float16`; Keras's compile wraps the
+    model's optimizer in one) unscales the gradients and then applies them
+    all with its `inner_optimizer`, or skips the whole step: one apply to a
+    stack equals per-table applies exactly when its inner optimizer's does.
+    """
+    while isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def _kind(optimizer) -> Optional[str]:
     """"row_local", "elementwise" or None (unknown) for `optimizer`'s class."""
+    optimizer = _unwrapped(optimizer)
     cls = type(optimizer)
     legacy_row_local = _classes(_legacy, _LEGACY_ROW_LOCAL_NAMES)
     if cls in legacy_row_local:
@@ -115,7 +129,8 @@ def why_apart(optimizer) -> Optional[str]:
     """
     if optimizer is None or _kind(optimizer) is not None:
         return None
-    return (f"optimizer {type(optimizer).__name__} is not one whose one update of a stack "
+    name = type(_unwrapped(optimizer)).__name__
+    return (f"optimizer {name} is not one whose one update of a stack "
             "is known to equal its updates of each table")
 
 
