@@ -78,11 +78,11 @@ demo: $(VENV)/.installed
 
 # Both environments (built side by side), then both runs side by side: each
 # writes its own log under $(TEST_LOG_DIR), printed whole when it ends, with
-# a line of progress every $(TEST_HEARTBEAT) s meanwhile. Most of a cluster
+# a line of progress every $(TEST_HEARTBEAT) s meanwhile. Part of a cluster
 # test's time is TF start-up, port waits and RPC latency rather than CPU, so
-# the two runs together take well under the sum of their times (measured in
-# docs/versions.md). TEST_PARALLEL=0 runs them one after the other. The exit
-# status is nonzero if either run failed.
+# side by side the two runs take less than one after the other (measured in
+# docs/versions.md; the gain is modest on 2 cores). TEST_PARALLEL=0 runs them
+# one after the other. The exit status is nonzero if either run failed.
 TEST_PARALLEL ?= 1
 TEST_LOG_DIR ?= runs/test-logs
 TEST_HEARTBEAT ?= 300
