@@ -26,6 +26,7 @@ a TF/Keras private attribute outside `_internal/`.
 
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import Any, Callable, Optional
 
@@ -620,3 +621,18 @@ def original_dataset_fn(dataset_fn) -> Callable:
     (TF 2.15-2.21).
     """
     return getattr(dataset_fn, "_original_dataset", dataset_fn)
+
+
+def takes_no_required_args(fn) -> bool:
+    """Whether `fn` can be called with no arguments (a Variable's `initial_value` callable).
+
+    Used where a table's initial value is wrapped (sharding, half precision)
+    to tell an initializer of no arguments from one that needs shape/dtype.
+    """
+    try:
+        inspect.signature(fn).bind()
+        return True
+    except TypeError:
+        return False
+    except ValueError:  # No signature (builtin): assume a zero-argument callable.
+        return True

@@ -30,11 +30,11 @@ its slots' (float32): `HalfPrecisionRows.handle` refuses it with the fix.
 """
 
 import functools
-import inspect
 from typing import Optional
 
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import CheckpointInitialValueCallable
 from tf_psplugin.errors import StrategyError
 
@@ -70,16 +70,6 @@ def storage_dtype(requested, table_dtype: Optional[str]) -> Optional[tf.DType]:
     return tf.as_dtype(table_dtype)
 
 
-def _takes_no_required_args(fn) -> bool:
-    try:
-        inspect.signature(fn).bind()
-        return True
-    except TypeError:
-        return False
-    except ValueError:  # No signature (builtin): assume a zero-argument callable.
-        return True
-
-
 def cast_initial_value(initial_value, dtype: tf.DType):
     """`initial_value` (a value or an initializer callable) giving `dtype` values.
 
@@ -98,7 +88,7 @@ def cast_initial_value(initial_value, dtype: tf.DType):
     target = dtype
     if not callable(initial_value):
         return tf.cast(initial_value, target)
-    if _takes_no_required_args(initial_value):
+    if tf_objects.takes_no_required_args(initial_value):
 
         def value(**kwargs):
             return tf.cast(initial_value(**kwargs), target)

@@ -39,7 +39,6 @@ enough):
 
 import contextlib
 import functools
-import inspect
 from typing import Callable, Optional
 
 import numpy as np
@@ -583,19 +582,9 @@ def _unwrap_partial(fn):
     return fn
 
 
-def _takes_no_required_args(fn) -> bool:
-    try:
-        inspect.signature(fn).bind()
-        return True
-    except TypeError:
-        return False
-    except ValueError:  # No signature (builtin): assume a zero-argument callable.
-        return True
-
-
 def _shard_value_fn(initial_value, full_shape, dtype, shard, num_shards, shard_shape, name):
     """Returns a zero-argument callable producing shard ``shard``'s initial rows."""
-    if _takes_no_required_args(initial_value):
+    if tf_objects.takes_no_required_args(initial_value):
         call = initial_value
     else:
         call = functools.partial(initial_value, full_shape, dtype=dtype)
