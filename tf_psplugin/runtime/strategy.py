@@ -63,7 +63,7 @@ from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
 from tf_psplugin.sync import collectives as collectives_lib
 from tf_psplugin.sync import on_read_updates as on_read_updates_lib
 from tf_psplugin.sync import replicated as variables_lib
-from tf_psplugin.tables import host as table_host
+from tf_psplugin.tables import host
 from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables import stacking as table_stacking
 
@@ -269,7 +269,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
 
 
 class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
-                     table_host.TableHost):
+                     host.TableHost):
     """The Extended half of `HybridParameterServerStrategy` (see module doc).
 
     TF's `StrategyExtended` calls its hooks by name (`_create_variable`,

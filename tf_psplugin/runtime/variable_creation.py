@@ -258,8 +258,10 @@ class VariableCreation:
             # Its views: what Keras lists, reduces and (weight decay) updates.
             for view in var.views:
                 self._table_shard_owner[view] = self._table_shard_owner_of(view)
+        # A contiguous table (stock's ShardedVariable) has no stack.
+        stack = var.stack if isinstance(var, sharding.InterleavedShardedVariable) else None
         self._record(var, "table", devices=[v.device for v in var.variables],
-                     stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
+                     stack=stack.name if stack is not None else "", unstacked=unstacked)
         if isinstance(var, table_stacking.StackedTable):
             var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
         return var

@@ -54,7 +54,7 @@ import tensorflow as tf
 
 from tf_psplugin.tables import dynamic_admission
 from tf_psplugin.tables import dynamic_state
-from tf_psplugin.tables import host as table_host
+from tf_psplugin.tables import host
 from tf_psplugin.tables import key_hashing
 from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables import sharded as sharding
@@ -223,7 +223,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             expire_after_steps=self.expire_after_steps, output_dim=self.output_dim,
             init_scale=self.init_scale, sketch_width=self.sketch_width,
             sketch_depth=self.sketch_depth)
-        extended = table_host.current()
+        extended = host.current()
         if extended is not None:
             for s, shard in enumerate(row_shards):
                 extended.run_after_update(shard, self._admission_hook(s))
@@ -310,7 +310,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         key reads the default vector.
         """
         self._require_built("freeze_for_serving")
-        if table_host.current() is not None or self.num_shards != 1:
+        if host.current() is not None or self.num_shards != 1:
             raise ValueError("freeze_for_serving: call it on a local copy built without a "
                              "strategy (tf_psplugin.export_saved_model makes one).")
         self._frozen = True
@@ -422,7 +422,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
 
     def _admits_after_update(self) -> bool:
         """True in a synchronous step: the updating worker admits (see module doc)."""
-        extended = table_host.current()
+        extended = host.current()
         return extended is not None and extended.admits_after_update()
 
     def _admission_hook(self, s: int):

@@ -47,6 +47,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin.tables import host
 from tf_psplugin.tables import prefetched
 from tf_psplugin.tables import stacked_updates
 from tf_psplugin.tables import stacking as table_stacking
@@ -80,16 +81,14 @@ def enabled() -> bool:
 
 def fuse_all() -> bool:
     """Whether the current strategy asks for fused lookups of every table (fuse_lookups)."""
-    if not tf.distribute.has_strategy():
-        return False
-    return bool(getattr(tf.distribute.get_strategy().extended, "fuse_lookups", False))
+    strategy = host.current()
+    return strategy is not None and bool(strategy.fuse_lookups)
 
 
 def _stacking() -> bool:
     """Whether the current strategy stacks tables (table_stacking): their lookups fuse."""
-    if not tf.distribute.has_strategy():
-        return False
-    return getattr(tf.distribute.get_strategy().extended, "table_stacks", None) is not None
+    strategy = host.current()
+    return strategy is not None and strategy.table_stacks is not None
 
 
 def _one_stack(tables) -> bool:

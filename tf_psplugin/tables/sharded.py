@@ -116,7 +116,7 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     iterating yields the shard variables, as for `ShardedVariable`.
 
     Subclass hooks (`stacking.StackedTable`, a table stored inside shards that
-    hold other tables' rows too): `row_offsets`, `_physical_ids`,
+    hold other tables' rows too): `row_offsets`, `stack`, `views`, `_physical_ids`,
     `shares_shards`, `with_variables` and `_write_shard`. Reads, lookups,
     writes, scatters, checkpoints and copies are written once, here, in
     their terms.
@@ -162,6 +162,20 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     def row_offsets(self) -> tuple:
         """Row of each shard where this table's rows start: 0 for a whole table."""
         return (0,) * len(self._variables)
+
+    @property
+    def stack(self):
+        """The `stacking.TableStack` whose shards hold this table; None for a whole table."""
+        return None
+
+    @property
+    def views(self) -> Optional[list]:
+        """Per shard, a variable of this table's rows alone (a stacked table's `TableView`s).
+
+        None for a whole table: its shard variables are its own, and lookups,
+        gradients and Keras use them.
+        """
+        return None
 
     def _physical_ids(self, ids):
         """Logical ids -> ids whose "mod" lookup on the shards finds this table's rows."""
@@ -523,7 +537,7 @@ def install_interleaved_slot_lookup(optimizer):
         create_sharded_slots(var_list)
         for var in var_list:
             container = tf_objects.sharded_container(var)
-            stack = getattr(container, "stack", None)
+            stack = container.stack if isinstance(container, InterleavedShardedVariable) else None
             for table in list(stack.tables) if stack is not None else []:
                 tf_objects.optimizer_slots(optimizer)[tf_objects.variable_unique_id(table)] = {
                     name: table for name in optimizer.get_slot_names()}

@@ -638,7 +638,7 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
         # What `tf.nest` (expand_composites) and Keras (`Layer._track_variables`,
         # when a layer sets `self.embeddings = table`) see inside a table: its
         # own views, not the stack's shards (other tables' rows).
-        views = getattr(value, "views", None)
+        views = value.views
         return list(views) if views else super()._to_components(value)
 
     def _from_components(self, variables):
