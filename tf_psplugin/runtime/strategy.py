@@ -360,7 +360,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
         return self.creation.create_plain_variable(device, **kwargs)
 
-    def _is_table_var(self, var) -> bool:
+    def is_table_var(self, var) -> bool:
+        """Whether `var` is a shard of a table this strategy made."""
         return self.creation.is_table_var(var)
 
     def run_after_update(self, shard, fn) -> None:

@@ -64,6 +64,8 @@ class VariableCreation:
         self._num_workers = num_workers
         self._num_ps = num_ps
         self.placement_records: List[placement_lib.PlacementRecord] = []
+        # A stacked table -> its index in placement_records (for `_restacked`).
+        self._record_of_table: IdentityMap[int] = IdentityMap()
         # Shard variable, view or slot -> owning worker; an entry dies with its variable.
         self._table_shard_owner: IdentityMap[int] = IdentityMap()
         self._creating_table = False
@@ -87,7 +89,7 @@ class VariableCreation:
         An empty `stack_name`: the table is alone, with storage of its own,
         for the reason `unstacked` (the placement report shows it).
         """
-        index = getattr(table, "_tf_psplugin_record", None)
+        index = self._record_of_table.get(table)
         if index is not None:
             record = self.placement_records[index]
             self.placement_records[index] = dataclasses.replace(
@@ -263,7 +265,7 @@ class VariableCreation:
         self._record(var, "table", devices=[v.device for v in var.variables],
                      stack=stack.name if stack is not None else "", unstacked=unstacked)
         if isinstance(var, table_stacking.StackedTable):
-            var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
+            self._record_of_table[var] = len(self.placement_records) - 1
         return var
 
     def _replace_table_shard(self, old, new) -> None:

@@ -41,6 +41,10 @@ class TableHost(abc.ABC):
         """Makes every optimizer apply to table `shard` also call `stamps.mark(grad)`."""
 
     @abc.abstractmethod
+    def is_table_var(self, var) -> bool:
+        """Whether `var` is a shard of a table this strategy made (incremental checkpoints)."""
+
+    @abc.abstractmethod
     def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:
         """A plain variable on `device`, even in the strategy's scope (not a table or replica)."""
 

@@ -183,7 +183,7 @@ class StackedTable(InterleavedShardedVariable):
         """This table's rows of each stack shard, as Keras lists them (None for a copy)."""
         return self._views
 
-    def _rebind(self, stack, row_offsets) -> None:
+    def rebind(self, stack, row_offsets) -> None:
         """Moves this table into `stack` at `row_offsets` (`TableStacks.separate`)."""
         self._variables = list(stack.shards)
         for shard in self._variables:
@@ -362,7 +362,7 @@ class TableView(tf.Variable):
 
     @property
     def num_rows(self) -> int:
-        return self._table._shard_counts[self._index]  # pylint: disable=protected-access
+        return self._table.shard_counts[self._index]
 
     def _should_act_as_resource_variable(self):
         """Passes `resource_variable_ops.is_resource_variable` (the tape asks)."""
@@ -810,7 +810,7 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
 def _current_rows(variable, table, s: int) -> tf.Tensor:
     """`table`'s rows of stack shard `s`, read from the shard's `variable` (on its PS)."""
     start = table.row_offsets[s]
-    count = table._shard_counts[s]  # pylint: disable=protected-access
+    count = table.shard_counts[s]
     with tf.device(variable.device):
         return tf.identity(variable.sparse_read(tf.range(start, start + count, dtype=tf.int64)))
 
@@ -1053,11 +1053,11 @@ class TableStacks:
                 offsets = list(target.rows)
                 for s, piece in enumerate(pieces):
                     target.pending[s].append(piece)
-                    target.rows[s] += table._shard_counts[s]  # pylint: disable=protected-access
+                    target.rows[s] += table.shard_counts[s]
                 target.pending_tables.append(weakref.ref(table))
                 if target is not stack:
                     stack.tables.discard(table)
-                table._rebind(target, offsets)  # pylint: disable=protected-access
+                table.rebind(target, offsets)
                 if why_alone and len(items) == 1:
                     self._on_restack(table, "", why_alone)
                 else:
