@@ -439,7 +439,7 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         self._replicas_ahead = True
 
     def read_replica(self, worker_index: int) -> tf.Tensor:
-        """Reads worker `worker_index`'s replica now (no wait for steps: failover reads survivors)."""
+        """Reads worker `worker_index`'s replica now, without waiting for steps (failover)."""
         return self._remote_vars()[worker_index].read_value()
 
     def replica_values(self) -> List[tf.Tensor]:

@@ -57,8 +57,8 @@ from tf_psplugin.tables import dynamic_state
 from tf_psplugin.tables import host
 from tf_psplugin.tables import key_hashing
 from tf_psplugin.tables import placement as placement_lib
-from tf_psplugin.tables import sharded as sharding
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import sharded
+from tf_psplugin.tables import stacking
 # The policy's constants, public here too (`tf_psplugin.tables.dynamic.EVICTION_BATCH`).
 from tf_psplugin.tables.dynamic_admission import (  # noqa: F401
     EVICTION_BATCH, EVICTION_POLICIES, EXPIRY_CHECKS_PER_PERIOD)
@@ -179,7 +179,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         # One shard per PS whatever the strategy's variable_partitioner: the
         # row tables must be split like the embeddings, and each PS admits
         # into its own rows.
-        with placement_lib.embedding_table_scope(), table_stacking.unstacked(), \
+        with placement_lib.embedding_table_scope(), stacking.unstacked(), \
                 placement_lib.one_shard_per_ps():
             self.embeddings = self.add_weight(
                 "embeddings", [self.capacity, self.output_dim], initializer="zeros",
@@ -266,7 +266,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     def track_changed_rows(self, marks) -> None:
         """Makes admission, eviction and expiry report the rows they write.
 
-        For incremental checkpoints (`tf_psplugin.incremental_dynamic`): in
+        For incremental checkpoints (`tf_psplugin.state.incremental_dynamic`): in
         each traced step, shard s's admission calls ``marks[s](local_rows)``
         (on that shard's PS) for the rows eviction frees without giving them
         to a new key, and expiry for the rows it frees: a freed row's last
@@ -471,7 +471,7 @@ def _backward_after(x: tf.Tensor, ops) -> tf.Tensor:
 
 
 def _interleaved_type():
-    return sharding.InterleavedShardedVariable
+    return sharded.InterleavedShardedVariable
 
 
 def _require(ok: bool, field: str, value, expected: str) -> None:

@@ -46,7 +46,7 @@ def _shards(table):
     """What TF's v1 "mod" lookups gather from, with the table's own logical ids.
 
     An interleaved table's shard variables; a stacked table's per-shard views
-    (`table_stacking.TableView`: its own rows of each stack shard, whose
+    (`stacking.TableView`: its own rows of each stack shard, whose
     gradients are its own).
     """
     return table.views or table.variables
@@ -283,7 +283,7 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
         shards = [_shards(t)[p] for t in tables]
         stack_shard = _one_stack_shard(tables, p)
         if stack_shard is not None:
-            # One stack holds them all (table_stacking): one gather per PS.
+            # One stack holds them all (tables/stacking.py): one gather per PS.
             rows.append(_stacked_gather(tables, shards, stack_shard, local_parts[p],
                                         physical_parts[p], table_parts[p]))
             continue
@@ -304,7 +304,7 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
 
 
 def _one_stack_shard(tables, p):
-    """Shard p of the stack that holds every one of `tables` (table_stacking), or None."""
+    """Shard p of the stack that holds every one of `tables` (tables/stacking.py), or None."""
     if not all(t.views for t in tables):
         return None
     first = tables[0].variables[p]

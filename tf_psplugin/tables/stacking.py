@@ -22,7 +22,7 @@ How no Keras or TF API can tell (issue 29):
   stack shard through a custom gradient whose input is the view's own
   handle tensor, so the tape gives each view an `IndexedSlices` of its own
   rows. A functional model's lookups of one stack are still one gather per
-  PS (`table_lookups.lookup_tables`), with the gradient split per view.
+  PS (`lookups.lookup_tables`), with the gradient split per view.
 * **One apply per stack shard** (`stacked_updates`): the views' gradients
   are merged into one gradient of the stack shard, with one set of slots;
   it refuses, with an error naming the fix, where one apply would not
@@ -37,7 +37,7 @@ How no Keras or TF API can tell (issue 29):
   (`fusion.separate_before_slots`), so a restarted job has the stacks, and
   the slots, of its fresh run.
 * **Everything that names a table sees the `StackedTable`**: lookups
-  (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
+  (`tf.nn.embedding_lookup` and the other APIs `tables/lookups.py` dispatches),
   reads, `assign`, checkpoints (each table saved under its own key, in
   logical row order: it restores into unstacked tables, any PS count and a
   single process), the placement report and export. An id outside
