@@ -12,7 +12,7 @@ import ast
 import collections
 import os
 
-PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "tf_psplugin")
+from tests.unit import package_source
 # Files whose import names wait for other work to land, with why.
 NOT_YET = {
     "state/checkpoint.py": "being split (issue 45 item 1); renames `lookup_fusion` -> `fusion` "
@@ -20,17 +20,6 @@ NOT_YET = {
     "state/incremental.py": "edited in parallel (issue 45); renames `sharding` -> `sharded` and "
                             "`table_stacking` -> `stacking` after that lands",
 }
-
-
-def _package_modules():
-    modules = set()
-    for root, _, files in os.walk(PACKAGE):
-        for name in files:
-            if name.endswith(".py"):
-                rel = os.path.relpath(os.path.join(root, name), os.path.join(PACKAGE, ".."))
-                dotted = rel[:-3].replace(os.sep, ".")
-                modules.add(dotted[: -len(".__init__")] if dotted.endswith(".__init__") else dotted)
-    return modules
 
 
 def import_names(tree, modules):
@@ -50,18 +39,10 @@ def import_names(tree, modules):
 
 
 def _names_by_module():
-    modules = _package_modules()
+    modules = package_source.module_names()
     names = collections.defaultdict(lambda: collections.defaultdict(list))
-    for root, _, files in os.walk(PACKAGE):
-        for file_name in sorted(files):
-            if not file_name.endswith(".py"):
-                continue
-            path = os.path.join(root, file_name)
-            rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
-            if rel in NOT_YET:
-                continue
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
+    for rel, tree in package_source.trees():
+        if rel not in NOT_YET:
             for module, name, line in import_names(tree, modules):
                 names[module][name].append(f"{rel}:{line}")
     return names
@@ -84,7 +65,7 @@ def test_each_module_has_one_import_name_and_it_is_its_own():
 
 def test_the_exempt_files_exist():
     for rel in NOT_YET:
-        assert os.path.exists(os.path.join(PACKAGE, rel)), f"stale entry: {rel}"
+        assert os.path.exists(os.path.join(package_source.PACKAGE, rel)), f"stale entry: {rel}"
 
 
 def test_the_check_sees_a_second_name_and_a_foreign_name():

@@ -14,11 +14,9 @@ not (`os._exit`, a namedtuple's `_replace`).
 
 import ast
 import collections
-import os
 
+from tests.unit import package_source
 from tests.unit import private_attributes
-
-PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "tf_psplugin")
 BUDGET = 20
 # Documented public API of the standard library that starts with "_".
 STDLIB_PUBLIC = {"_exit", "_replace", "_asdict", "_fields", "_make", "_field_defaults"}
@@ -58,19 +56,11 @@ ALLOWED = {
 def _uses():
     """[(module, line, name, how, code)] outside _internal/."""
     found = []
-    for root, _, files in os.walk(PACKAGE):
-        for file_name in sorted(files):
-            if not file_name.endswith(".py"):
-                continue
-            path = os.path.join(root, file_name)
-            rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
-            if rel.startswith("_internal/"):
-                continue
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            for node, name, how in private_attributes.other_object_private_uses(tree):
-                if name in STDLIB_PUBLIC:
-                    continue
+    for rel, tree in package_source.trees():
+        if rel.startswith("_internal/"):
+            continue
+        for node, name, how in private_attributes.other_object_private_uses(tree):
+            if name not in STDLIB_PUBLIC:
                 found.append((rel, node.lineno, name, how, ast.unparse(node)))
     return found
 
@@ -115,19 +105,12 @@ def test_no_table_is_asked_by_duck_typing():
     # The table protocol (`views`, `stack`, `row_offsets`, `shares_shards`)
     # is declared on InterleavedShardedVariable with defaults (issue 45).
     asked = []
-    for root, _, files in os.walk(PACKAGE):
-        for file_name in files:
-            if not file_name.endswith(".py"):
-                continue
-            path = os.path.join(root, file_name)
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
-            for node in ast.walk(tree):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
-                        and isinstance(node.args[1], ast.Constant)
-                        and node.args[1].value in ("views", "stack", "row_offsets",
-                                                   "shares_shards", "table_stacks",
-                                                   "fuse_lookups")):
-                    asked.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno}")
+    for rel, tree in package_source.trees():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in ("views", "stack", "row_offsets", "shares_shards",
+                                               "table_stacks", "fuse_lookups")):
+                asked.append(f"{rel}:{node.lineno}")
     assert not asked, f"a table or TableHost asked by getattr instead of its protocol: {asked}"
