@@ -81,14 +81,14 @@ def enabled() -> bool:
 
 def fuse_all() -> bool:
     """Whether the current strategy asks for fused lookups of every table (fuse_lookups)."""
-    strategy = host.current()
-    return strategy is not None and bool(strategy.fuse_lookups)
+    extended = host.current()
+    return extended is not None and bool(extended.fuse_lookups)
 
 
 def _stacking() -> bool:
     """Whether the current strategy stacks tables (tables/stacking.py): their lookups fuse."""
-    strategy = host.current()
-    return strategy is not None and strategy.table_stacks is not None
+    extended = host.current()
+    return extended is not None and extended.table_stacks is not None
 
 
 def _one_stack(tables) -> bool:
