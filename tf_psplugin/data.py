@@ -124,6 +124,17 @@ def _uniform_np(bits: np.ndarray) -> np.ndarray:
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def fixture_field_keys(seed: int) -> np.ndarray:
+    """The Criteo fixture's random key of each of its 13 + 26 fields (uint64), from `seed`."""
+    num_fields = NUM_INTEGER_FEATURES + NUM_CATEGORICAL_FEATURES
+    return np.array([_key(seed, _FIXTURE, j) for j in range(num_fields)], np.uint64)
+
+
+def fixture_uniform(keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Reproducible uniform [0, 1) draws: one per (row, key), `rows` a [n, 1] uint64 column."""
+    return _uniform_np(_bits_np(keys, rows))
+
+
 class _Params(NamedTuple):
     """Per-feature constants of one SyntheticCTR configuration (all derived from the seed)."""
 
@@ -294,7 +305,7 @@ class SyntheticCTR:
             if not tf.executing_eagerly():
                 raise RuntimeError("expected_auc() needs eager execution (call it outside graphs).")
             for start in range(0, num_examples, 1 << 16):
-                ex = self._examples_fn(1 << 16)(tf.constant(_EVAL_START + start, tf.int64))
+                ex = self.examples_fn(1 << 16)(tf.constant(_EVAL_START + start, tf.int64))
                 chunks.append(ex["logit"].numpy()[:, 0])
         scores = np.concatenate(chunks)[:num_examples]
         return _soft_auc(1.0 / (1.0 + np.exp(-scores)), scores)
@@ -310,8 +321,13 @@ class SyntheticCTR:
 
         return self._cached_function(("batch", batch_size), batch)
 
-    def _examples_fn(self, count: int):
-        """`start -> _examples(start, count)` as a cached tf.function (eager callers)."""
+    def examples_fn(self, count: int):
+        """`start -> count examples from index start` as a cached tf.function (eager callers).
+
+        The examples are dicts of NumPy-convertible tensors ("dense",
+        "counts", "categorical", "label"); `testing.write_criteo_fixture`
+        writes them as text.
+        """
         return self._cached_function(("examples", count), lambda s: self._examples(s, count))
 
     def _cached_function(self, key, fn):

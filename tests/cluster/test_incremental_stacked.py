@@ -37,7 +37,7 @@ pytestmark = pytest.mark.cluster
 MODEL = COMMON + """
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as model_dir_lib
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import stacking
 TABLES = {{"a": 1000, "b": 200, "c": 600}}
 
 
@@ -143,7 +143,7 @@ fit = lambda steps, offset: model.fit(dataset(offset), epochs=1, steps_per_epoch
                                       verbose=0, callbacks=[callback])
 fit(5, 0)  # ckpt-5 (full)
 live = tables(model)
-report["stacked"] = [isinstance(t, table_stacking.StackedTable) for t in live.values()]
+report["stacked"] = [isinstance(t, stacking.StackedTable) for t in live.values()]
 report["one_stack"] = len({{id(t.stack) for t in live.values()}}) == 1
 report["offsets"] = [list(t.row_offsets) for t in live.values()]
 # Writes outside the optimizer to two tables of the shared stack.
@@ -174,7 +174,7 @@ ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).sav
 chain_model, info = restored(model_dir)
 full_model, _ = restored(full_dir)
 report["restored"] = [info.name, info.step]
-report["chain_stacked"] = all(isinstance(t, table_stacking.StackedTable)
+report["chain_stacked"] = all(isinstance(t, stacking.StackedTable)
                               for t in tables(chain_model).values())
 report["chain_vs_full"] = diff(snapshot(chain_model), snapshot(full_model))
 report["chain_vs_live"] = diff(snapshot(chain_model), live_values)
@@ -206,7 +206,7 @@ for name in ("incr", "full"):
         model = stacked_model(optimizer_src)
     info = ckpt_lib.CheckpointManager(os.path.join(root, name), model=model,
                                       optimizer=model.optimizer).restore()
-    result[name] = [info.name, any(isinstance(t, table_stacking.StackedTable)
+    result[name] = [info.name, any(isinstance(t, stacking.StackedTable)
                                    for t in tables(model).values())]
     np.savez(os.path.join(out, f"unstacked_{{name}}.npz"), **logical(model, True))
 print("RESULT", json.dumps(result))

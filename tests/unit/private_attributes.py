@@ -198,3 +198,15 @@ def _other_object_use(node, own=("self", "cls")):
                      and node.args[0].id == "self")):
         return node.args[1].value, "sets" if node.func.id in ("setattr", "delattr") else "reads"
     return None, None
+
+
+def other_object_private_uses(tree):
+    """(node, name, how) for every private name `tree` reads or sets on an object not its own.
+
+    Any private name, the package's own too (`other_object_uses` keeps TF's).
+    "Own" as in `other_object_uses`: `self`/`cls` in a method, `super()`.
+    """
+    for node, own in _walk_with_own_names(tree, frozenset()):
+        name, how = _other_object_use(node, own)
+        if name is not None:
+            yield node, name, how

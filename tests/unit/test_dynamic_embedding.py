@@ -1,22 +1,24 @@
-"""layers.DynamicEmbedding in one process: admission, eviction, keys, checkpoints, export."""
+"""DynamicEmbedding in one process: admission, eviction, keys, checkpoints, export."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_psplugin
-from tf_psplugin.tables import dynamic as layers
+from tf_psplugin.tables import dynamic as dynamic_lib
+from tf_psplugin.tables import dynamic_state
 from tf_psplugin.tables import key_hashing
 
 
 def make(**kwargs):
     kwargs.setdefault("output_dim", 3)
     kwargs.setdefault("capacity", 8)
-    return layers.DynamicEmbedding(**kwargs)
+    return dynamic_lib.DynamicEmbedding(**kwargs)
 
 
 def stored_keys(layer):
-    return sorted(k for st in layer._shard_states for k in st.map.export()[0].numpy().tolist())
+    return sorted(k for s in range(layer.num_shards)
+                  for k in layer.shard_state(s).map.export()[0].numpy().tolist())
 
 
 def step(layer, keys):
@@ -76,7 +78,7 @@ def test_lru_evicts_the_least_recently_used_row():
 
 def test_a_full_shard_evicts_a_batch_of_old_rows_at_once():
     # 64 rows: a full shard frees 64 / EVICTION_BATCH = 4 rows when it needs one.
-    assert layers.EVICTION_BATCH == 16
+    assert dynamic_lib.EVICTION_BATCH == 16
     layer = make(capacity=64, eviction="lru")
     for k in range(64):
         step(layer, [k])
@@ -247,9 +249,8 @@ def test_loading_pairs_again_clears_reverse_entries_held_on_another_shard():
     # Two shards in one process: after a restore into another PS count a
     # key's map entry (shard of its hash) and its row's reverse entry (shard
     # row mod 2) may differ; a second load must leave no stale reverse entry.
-    # pylint: disable=protected-access
-    states = [layers._ShardState("/cpu:0", tf.int64) for _ in range(2)]
-    index = layers._KeyIndex(states)
+    states = [dynamic_state.ShardState("/cpu:0", tf.int64) for _ in range(2)]
+    index = dynamic_state.KeyIndex(states)
     keys = tf.constant(np.arange(40, dtype=np.int64) * 7919)
     index.load(keys, tf.range(40, dtype=tf.int64))
     index.load(keys[:3], tf.constant([5, 6, 7], tf.int64))
@@ -276,7 +277,7 @@ def test_export_serves_raw_keys_and_unknown_keys_read_the_default(tmp_path):
 
 def test_config_round_trip():
     layer = make(admit_after=2, eviction="lfu", key_dtype=tf.string)
-    clone = layers.DynamicEmbedding.from_config(layer.get_config())
+    clone = dynamic_lib.DynamicEmbedding.from_config(layer.get_config())
     assert (clone.admit_after, clone.eviction, clone.key_dtype) == (2, "lfu", tf.string)
 
 
@@ -298,7 +299,7 @@ def test_shards_are_balanced_under_zipf_keys():
 def test_contiguous_sharding_is_refused_with_the_fix(monkeypatch):
     from tf_psplugin._internal import tf_internal as _tf_internal
 
-    original = layers.DynamicEmbedding.add_weight
+    original = dynamic_lib.DynamicEmbedding.add_weight
 
     def add_weight(self, name, shape, **kwargs):
         var = original(self, name, shape, **kwargs)
@@ -308,6 +309,6 @@ def test_contiguous_sharding_is_refused_with_the_fix(monkeypatch):
         return _tf_internal.sharded_variable.ShardedVariable(
             [tf.Variable(var[:4]), tf.Variable(var[4:])])
 
-    monkeypatch.setattr(layers.DynamicEmbedding, "add_weight", add_weight)
+    monkeypatch.setattr(dynamic_lib.DynamicEmbedding, "add_weight", add_weight)
     with pytest.raises(ValueError, match='sharding="interleaved"'):
         make(capacity=8)(tf.constant([1]))

@@ -1,6 +1,6 @@
 """Automatic lookup fusion (`tables/fusion.py`) in one process.
 
-The strategy is stood in for by patching `lookup_fusion.fuse_all`, and each
+The strategy is stood in for by patching `fusion.fuse_all`, and each
 Embedding's table is swapped for an `InterleavedShardedVariable` of the same
 value, as the strategy would create it. The cluster check is the sync
 equivalence test (tests/cluster/test_strategy.py), whose model's two tables
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
-from tf_psplugin.tables import fusion as lookup_fusion
+from tf_psplugin.tables import fusion
 from tf_psplugin.tables import prefetched
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 
@@ -52,7 +52,7 @@ def _variables(model):
 
 
 def _run(model, fuse, monkeypatch):
-    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: fuse)
+    monkeypatch.setattr(fusion, "fuse_all", lambda: fuse)
     rng = np.random.default_rng(1)
     ids = tf.constant(rng.integers(0, VOCAB, size=(6, FEATURES)), tf.int64)
     float_ids = tf.constant(rng.integers(0, VOCAB, size=(6, 1)).astype("float32"))
@@ -91,7 +91,7 @@ def test_no_fusion_outside_the_strategy_or_eagerly(monkeypatch):
     model = _model()
     _, _, fused = _run(model, False, monkeypatch)
     assert not fused
-    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
+    monkeypatch.setattr(fusion, "fuse_all", lambda: True)
     out = model([tf.zeros((2, FEATURES), tf.int64), tf.zeros((2, 1))])  # Eager: per layer.
     assert out.shape == (2, 1)
     assert not prefetched.runs()
@@ -99,7 +99,7 @@ def test_no_fusion_outside_the_strategy_or_eagerly(monkeypatch):
 
 def test_the_same_model_twice_in_one_function_fuses_each_call(monkeypatch):
     patches.install("keras_functional_fusion")
-    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: True)
+    monkeypatch.setattr(fusion, "fuse_all", lambda: True)
     model = _model()
     a = tf.constant([[1, 2, 3, 4]], tf.int64)
     b = tf.constant([[5, 6, 7, 8]], tf.int64)
@@ -114,6 +114,6 @@ def test_the_same_model_twice_in_one_function_fuses_each_call(monkeypatch):
     fused = [op for op in graph.get_operations()
              if "fused_lookups" in op.name and op.type == "ResourceGather"]
     assert len(fused) == 12
-    monkeypatch.setattr(lookup_fusion, "fuse_all", lambda: False)
+    monkeypatch.setattr(fusion, "fuse_all", lambda: False)
     np.testing.assert_allclose(ya.numpy(), model([a, f]).numpy(), rtol=1e-6)
     np.testing.assert_allclose(yb.numpy(), model([b, f]).numpy(), rtol=1e-6)

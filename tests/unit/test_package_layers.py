@@ -157,3 +157,47 @@ def test_public_faces_hand_out_the_real_objects():
             defined_by = [m for m in real_modules if name in getattr(m, "__all__", vars(m))]
             assert len(defined_by) == 1, f"{face}.{name} is in the __all__ of {defined_by}"
             assert getattr(face_module, name) is getattr(defined_by[0], name), f"{face}.{name}"
+
+
+# -- issue 45: modules of one job, split without breaking an import path --
+
+MAX_MODULE_LINES = 700
+# Modules still over the limit, each with why (their split is planned on its own).
+OVER_THE_LIMIT = {
+    "tables/stacking.py": "issue 45 item 1: table, view, storage and registry to be split",
+    "state/checkpoint.py": "issue 45 item 1: load_into and the Keras callback to be moved out",
+    "tables/sharded.py": "issue 45 item 1: slot-lookup patching to be moved out",
+}
+
+
+def test_no_module_is_over_the_line_limit():
+    over = {}
+    for module, path in _modules().items():
+        rel = os.path.relpath(path, PACKAGE_DIR).replace(os.sep, "/")
+        with open(path, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_MODULE_LINES and rel not in OVER_THE_LIMIT:
+            over[rel] = lines
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them along their jobs): {over}"
+    for rel in OVER_THE_LIMIT:
+        assert os.path.exists(os.path.join(PACKAGE_DIR, rel)), f"stale entry: {rel}"
+
+
+# Names that moved out of a module in a split, still importable from it.
+MOVED_NAMES = {
+    "tf_psplugin.tables.dynamic": {
+        "tf_psplugin.tables.dynamic_admission": [
+            "EVICTION_POLICIES", "EVICTION_BATCH", "EXPIRY_CHECKS_PER_PERIOD"],
+    },
+}
+
+
+def test_names_moved_in_a_split_keep_their_old_import_path():
+    import importlib  # pylint: disable=g-import-not-at-top
+
+    for old, homes in MOVED_NAMES.items():
+        old_module = importlib.import_module(old)
+        for new, names in homes.items():
+            new_module = importlib.import_module(new)
+            for name in names:
+                assert getattr(old_module, name) is getattr(new_module, name), f"{old}.{name}"

@@ -108,7 +108,7 @@ from tensorflow.python.data.ops import iterator_ops  # noqa: F401
 # path in TF 2.15.1 and 2.21.0.
 from tensorflow.python.saved_model import save_context  # noqa: F401
 
-# tape.variable_accessed: a stacked table's per-table views (table_stacking.
+# tape.variable_accessed: a stacked table's per-table views (stacking.
 # TableView) are read through a custom-gradient gather of their stack; the
 # tape must watch the view (as a variable's own read op makes it do), and
 # there is no public call that tells the active tapes "this variable was

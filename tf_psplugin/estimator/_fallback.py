@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import parameter_server_strategy as _pss
 from tf_psplugin.estimator import _tables
-from tf_psplugin.tables import placement
+from tf_psplugin.tables import placement as placement_lib
 
 
 def empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
@@ -31,7 +31,7 @@ def empty_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
 class _PsAsyncExtended(_pss.ParameterServerStrategyExtended):
     """TF1 ParameterServerStrategy, with tables sharded over every PS task."""
 
-    def __init__(self, container_strategy, policy: placement.PlacementPolicy):
+    def __init__(self, container_strategy, policy: placement_lib.PlacementPolicy):
         self._policy = policy
         super().__init__(container_strategy, cluster_resolver=empty_resolver())
 
@@ -48,7 +48,7 @@ class _PsAsyncExtended(_pss.ParameterServerStrategyExtended):
 class PsAsyncStrategy(tf.compat.v1.distribute.experimental.ParameterServerStrategy):
     """Fallback: every variable on PS, asynchronous updates, tables sharded."""
 
-    def __init__(self, policy: placement.PlacementPolicy):
+    def __init__(self, policy: placement_lib.PlacementPolicy):
         tf.compat.v1.distribute.Strategy.__init__(
             self, _PsAsyncExtended(self, policy=policy)
         )

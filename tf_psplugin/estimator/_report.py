@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import tensorflow as tf
 from absl import logging
 
-from tf_psplugin.tables import placement
+from tf_psplugin.tables import placement as placement_lib
 
 
 def _task_name() -> str:
@@ -36,8 +36,8 @@ def _name(variable) -> str:
 
 
 def placement_records(
-    policy: Optional[placement.PlacementPolicy] = None,
-) -> List[placement.PlacementRecord]:
+    policy: Optional[placement_lib.PlacementPolicy] = None,
+) -> List[placement_lib.PlacementRecord]:
     """Describes every global and trainable variable of the default graph.
 
     ``kind`` is ``"table"`` for table shards, ``"table_slot"`` for their
@@ -50,8 +50,8 @@ def placement_records(
     Returns:
         One record per variable (mirrored variables once, with all devices).
     """
-    policy = policy or placement.PlacementPolicy()
-    seen: Dict[str, placement.PlacementRecord] = {}
+    policy = policy or placement_lib.PlacementPolicy()
+    seen: Dict[str, placement_lib.PlacementRecord] = {}
     variables = tf.compat.v1.global_variables() + tf.compat.v1.trainable_variables()
     unique = {}
     for v in variables:
@@ -64,17 +64,17 @@ def placement_records(
         shape = tuple(int(d) if d is not None else -1 for d in v.shape.as_list())
         dtype = v.dtype.base_dtype
         if name in tables:
-            kind = placement.KIND_TABLE
+            kind = placement_lib.KIND_TABLE
         elif any(f"{t}/" in name for t in tables):  # Optimizer state of a table.
-            kind = placement.KIND_TABLE + "_slot"
+            kind = placement_lib.KIND_TABLE + "_slot"
         else:
-            kind = placement.KIND_DENSE
-        seen[name] = placement.PlacementRecord(
+            kind = placement_lib.KIND_DENSE
+        seen[name] = placement_lib.PlacementRecord(
             name=name,
             kind=kind,
             shape=shape,
             dtype=dtype.name,
-            num_bytes=placement.num_bytes(shape, dtype.size),
+            num_bytes=placement_lib.num_bytes(shape, dtype.size),
             devices=tuple(_devices(v)),
         )
     return list(seen.values())
@@ -100,14 +100,14 @@ class PlacementReportHook(tf.compat.v1.train.SessionRunHook):
     """
 
     def __init__(self, output_dir: Optional[str] = None,
-                 policy: Optional[placement.PlacementPolicy] = None):
+                 policy: Optional[placement_lib.PlacementPolicy] = None):
         self._output_dir = output_dir
         self._policy = policy
 
     def begin(self):
         """Collects the placement once the graph is complete."""
         records = placement_records(self._policy)
-        logging.info("%s", placement.format_summary(records))
+        logging.info("%s", placement_lib.format_summary(records))
         if self._output_dir:
             tf.io.gfile.makedirs(self._output_dir)
             path = os.path.join(self._output_dir, f"placement_{_task_name()}.json")

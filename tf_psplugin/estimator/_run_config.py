@@ -32,8 +32,8 @@ import tensorflow as tf
 from absl import flags, logging
 
 from tf_psplugin._internal import deprecation as _deprecation
-from tf_psplugin.cluster import config as cluster_config_lib
-from tf_psplugin.cluster import flags as cluster_flags_lib
+from tf_psplugin.cluster import config as config_lib
+from tf_psplugin.cluster import flags as flags_lib
 from tf_psplugin.estimator import _strategy
 from tf_psplugin.tables import placement as placement_lib
 
@@ -57,9 +57,9 @@ _USE_DEFAULT = inspect.signature(tf.estimator.RunConfig.__init__).parameters[
 
 
 def _resolve_cluster(
-    cluster: Optional[cluster_config_lib.ClusterConfig],
+    cluster: Optional[config_lib.ClusterConfig],
     flag_values: Optional[flags.FlagValues],
-) -> Optional[cluster_config_lib.ClusterConfig]:
+) -> Optional[config_lib.ClusterConfig]:
     """Returns this task's cluster config, or None when there is no cluster.
 
     No cluster means neither ``--job_name`` nor TF_CONFIG is set: a local,
@@ -68,10 +68,10 @@ def _resolve_cluster(
     """
     if cluster is not None:
         return cluster
-    fv = cluster_flags_lib.FLAGS if flag_values is None else flag_values
+    fv = flags_lib.FLAGS if flag_values is None else flag_values
     try:
-        return cluster_flags_lib.resolve(flag_values=flag_values)
-    except cluster_config_lib.ConfigError as e:
+        return flags_lib.resolve(flag_values=flag_values)
+    except config_lib.ConfigError as e:
         job_name = fv["job_name"].value if "job_name" in fv else None
         nothing_given = (
             e.field == "TF_CONFIG"
@@ -95,7 +95,7 @@ class _Settings:
     mode: str
     table_update: str
     policy: placement_lib.PlacementPolicy
-    cluster: Optional[cluster_config_lib.ClusterConfig]
+    cluster: Optional[config_lib.ClusterConfig]
 
     def __deepcopy__(self, memo):
         return self
@@ -180,7 +180,7 @@ class RunConfig(tf.estimator.RunConfig):
         dense_placement: Optional[str] = None,
         embedding_updates: Optional[str] = None,
         placement: Optional[placement_lib.PlacementPolicy] = None,
-        cluster: Optional[cluster_config_lib.ClusterConfig] = None,
+        cluster: Optional[config_lib.ClusterConfig] = None,
         flag_values: Optional[flags.FlagValues] = None,
         mode: Any = _deprecation.UNSET,
         table_update: Any = _deprecation.UNSET,
@@ -294,6 +294,6 @@ class RunConfig(tf.estimator.RunConfig):
         return self._tf_psplugin.policy
 
     @property
-    def cluster(self) -> Optional[cluster_config_lib.ClusterConfig]:
+    def cluster(self) -> Optional[config_lib.ClusterConfig]:
         """This task's resolved cluster, or None for a local run."""
         return self._tf_psplugin.cluster

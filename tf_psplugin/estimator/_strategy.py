@@ -66,7 +66,7 @@ from absl import logging
 from tf_psplugin._internal.tf_internal import collective_all_reduce_strategy as _cars
 from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.estimator import _fallback, _sync, _tables
-from tf_psplugin.tables import placement
+from tf_psplugin.tables import placement as placement_lib
 
 TABLE_UPDATE_SYNC = "sync"
 TABLE_UPDATE_LOCAL = "local"
@@ -121,7 +121,8 @@ class _HybridExtended(_cars.CollectiveAllReduceExtended):
     # The health-check thread needs eager mode; Estimator runs in graph mode.
     _enable_check_health = False
 
-    def __init__(self, container_strategy, policy: placement.PlacementPolicy, table_update: str):
+    def __init__(self, container_strategy, policy: placement_lib.PlacementPolicy,
+                 table_update: str):
         self._policy = policy
         self._table_update = table_update
         self._tables = _TableRegistry()
@@ -338,7 +339,8 @@ class CollectiveAllReduceStrategyV1(
     build it; `tf_psplugin.estimator.RunConfig` does.
     """
 
-    def __init__(self, policy: placement.PlacementPolicy, table_update: str = TABLE_UPDATE_SYNC):
+    def __init__(self, policy: placement_lib.PlacementPolicy,
+                 table_update: str = TABLE_UPDATE_SYNC):
         if table_update not in TABLE_UPDATES:
             raise ValueError(
                 f"table_update: unknown value {table_update!r}. Fix: use one of "
@@ -350,7 +352,7 @@ class CollectiveAllReduceStrategyV1(
         )
 
 
-def make_strategy(mode: str, policy: placement.PlacementPolicy, table_update: str):
+def make_strategy(mode: str, policy: placement_lib.PlacementPolicy, table_update: str):
     """Builds the strategy for a placement mode, touching no eager state.
 
     Args:

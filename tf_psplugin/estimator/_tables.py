@@ -39,7 +39,7 @@ from absl import logging
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import tf_variables
 from tf_psplugin.cluster.devices import ps_device
-from tf_psplugin.tables import placement
+from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables.shard_init import shape_and_dtype
 
 _PART_SUFFIX = re.compile(r"/part_\d+$")
@@ -79,7 +79,7 @@ def already_partitioned(name: Optional[str]) -> bool:
     return bool(name) and bool(_PART_SUFFIX.search(str(name).split(":")[0]))
 
 
-def is_table_request(policy: placement.PlacementPolicy, kwargs: dict) -> bool:
+def is_table_request(policy: placement_lib.PlacementPolicy, kwargs: dict) -> bool:
     """Applies the shared placement rule to a variable-creator request.
 
     Args:
@@ -91,7 +91,7 @@ def is_table_request(policy: placement.PlacementPolicy, kwargs: dict) -> bool:
     """
     shape, dtype = shape_and_dtype(kwargs)
     if shape is None or shape.rank is None:
-        return placement.in_embedding_table_scope()
+        return placement_lib.in_embedding_table_scope()
     dtype_size = dtype.size if dtype is not None else 4
     return policy.is_table(kwargs.get("name"), shape.as_list(), dtype_size)
 

@@ -498,8 +498,7 @@ def _call_with_timeout(fn, seconds: float):
 
 
 def _read_replica(var, worker_index: int) -> int:
-    remote = var._remote_vars()[worker_index]  # pylint: disable=protected-access
-    return int(remote.read_value().numpy())
+    return int(var.read_replica(worker_index).numpy())
 
 
 def _first_line(error: BaseException) -> str:

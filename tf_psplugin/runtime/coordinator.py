@@ -71,7 +71,7 @@ from tf_psplugin.runtime import role_tracing
 from tf_psplugin.runtime import step_values
 from tf_psplugin.runtime import watchdog as watchdog_lib
 from tf_psplugin.runtime import worker_datasets
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 
 _STOP = object()
 # How long after a step part's remote call was sent a cancellation of that
@@ -207,7 +207,7 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         for closure in {id(c): c for c in closures}.values():  # Roles share closures.
             concrete = tf_objects.closure_concrete_function(closure)
             if concrete is not None:
-                for var in variables_lib.replicated_variables_used_by(concrete):
+                for var in replicated.replicated_variables_used_by(concrete):
                     used[id(var)] = var
         try:
             for var in used.values():

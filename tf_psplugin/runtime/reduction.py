@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tf_psplugin.runtime.variable_creation import _unwrap
 from tf_psplugin.sync import loss_scaling as loss_scaling_lib
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
 
 
@@ -145,7 +145,7 @@ class Reduction:
         for j, (s, dest) in enumerate(zip(slices, destinations)):
             ps = tf.DeviceSpec.from_string(_unwrap(dest).device or "").task or 0
             groups.setdefault((ps, s.values.dtype), []).append(j)
-        worker = variables_lib.current_worker_index()
+        worker = replicated.current_worker_index()
         in_order = sorted(groups.items(), key=lambda g: (g[0][0], g[0][1].name))
         ops_ = [self._gradient_queues.hand_in(ps, worker, [slices[j] for j in js])
                 for (ps, _), js in in_order]
@@ -204,7 +204,7 @@ class Reduction:
                                                        o.dense_shape))
                     else:
                         result.append(tf.identity(o))
-        variables_lib.open_step()
+        replicated.open_step()
         return result
 
 

@@ -60,12 +60,12 @@ from tf_psplugin.runtime import reduction
 from tf_psplugin.runtime import updates
 from tf_psplugin.runtime import variable_creation
 from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
-from tf_psplugin.sync import collectives as collectives_lib
+from tf_psplugin.sync import collectives
 from tf_psplugin.sync import on_read_updates as on_read_updates_lib
-from tf_psplugin.sync import replicated as variables_lib
-from tf_psplugin.tables import host as table_host
+from tf_psplugin.sync import replicated
+from tf_psplugin.tables import host
 from tf_psplugin.tables import placement as placement_lib
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import stacking
 
 EMBEDDING_UPDATES = options_lib.EMBEDDING_UPDATES
 DENSE_PLACEMENTS = options_lib.DENSE_PLACEMENTS
@@ -269,7 +269,7 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
 
 
 class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended,
-                     table_host.TableHost):
+                     host.TableHost):
     """The Extended half of `HybridParameterServerStrategy` (see module doc).
 
     TF's `StrategyExtended` calls its hooks by name (`_create_variable`,
@@ -317,7 +317,7 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.updates = updates.Updates(self, self.creation)
         # A fresh group key per chief process: a restarted chief must not meet
         # collective state that the workers cached for its predecessor.
-        self.collective_group = collectives_lib.CollectiveGroup(
+        self.collective_group = collectives.CollectiveGroup(
             self._num_workers, group_key=_FRESH.randint(10_000, 2**30))
         self.on_read_updates = on_read_updates_lib.OnReadUpdates(
             self.collective_group, self._num_workers, enabled=pack_on_read_updates,
@@ -339,12 +339,12 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         return self.creation.placement_records
 
     @property
-    def table_stacks(self) -> Optional[table_stacking.TableStacks]:
+    def table_stacks(self) -> Optional[stacking.TableStacks]:
         """The table stacks with ``stack_tables=True``, else None (read by tables/fusion.py)."""
         return self.creation.table_stacks
 
     def enable_table_stacking(self) -> None:
-        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        """Stores eligible tables in stacks from now on (see `tables/stacking.py`)."""
         self.creation.enable_table_stacking()
 
     @property
@@ -360,7 +360,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         """A plain variable on `device`, even in this strategy's scope (not a table or replica)."""
         return self.creation.create_plain_variable(device, **kwargs)
 
-    def _is_table_var(self, var) -> bool:
+    def is_table_var(self, var) -> bool:
+        """Whether `var` is a shard of a table this strategy made."""
         return self.creation.is_table_var(var)
 
     def run_after_update(self, shard, fn) -> None:
@@ -522,4 +523,4 @@ class WorkerInputContext(tf.distribute.InputContext):
     def input_pipeline_id(self):
         if tf.executing_eagerly():
             return 0
-        return variables_lib.current_worker_index()
+        return replicated.current_worker_index()

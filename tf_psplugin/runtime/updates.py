@@ -18,10 +18,10 @@ from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import distribute_lib
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.runtime.variable_creation import _unwrap
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import stacked_updates
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import stacking
 
 
 class Updates:
@@ -134,7 +134,7 @@ class Updates:
             stacked_updates.StackingError: a gradient applied to a stacked
                 table's view directly (not through a Keras optimizer).
         """
-        if isinstance(var, table_stacking.TableView) and (args or kwargs):
+        if isinstance(var, stacking.TableView) and (args or kwargs):
             # An optimizer applying a gradient to a view itself would write
             # the view's rows at the wrong place of the stack shard (its
             # kernels take the shard's handle); Keras's are merged first.
@@ -145,8 +145,8 @@ class Updates:
                 "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
         # A legacy optimizer under a mixed-precision policy updates the layer's
         # AutoCastVariable: the variable inside it decides where the update goes.
-        if isinstance(tf_objects.autocast_inner(var), variables_lib.ReplicatedVariable):
-            with distribute_lib.UpdateContext(var.device), variables_lib.inside_variable_update():
+        if isinstance(tf_objects.autocast_inner(var), replicated.ReplicatedVariable):
+            with distribute_lib.UpdateContext(var.device), replicated.inside_variable_update():
                 select = tf_objects.single_value_selector(self._extended)
                 result = fn(var, *select(args), **select(kwargs))
             if group:
@@ -173,7 +173,7 @@ class Updates:
         def apply():
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
-            with variables_lib.inside_variable_update():
+            with replicated.inside_variable_update():
                 result = stock_update(var, fn, args, kwargs, True)
             if stamps is not None:  # A write: `done` below waits for it too.
                 stamps.mark(self._gradient_of(args))
@@ -208,12 +208,12 @@ class Updates:
             # One trace shared by several workers (a concrete function was
             # scheduled, or a PS variable that is not a table: roles only
             # describe table shards).
-            worker = variables_lib.current_worker_index()
+            worker = replicated.current_worker_index()
             done = tf.cond(tf.equal(worker, owner), apply, lambda: tf.constant(False))
         if table_owner is not None:
             # Also on non-owners: the end-of-step barrier is a collective that
             # every worker must join once the step has any table update.
-            variables_lib.add_pending_table_update(done)
+            replicated.add_pending_table_update(done)
         if group:
             return done
         return [done]

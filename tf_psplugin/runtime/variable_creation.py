@@ -24,12 +24,12 @@ from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.cluster.devices import ps_device
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
 from tf_psplugin.tables import shard_init
-from tf_psplugin.tables import sharded as sharding
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import sharded
+from tf_psplugin.tables import stacking
 
 # The coordinator's own device (it joins the cluster as job "chief").
 CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
@@ -64,18 +64,20 @@ class VariableCreation:
         self._num_workers = num_workers
         self._num_ps = num_ps
         self.placement_records: List[placement_lib.PlacementRecord] = []
+        # A stacked table -> its index in placement_records (for `_restacked`).
+        self._record_of_table: IdentityMap[int] = IdentityMap()
         # Shard variable, view or slot -> owning worker; an entry dies with its variable.
         self._table_shard_owner: IdentityMap[int] = IdentityMap()
         self._creating_table = False
         self._creating_plain = False
         self._creating_internal = False
         # Set by `enable_table_stacking` (the strategy's stack_tables=True).
-        self.table_stacks: Optional[table_stacking.TableStacks] = None
+        self.table_stacks: Optional[stacking.TableStacks] = None
 
     def enable_table_stacking(self) -> None:
-        """Stores eligible tables in stacks from now on (see `table_stacking`)."""
+        """Stores eligible tables in stacks from now on (see `tables/stacking.py`)."""
         if self.table_stacks is None:
-            self.table_stacks = table_stacking.TableStacks(
+            self.table_stacks = stacking.TableStacks(
                 shard_devices=self.table_shard_device, on_restack=self._restacked)
             # Each table's gradient (Keras sees its own rows) merged into one
             # apply per stack shard.
@@ -87,7 +89,7 @@ class VariableCreation:
         An empty `stack_name`: the table is alone, with storage of its own,
         for the reason `unstacked` (the placement report shows it).
         """
-        index = getattr(table, "_tf_psplugin_record", None)
+        index = self._record_of_table.get(table)
         if index is not None:
             record = self.placement_records[index]
             self.placement_records[index] = dataclasses.replace(
@@ -126,7 +128,7 @@ class VariableCreation:
         # A legacy optimizer's slot of a layer's AutoCastVariable (mixed
         # precision) follows the variable inside it.
         colocate_with = tf_objects.autocast_inner(kwargs.get("colocate_with", None))
-        if isinstance(colocate_with, variables_lib.ReplicatedVariable):
+        if isinstance(colocate_with, replicated.ReplicatedVariable):
             kwargs.pop("colocate_with")
             return self._create_replicated(next_creator, kind="dense-slot", **kwargs)
         if colocate_with is not None:
@@ -173,7 +175,7 @@ class VariableCreation:
         # slots are created in the first trace; see `tracing_worker_index`).
         with tf.device(CHIEF_DEVICE):
             extended, updates = self._extended, self._extended.updates
-            var = variables_lib.ReplicatedVariable(
+            var = replicated.ReplicatedVariable(
                 tf_objects.extended_container_strategy(extended), next_creator,
                 end_of_step_fn=updates.end_of_step, update_reduce_fn=updates.on_read_update,
                 graph_use_fn=updates.on_read_use, **kwargs)
@@ -229,12 +231,12 @@ class VariableCreation:
                 var = self.table_stacks.add(
                     kwargs.get("name"), shape, dtype, num_shards,
                     shard_values=functools.partial(
-                        sharding.shard_value_fn, kwargs.get("initial_value"), shape, dtype,
+                        sharded.shard_value_fn, kwargs.get("initial_value"), shape, dtype,
                         num_shards=num_shards, name=kwargs.get("name")),
                     creator=functools.partial(shard_init.create_shard, next_creator, kwargs),
                     on_replace=self._replace_table_shard)
             elif scheme == placement_lib.SHARDING_INTERLEAVED:
-                var = sharding.create_interleaved(
+                var = sharded.create_interleaved(
                     name=kwargs.get("name"), shape=shape, dtype=dtype,
                     initial_value=kwargs.get("initial_value"), num_shards=num_shards,
                     device_fn=self.table_shard_device,
@@ -249,7 +251,7 @@ class VariableCreation:
                     tf_objects.set_variable_partitioner(self._extended, None)
         finally:
             self._creating_table = False
-        if not isinstance(var, table_stacking.StackedTable):
+        if not isinstance(var, stacking.StackedTable):
             # (A stack's shards are registered when they get their variables:
             # `_replace_table_shard`.)
             for shard in var.variables:
@@ -258,14 +260,16 @@ class VariableCreation:
             # Its views: what Keras lists, reduces and (weight decay) updates.
             for view in var.views:
                 self._table_shard_owner[view] = self._table_shard_owner_of(view)
+        # A contiguous table (stock's ShardedVariable) has no stack.
+        stack = var.stack if isinstance(var, sharded.InterleavedShardedVariable) else None
         self._record(var, "table", devices=[v.device for v in var.variables],
-                     stack=getattr(getattr(var, "stack", None), "name", ""), unstacked=unstacked)
-        if isinstance(var, table_stacking.StackedTable):
-            var._tf_psplugin_record = len(self.placement_records) - 1  # For `_restacked`.
+                     stack=stack.name if stack is not None else "", unstacked=unstacked)
+        if isinstance(var, stacking.StackedTable):
+            self._record_of_table[var] = len(self.placement_records) - 1
         return var
 
     def _replace_table_shard(self, old, new) -> None:
-        """A stack shard got its variable, or a bigger one than `old` (table_stacking)."""
+        """A stack shard got its variable, or a bigger one than `old` (tables/stacking.py)."""
         if old is not None:
             self._table_shard_owner.pop(old, None)
         if new is not None:  # (None: the stack was split and its variable freed.)

@@ -50,6 +50,10 @@ class FedPythonState(tf.train.experimental.PythonState):
 
     _fed_value: Optional[tf.Tensor] = None
 
+    def feed(self, value: Optional[tf.Tensor]) -> None:
+        """Makes the next write save `value` (a traced write's argument); None: `serialize()`."""
+        self._fed_value = value
+
     def _serialize_to_tensors(self):
         # Trackable's saveable protocol (documented for custom trackables);
         # the key is whatever TF's PythonState uses (`py_state`).
@@ -129,7 +133,7 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
         @tf.function(autograph=False, jit_compile=False)
         def write(prefix, values):
             for state, value in zip(states, values):
-                state._fed_value = value  # pylint: disable=protected-access
+                state.feed(value)
             try:
                 # Keras's loss scale lists only the current graph's variables.
                 with tf.device(host), tf_objects.eager_loss_scale_weights_in_graph(
@@ -137,7 +141,7 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
                     return base_write(prefix, options=options)
             finally:
                 for state in states:
-                    state._fed_value = None  # pylint: disable=protected-access
+                    state.feed(None)
 
         return write
 

@@ -35,7 +35,7 @@ from tf_psplugin.errors import ExportError  # noqa: F401  (see errors.py)
 from tf_psplugin.state import checkpoint as checkpoint_lib
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state import serving as serving_lib
-from tf_psplugin.tables import dynamic as layers
+from tf_psplugin.tables import dynamic as dynamic_lib
 
 __all__ = ["ExportError", "export_from_checkpoint", "export_saved_model", "logical_weights"]
 
@@ -90,7 +90,7 @@ def _copy_weights(source, target) -> None:
 
 
 def _dynamic_layers(model):
-    return [m for m in model.submodules if isinstance(m, layers.DynamicEmbedding)]
+    return [m for m in model.submodules if isinstance(m, dynamic_lib.DynamicEmbedding)]
 
 
 def _save_atomically(model, export_dir: str, overwrite: bool,

@@ -350,7 +350,7 @@ class IncrementalSaver:
 
     def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
         """The row tables among `variables`, except those whose id is in `skip`."""
-        is_table = self._extended._is_table_var  # pylint: disable=protected-access
+        is_table = self._extended.is_table_var
         tables, in_containers = [], set()
         for key, var in sorted(variables.items()):
             if id(var) in skip:

@@ -41,7 +41,7 @@ Restoring applies the rows and state tables by logical row (any PS count,
 or one process), the sketch by logical counter, and the keys as: drop every
 (key, row) pair whose row is a dirty row of the delta, then add (key, row)
 for each dirty row that holds a key; the maps are then reloaded whole
-(`_KeyIndex.load`, as a full restore does), so they land on the shards the
+(`KeyIndex.load`, as a full restore does), so they land on the shards the
 current PS count names; this passes every pair through the chief once per
 delta, as a full restore does once. The format is in `incremental`'s module
 docstring.
@@ -198,7 +198,7 @@ class DynamicTable:
     def add_row_pieces(self, s: int, local: tf.Tensor, ids: tf.Tensor,
                        add: Callable[[str, tf.Tensor], None]) -> None:
         """Adds shard `s`'s state rows, keys and held flags for its dirty rows, in `ids` order."""
-        state = self.layer._shard_states[s]  # pylint: disable=protected-access
+        state = self.layer.shard_state(s)
         with tf.device(state.device):
             for key, var in zip(self.row_state_keys, self.row_state):
                 add(key + _DELTA + "rows", tf.gather(_parts(var)[s], local))

@@ -16,6 +16,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_psplugin._internal.identity import IdentityMap
+
 __all__ = ["RowStamps", "row_local_refusal"]
 
 # tf.Variable methods that write a whole value, rows by IndexedSlices, rows by nd indices.
@@ -24,6 +26,8 @@ _ROW_WRITES = ("scatter_add", "scatter_sub", "scatter_max", "scatter_min", "scat
                "scatter_div", "scatter_update")
 _ND_WRITES = ("scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_max",
               "scatter_nd_min")
+# A variable whose writes stamp rows -> the `RowStamps` they stamp (`RowStamps.watch`).
+_WATCHED: "IdentityMap[RowStamps]" = IdentityMap()
 
 
 class RowStamps:
@@ -85,13 +89,13 @@ class RowStamps:
         through raw ops on the variable's handle (a `tf.train.Checkpoint`
         restore); `CheckpointManager.restore` makes the next save full.
         """
-        if getattr(var, "_tf_psplugin_row_watch", None) is self:
+        if _WATCHED.get(var) is self:
             return
         for method in _WHOLE_WRITES + _ROW_WRITES + _ND_WRITES:
             original = getattr(type(var), method, None)
             if original is not None:
                 setattr(var, method, self._watched(var, method, original))
-        var._tf_psplugin_row_watch = self  # pylint: disable=protected-access
+        _WATCHED[var] = self
 
     def _watched(self, var, method: str, original):
         def write(*args, **kwargs):

@@ -91,7 +91,7 @@ _NOT_SERVED = ("optimizer/", "save_counter/", "model/optimizer/")
 # A delta or full checkpoint removed or rewritten while read (the chief's
 # max_to_keep, a new full save): tried again at the next poll.
 _RACE_ERRORS = (tf.errors.NotFoundError, tf.errors.DataLossError, OSError)
-# A DynamicEmbedding's key -> row map in a full checkpoint (`tables.dynamic._KeyIndex`).
+# A DynamicEmbedding's key -> row map in a full checkpoint (`tables.dynamic_state.KeyIndex`).
 _KEY_INDEX_KEYS = "/.ATTRIBUTES/keys"
 _KEY_INDEX_ROWS = "/.ATTRIBUTES/rows"
 

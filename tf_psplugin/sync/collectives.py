@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import collective_ops
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 
 # Padded all-gathers use buffers of 2**b elements, b in this range.
 _MIN_BUCKET_LOG2, _MAX_BUCKET_LOG2 = 8, 40
@@ -62,7 +62,7 @@ class CollectiveGroup:
             if self._block_start is not None:
                 # Inside `same_keys_per_trace`: every function graph traced
                 # in the block numbers its collectives from the block's start.
-                graph = variables_lib.outermost_function_graph()
+                graph = replicated.outermost_function_graph()
                 if graph is not self._block_graph:
                     self._block_end = max(self._block_end, self._next_key)
                     self._block_graph = graph

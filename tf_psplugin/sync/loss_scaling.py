@@ -32,7 +32,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.errors import StrategyError
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 
 # Graphs in which a LossScaleOptimizer is applying gradients -> depth. Keyed
 # by graph, not thread: a strategy runs the replica function and its
@@ -142,7 +142,7 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
     def _update(self, grads):
         if not _strategy_agrees():
             return update(self, grads)
-        with variables_lib.inside_variable_update():
+        with replicated.inside_variable_update():
             return update(self, grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):

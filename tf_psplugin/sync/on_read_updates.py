@@ -66,7 +66,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_psplugin.cluster.connection import StrategyError
-from tf_psplugin.sync import replicated as variables_lib
+from tf_psplugin.sync import replicated
 
 # Graph classes whose ops run once per step of the traced function: the
 # function itself and while-loop bodies (steps_per_execution > 1). TF's
@@ -146,7 +146,7 @@ def _plain_accumulator(var):
 def _drain(accumulator) -> tf.Tensor:
     """The accumulator's value; the accumulator is zeroed after the read."""
     value = accumulator.read_value()
-    with tf.control_dependencies([value]), variables_lib.inside_variable_update():
+    with tf.control_dependencies([value]), replicated.inside_variable_update():
         accumulator.assign(tf.zeros_like(value), read_value=False)
     return tf.identity(value)
 
@@ -216,7 +216,7 @@ class OnReadUpdates:
         return DeferredUpdate(var, marker) if read_value else marker
 
     def _unpacked(self, graph) -> bool:
-        return variables_lib.outermost_function_graph(graph) in self._unpacked_graphs
+        return replicated.outermost_function_graph(graph) in self._unpacked_graphs
 
     def _accumulate(self, var, delta, apply, read_value, subtract, graph):
         """An update in a branch of a `tf.cond`: summed locally, all-reduced after the cond.
@@ -235,7 +235,7 @@ class OnReadUpdates:
         if key not in self._accumulators:
             self._accumulators[key] = (var, self._make_accumulator(var))
         accumulator = self._accumulators[key][1]
-        with variables_lib.inside_variable_update():
+        with replicated.inside_variable_update():
             written = accumulator.assign_add(delta, read_value=False)
         target = self._flush_graph(graph)
         pending = self._pending.setdefault(target, [])
@@ -253,7 +253,7 @@ class OnReadUpdates:
         (it writes what is pending in the function at its end).
         """
         if self._unpacked(graph):
-            return variables_lib.outermost_function_graph(graph)
+            return replicated.outermost_function_graph(graph)
         while type(graph).__name__ not in _DEFERRABLE_GRAPHS and getattr(
                 graph, "outer_graph", None) is not None:
             graph = graph.outer_graph

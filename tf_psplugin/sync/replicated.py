@@ -438,6 +438,10 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         """Called by the coordinator when a function using this variable runs."""
         self._replicas_ahead = True
 
+    def read_replica(self, worker_index: int) -> tf.Tensor:
+        """Reads worker `worker_index`'s replica now, without waiting for steps (failover)."""
+        return self._remote_vars()[worker_index].read_value()
+
     def replica_values(self) -> List[tf.Tensor]:
         """Reads every worker's replica (waits for in-flight steps)."""
         wait = getattr(self._coordinator, "wait_for_sync_steps", None)

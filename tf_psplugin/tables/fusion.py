@@ -28,8 +28,8 @@ this module is the lookup half of that (issue 14).
 Scope: functional (and Sequential-in-functional) Keras models under a
 `HybridParameterServerStrategy` with ``fuse_lookups=True`` (every table; off
 by default) or ``stack_tables=True`` (the tables of one stack only:
-`table_stacking`), in a traced function, dense int32/int64 ids, `Embedding` layers whose table is
-sharded over the PS tasks. Anything else (subclassed models, ragged or sparse
+`tables/stacking.py`), in a traced function, dense int32/int64 ids, `Embedding` layers
+whose table is sharded over the PS tasks. Anything else (subclassed models, ragged or sparse
 ids, feature columns, Estimator) takes the per-layer lookup as before.
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
@@ -47,9 +47,10 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin.tables import host
 from tf_psplugin.tables import prefetched
 from tf_psplugin.tables import stacked_updates
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import stacking
 from tf_psplugin.tables.lookups import lookup_tables
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 
@@ -80,16 +81,14 @@ def enabled() -> bool:
 
 def fuse_all() -> bool:
     """Whether the current strategy asks for fused lookups of every table (fuse_lookups)."""
-    if not tf.distribute.has_strategy():
-        return False
-    return bool(getattr(tf.distribute.get_strategy().extended, "fuse_lookups", False))
+    extended = host.current()
+    return extended is not None and bool(extended.fuse_lookups)
 
 
 def _stacking() -> bool:
-    """Whether the current strategy stacks tables (table_stacking): their lookups fuse."""
-    if not tf.distribute.has_strategy():
-        return False
-    return getattr(tf.distribute.get_strategy().extended, "table_stacks", None) is not None
+    """Whether the current strategy stacks tables (tables/stacking.py): their lookups fuse."""
+    extended = host.current()
+    return extended is not None and extended.table_stacks is not None
 
 
 def _one_stack(tables) -> bool:
@@ -172,7 +171,7 @@ def separate_before_slots(model) -> None:
 
 def _separate(model) -> None:
     """`separate_by_model`, each table alone if the model's optimizer needs it."""
-    table_stacking.separate_by_model(
+    stacking.separate_by_model(
         model, apart=stacked_updates.why_apart(getattr(model, "optimizer", None)))
 
 

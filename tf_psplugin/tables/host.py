@@ -20,6 +20,14 @@ __all__ = ["TableHost", "current"]
 class TableHost(abc.ABC):
     """The strategy side of tables on PS tasks (implemented by `HybridExtended`)."""
 
+    # The strategy's table options the tables read, with their defaults.
+    fuse_lookups: bool = False  # `HybridOptions.fuse_lookups`: fused lookups of every table.
+
+    @property
+    def table_stacks(self):
+        """The strategy's `stacking.TableStacks` (``stack_tables=True``), or None."""
+        return None
+
     @abc.abstractmethod
     def run_after_update(self, shard, fn: Callable[[], Optional[tf.Operation]]) -> None:
         """Makes the worker that updates `shard` in a sync step also run `fn()` after it."""
@@ -31,6 +39,10 @@ class TableHost(abc.ABC):
     @abc.abstractmethod
     def track_updated_rows(self, shard, stamps) -> None:
         """Makes every optimizer apply to table `shard` also call `stamps.mark(grad)`."""
+
+    @abc.abstractmethod
+    def is_table_var(self, var) -> bool:
+        """Whether `var` is a shard of a table this strategy made (incremental checkpoints)."""
 
     @abc.abstractmethod
     def create_plain_variable(self, device: str, **kwargs) -> tf.Variable:

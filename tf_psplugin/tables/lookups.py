@@ -46,11 +46,10 @@ def _shards(table):
     """What TF's v1 "mod" lookups gather from, with the table's own logical ids.
 
     An interleaved table's shard variables; a stacked table's per-shard views
-    (`table_stacking.TableView`: its own rows of each stack shard, whose
+    (`stacking.TableView`: its own rows of each stack shard, whose
     gradients are its own).
     """
-    views = getattr(table, "views", None)
-    return views if views else table.variables
+    return table.views or table.variables
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": InterleavedShardedVariable})
@@ -266,13 +265,11 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
     table_parts = tf.dynamic_partition(table_of, shard, num_shards)
     position_parts = tf.dynamic_partition(positions, shard, num_shards)
     physical_parts = None
-    if any(getattr(t, "views", None) for t in tables):
+    if any(t.views for t in tables):
         # Stacked tables: each id's row in its stack shard, for all at once
         # (an id outside its table stays out of every shard's range).
         slot = tf.cast(table_of, tf.int64) * num_shards + tf.cast(shard, tf.int64)
-        offsets = tf.constant([o for t in tables
-                               for o in (getattr(t, "row_offsets", None) or (0,) * num_shards)],
-                              tf.int64)
+        offsets = tf.constant([o for t in tables for o in t.row_offsets], tf.int64)
         counts = tf.constant([c for t in tables
                               for c in shard_rows(int(t.shape[0]), num_shards,
                                                   SHARDING_INTERLEAVED)], tf.int64)
@@ -286,7 +283,7 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
         shards = [_shards(t)[p] for t in tables]
         stack_shard = _one_stack_shard(tables, p)
         if stack_shard is not None:
-            # One stack holds them all (table_stacking): one gather per PS.
+            # One stack holds them all (tables/stacking.py): one gather per PS.
             rows.append(_stacked_gather(tables, shards, stack_shard, local_parts[p],
                                         physical_parts[p], table_parts[p]))
             continue
@@ -307,8 +304,8 @@ def _fused_interleaved_lookup(tables, ids_list, num_shards):
 
 
 def _one_stack_shard(tables, p):
-    """Shard p of the stack that holds every one of `tables` (table_stacking), or None."""
-    if not all(getattr(t, "views", None) for t in tables):
+    """Shard p of the stack that holds every one of `tables` (tables/stacking.py), or None."""
+    if not all(t.views for t in tables):
         return None
     first = tables[0].variables[p]
     return first if all(t.variables[p] is first for t in tables[1:]) else None

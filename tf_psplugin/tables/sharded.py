@@ -116,7 +116,7 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     iterating yields the shard variables, as for `ShardedVariable`.
 
     Subclass hooks (`stacking.StackedTable`, a table stored inside shards that
-    hold other tables' rows too): `row_offsets`, `_physical_ids`,
+    hold other tables' rows too): `row_offsets`, `stack`, `views`, `_physical_ids`,
     `shares_shards`, `with_variables` and `_write_shard`. Reads, lookups,
     writes, scatters, checkpoints and copies are written once, here, in
     their terms.
@@ -162,6 +162,20 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     def row_offsets(self) -> tuple:
         """Row of each shard where this table's rows start: 0 for a whole table."""
         return (0,) * len(self._variables)
+
+    @property
+    def stack(self):
+        """The `stacking.TableStack` whose shards hold this table; None for a whole table."""
+        return None
+
+    @property
+    def views(self) -> Optional[list]:
+        """Per shard, a variable of this table's rows alone (a stacked table's `TableView`s).
+
+        None for a whole table: its shard variables are its own, and lookups,
+        gradients and Keras use them.
+        """
+        return None
 
     def _physical_ids(self, ids):
         """Logical ids -> ids whose "mod" lookup on the shards finds this table's rows."""
@@ -228,7 +242,7 @@ class InterleavedShardedVariable(sharded_variable.ShardedVariable):
     def _shape_only_lookup(self, ids, max_norm=None):
         """Rows of the right shape and no value, where only the shape is asked, else None.
 
-        A `table_stacking.StackedTable` returns them while Keras infers a
+        A `stacking.StackedTable` returns them while Keras infers a
         layer's output shape, so that building a model does not make its
         stack's variables table by table.
         """
@@ -368,7 +382,7 @@ class _LogicalTableSaveable(saveable_object.SaveableObject):
 
     def __init__(self, shards, full_name, name, row_offsets=None, num_rows=None, op=None):
         # A stacked table's rows start at `row_offsets[s]` in shard s (see
-        # table_stacking); a whole table's at 0. TF refuses two saveables
+        # tables/stacking.py); a whole table's at 0. TF refuses two saveables
         # with the same `op` (shards[0] by default): a stacked table passes
         # itself, since its stack's tables share their shards.
         self._shards = shards
@@ -523,7 +537,7 @@ def install_interleaved_slot_lookup(optimizer):
         create_sharded_slots(var_list)
         for var in var_list:
             container = tf_objects.sharded_container(var)
-            stack = getattr(container, "stack", None)
+            stack = container.stack if isinstance(container, InterleavedShardedVariable) else None
             for table in list(stack.tables) if stack is not None else []:
                 tf_objects.optimizer_slots(optimizer)[tf_objects.variable_unique_id(table)] = {
                     name: table for name in optimizer.get_slot_names()}
@@ -619,6 +633,28 @@ def _slice_of(initial_value, shard: int, num_shards: int, dtype):
     return tf.cast(initial_value[shard::num_shards], dtype)
 
 
+def _shard_initial_value(initial_value, full_shape, dtype, shard: int, num_shards: int,
+                         name: str):
+    """Shard `shard`'s initial value, as `create_interleaved` hands it to the creator.
+
+    None stays None (creators that load SavedModels); a
+    `CheckpointInitialValueCallable` gives zeros (the restore fills the table
+    through its saveable); a callable initializer a callable of this shard's
+    rows (`_shard_value_fn`); a full value (numpy or tensor) its rows
+    ``[shard::num_shards]``, as a value.
+    """
+    shard_shape = [shard_rows(full_shape[0], num_shards, SHARDING_INTERLEAVED)[shard]] + \
+        full_shape[1:]
+    if initial_value is None:
+        return None
+    if isinstance(_unwrap_partial(initial_value), CheckpointInitialValueCallable):
+        return functools.partial(tf.zeros, shard_shape, dtype=dtype)
+    if callable(initial_value):
+        return _shard_value_fn(initial_value, full_shape, dtype, shard, num_shards, shard_shape,
+                               name)
+    return _slice_of(initial_value, shard, num_shards, dtype)
+
+
 def shard_value_fn(initial_value, shape, dtype, shard: int, *, num_shards: int,
                    name: str) -> Callable[[], tf.Tensor]:
     """A zero-argument callable for shard `shard`'s initial rows of an interleaved table.
@@ -626,22 +662,20 @@ def shard_value_fn(initial_value, shape, dtype, shard: int, *, num_shards: int,
     `initial_value` is what a variable creator receives: a callable
     initializer (called per shard, as in `create_interleaved`), a
     `CheckpointInitialValueCallable` (zeros: the restore fills the table
-    through its saveable) or a full value (sliced ``[shard::num_shards]``).
+    through its saveable) or a full value (sliced ``[shard::num_shards]``
+    when the callable runs). The same values as `create_interleaved`'s
+    shards (`_shard_initial_value`), always as a callable.
     """
-    shape = tf.TensorShape(shape)
     dtype = tf.as_dtype(dtype)
-    full_shape = shape.as_list()
-    shard_shape = [shard_rows(full_shape[0], num_shards, SHARDING_INTERLEAVED)[shard]] + \
-        full_shape[1:]
-    if isinstance(_unwrap_partial(initial_value), CheckpointInitialValueCallable):
-        return functools.partial(tf.zeros, shard_shape, dtype=dtype)
-    if callable(initial_value):
-        return _shard_value_fn(initial_value, full_shape, dtype, shard, num_shards, shard_shape,
-                               name)
+    full_shape = tf.TensorShape(shape).as_list()
+    if callable(initial_value) or isinstance(_unwrap_partial(initial_value),
+                                             CheckpointInitialValueCallable):
+        return _shard_initial_value(initial_value, full_shape, dtype, shard, num_shards, name)
     value = initial_value
     if not isinstance(value, (np.ndarray, tf.Tensor)):
         value = tf.convert_to_tensor(value, dtype=dtype)
-    return lambda: tf.convert_to_tensor(_slice_of(value, shard, num_shards, dtype), dtype=dtype)
+    return lambda: tf.convert_to_tensor(
+        _shard_initial_value(value, full_shape, dtype, shard, num_shards, name), dtype=dtype)
 
 
 def create_interleaved(
@@ -709,9 +743,6 @@ def create_interleaved(
     n = max(1, min(int(num_shards), num_rows))
     sizes = shard_rows(num_rows, n, SHARDING_INTERLEAVED)
 
-    is_checkpoint_init = isinstance(
-        _unwrap_partial(initial_value), CheckpointInitialValueCallable
-    )
     if not callable(initial_value) and initial_value is not None:
         if not isinstance(initial_value, (np.ndarray, tf.Tensor)):
             initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
@@ -724,14 +755,7 @@ def create_interleaved(
     shards = []
     for s in range(n):
         shard_shape = [sizes[s]] + full_shape[1:]
-        if initial_value is None:
-            value = None
-        elif is_checkpoint_init:
-            value = functools.partial(tf.zeros, shard_shape, dtype=dtype)
-        elif callable(initial_value):
-            value = _shard_value_fn(initial_value, full_shape, dtype, s, n, shard_shape, name)
-        else:
-            value = _slice_of(initial_value, s, n, dtype)
+        value = _shard_initial_value(initial_value, full_shape, dtype, s, n, name)
         with tf.device(device_fn(s)):
             shards.append(creator(name=f"{name}/part_{s}", shape=shard_shape, initial_value=value))
     return InterleavedShardedVariable(shards, name=name)

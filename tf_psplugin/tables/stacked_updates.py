@@ -1,7 +1,7 @@
 """Optimizer updates of stacked tables: each table's own gradient, one apply per stack shard.
 
 Why this module exists: with ``stack_tables=True`` Keras lists each table's
-own rows (`table_stacking.TableView`) as the layer's weights, and the tape
+own rows (`stacking.TableView`) as the layer's weights, and the tape
 gives each view its own gradient. What makes stacking fast is that a stack
 shard is updated by ONE sparse apply with one set of slots, not one per
 table. This module turns the views' gradients into that one update, and

@@ -22,7 +22,7 @@ How no Keras or TF API can tell (issue 29):
   stack shard through a custom gradient whose input is the view's own
   handle tensor, so the tape gives each view an `IndexedSlices` of its own
   rows. A functional model's lookups of one stack are still one gather per
-  PS (`table_lookups.lookup_tables`), with the gradient split per view.
+  PS (`lookups.lookup_tables`), with the gradient split per view.
 * **One apply per stack shard** (`stacked_updates`): the views' gradients
   are merged into one gradient of the stack shard, with one set of slots;
   it refuses, with an error naming the fix, where one apply would not
@@ -37,7 +37,7 @@ How no Keras or TF API can tell (issue 29):
   (`fusion.separate_before_slots`), so a restarted job has the stacks, and
   the slots, of its fresh run.
 * **Everything that names a table sees the `StackedTable`**: lookups
-  (`tf.nn.embedding_lookup` and the other APIs `table_lookups` dispatches),
+  (`tf.nn.embedding_lookup` and the other APIs `tables/lookups.py` dispatches),
   reads, `assign`, checkpoints (each table saved under its own key, in
   logical row order: it restores into unstacked tables, any PS count and a
   single process), the placement report and export. An id outside
@@ -183,7 +183,7 @@ class StackedTable(InterleavedShardedVariable):
         """This table's rows of each stack shard, as Keras lists them (None for a copy)."""
         return self._views
 
-    def _rebind(self, stack, row_offsets) -> None:
+    def rebind(self, stack, row_offsets) -> None:
         """Moves this table into `stack` at `row_offsets` (`TableStacks.separate`)."""
         self._variables = list(stack.shards)
         for shard in self._variables:
@@ -362,7 +362,7 @@ class TableView(tf.Variable):
 
     @property
     def num_rows(self) -> int:
-        return self._table._shard_counts[self._index]  # pylint: disable=protected-access
+        return self._table.shard_counts[self._index]
 
     def _should_act_as_resource_variable(self):
         """Passes `resource_variable_ops.is_resource_variable` (the tape asks)."""
@@ -638,7 +638,7 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
         # What `tf.nest` (expand_composites) and Keras (`Layer._track_variables`,
         # when a layer sets `self.embeddings = table`) see inside a table: its
         # own views, not the stack's shards (other tables' rows).
-        views = getattr(value, "views", None)
+        views = value.views
         return list(views) if views else super()._to_components(value)
 
     def _from_components(self, variables):
@@ -810,7 +810,7 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
 def _current_rows(variable, table, s: int) -> tf.Tensor:
     """`table`'s rows of stack shard `s`, read from the shard's `variable` (on its PS)."""
     start = table.row_offsets[s]
-    count = table._shard_counts[s]  # pylint: disable=protected-access
+    count = table.shard_counts[s]
     with tf.device(variable.device):
         return tf.identity(variable.sparse_read(tf.range(start, start + count, dtype=tf.int64)))
 
@@ -1053,11 +1053,11 @@ class TableStacks:
                 offsets = list(target.rows)
                 for s, piece in enumerate(pieces):
                     target.pending[s].append(piece)
-                    target.rows[s] += table._shard_counts[s]  # pylint: disable=protected-access
+                    target.rows[s] += table.shard_counts[s]
                 target.pending_tables.append(weakref.ref(table))
                 if target is not stack:
                     stack.tables.discard(table)
-                table._rebind(target, offsets)  # pylint: disable=protected-access
+                table.rebind(target, offsets)
                 if why_alone and len(items) == 1:
                     self._on_restack(table, "", why_alone)
                 else:

@@ -49,19 +49,18 @@ def write_criteo_fixture(
     gen = generator if generator is not None else data.SyntheticCTR(seed=seed)
     if (gen.num_integer, gen.num_categorical) != (data.NUM_INTEGER_FEATURES, data.NUM_CATEGORICAL_FEATURES):
         raise ValueError("write_criteo_fixture needs a generator with 13 dense, 26 categorical.")
-    num_fields = data.NUM_INTEGER_FEATURES + data.NUM_CATEGORICAL_FEATURES
-    keys = np.array([data._key(seed, data._FIXTURE, j) for j in range(num_fields)], np.uint64)
+    keys = data.fixture_field_keys(seed)
     salts = keys[data.NUM_INTEGER_FEATURES:] & np.uint64(0xFFFFFFFF)
     tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(path)))
     with tf.io.gfile.GFile(path, "w") as out:
         for start in range(0, num_rows, 1 << 14):
             n = min(1 << 14, num_rows - start)
             with tf.init_scope():
-                examples_fn = gen._examples_fn(n)  # pylint: disable=protected-access
+                examples_fn = gen.examples_fn(n)
                 ex = examples_fn(tf.constant(start, tf.int64))
                 ex = {k: v.numpy() for k, v in ex.items()}
             rows = np.arange(start, start + n, dtype=np.uint64)[:, None]
-            missing = data._uniform_np(data._bits_np(keys, rows)) < missing_rate
+            missing = data.fixture_uniform(keys, rows) < missing_rate
             hexed = ex["categorical"].astype(np.uint64) * np.uint64(0x9E3779B1) + salts
             hexed &= np.uint64(0xFFFFFFFF)
             for r in range(n):
