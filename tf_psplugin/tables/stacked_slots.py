@@ -89,7 +89,8 @@ class SlotView(tf.Variable):
 
     @property
     def name(self):
-        return f"{self._slot_name}:0"
+        # A table's whole slot is named as TF names a `ShardedVariable` (no ":0").
+        return self._slot_name if len(self._pieces) > 1 else f"{self._slot_name}:0"
 
     @property
     def _shared_name(self):
@@ -134,6 +135,11 @@ class SlotView(tf.Variable):
     @property
     def _in_graph_mode(self):
         return False
+
+    @property
+    def graph(self):
+        # (tf.identity asks for it: without one it would raise.)
+        return self._pieces[0][0].graph
 
     def __repr__(self):
         return f"<SlotView {self._slot_name!r} shape={self.shape} dtype={self.dtype.name}>"
