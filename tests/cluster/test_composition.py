@@ -167,8 +167,8 @@ def split_slots(cell, weights):
     """(`weights` without, and with only, the new optimizers' by-position slot list).
 
     Keras's new optimizers checkpoint their variables as one list by position
-    (``optimizer/_variables/<i>``); with stacking that list holds one slot
-    per stack shard, not per table (a known gap: docs/composition.md).
+    (``optimizer/_variables/<i>``), compared on their own by
+    `test_new_optimizer_checkpoint_slots_match_unstacked`.
     """
     if cell.startswith("legacy_"):
         return weights, {}
@@ -282,11 +282,12 @@ def test_pairwise_cell_ends_like_unstacked(runs, cell):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (issue 40 item 1): Keras's new optimizers checkpoint their slots as one list "
-    "by position, and with stacking that list holds one slot per stack shard, so the "
-    "checkpoint differs from an unstacked run's and restores only into the same stacking"))
 def test_new_optimizer_checkpoint_slots_match_unstacked(runs):
+    """Keras's new optimizers' by-position slot list holds per-table slots when stacked too.
+
+    Each stacked table's slots are listed where an unstacked table's shard
+    slots are (tables/stacked_slots.py): same keys, shapes and values.
+    """
     results = runs.get("pairwise", PAIRWISE + EXTRA, timeout=900)
     differ = {}
     for cell in PAIRWISE:

@@ -83,6 +83,10 @@ from tensorflow.python.framework import ops  # noqa: F401
 #   public way to write one logical row range of a table per shard).
 from tensorflow.python.trackable import base as trackable_base  # noqa: F401
 from tensorflow.python.training.saving import saveable_object  # noqa: F401
+# data_structures.NoDependency: a stack shard's slot a Keras (new) optimizer keeps
+# in its lists for the apply, but which no checkpoint may list
+# (tables/stacked_slots.py): the one way to put a value in a tracked list untracked.
+from tensorflow.python.trackable import data_structures  # noqa: F401
 
 # A variable created by a checkpoint restore gets this initial value (restore-
 # on-create); table creation must keep it lazy. Exported only as tf.__internal__.
@@ -273,6 +277,10 @@ PRIVATE_ATTRIBUTES = {
     "_index_dict": "keras:optimizers.optimizer._BaseOptimizer",
     "_var_key": "keras:optimizers.optimizer._BaseOptimizer",
     "_momentums": "keras:optimizers.adam.Adam",
+    # tables/stacked_slots.py (via tf_objects): a new optimizer's slots of a
+    # stack are built from the views before the merge, once (`_built`), and
+    # listed per table in its `_variables` (see _internal/tf_objects.py).
+    "_built": "keras:optimizers.adam.Adam",
     "_velocities": "keras:optimizers.adam.Adam",
     # -- runtime/coordinator.py (and runtime/watchdog.py, runtime/worker_datasets.py): one closure
     # dispatched to every worker. The stock Closure traces and wraps the

@@ -30,6 +30,7 @@ import inspect
 import weakref
 from typing import Any, Callable, Optional
 
+from tf_psplugin._internal import tf_internal
 from tf_psplugin._internal.tf_internal import cluster_coordinator, parameter_server_strategy_v2
 
 # -- Cluster, strategy and coordinator ----------------------------------------
@@ -278,6 +279,31 @@ def set_sharded_container(variable, sharded) -> None:
 
 
 # -- Keras optimizers (legacy OptimizerV2 and the new Optimizer) ---------------
+
+
+def optimizer_built(optimizer) -> bool:
+    """Whether a Keras (new) Optimizer's `build` made its variables (its `_built` flag, set by
+    each optimizer's `build`; tf.keras 2.15, tf-keras 2.21). Public `built` exists only on
+    some versions.
+    """
+    return bool(getattr(optimizer, "_built", False))
+
+
+def optimizer_variable_list(optimizer) -> Any:
+    """A Keras (new) Optimizer's tracked `_variables` list, which `add_variable_from_reference`
+    appends to and `optimizer.variables` and checkpoints list by position (tf.keras 2.15,
+    tf-keras 2.21); tables/stacked_slots.py appends a stacked table's slot views to it, as
+    Keras appends an unstacked shard's slot (no public way to add an optimizer variable made
+    elsewhere).
+    """
+    return optimizer._variables  # pylint: disable=protected-access
+
+
+def no_dependency(value) -> Any:
+    """`value` wrapped so that a tracked list or attribute holds it untracked (TF's
+    `NoDependency`, TF 2.15-2.21).
+    """
+    return tf_internal.data_structures.NoDependency(value)
 
 
 def optimizer_slots(optimizer) -> dict:

@@ -193,8 +193,9 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
         build = getattr(optimizer, "build", None)
         if build is not None:
             with scope:
-                # Idempotent. A stacked table's slots are its stack shards'.
-                build(stacked_updates.substitute(model.trainable_variables))
+                # Idempotent. A stacked table's slots are its stack shards', listed
+                # per table by Keras's known optimizers (tables/stacked_slots.py).
+                build(stacked_updates.slot_build_list(optimizer, model.trainable_variables))
         return
     with scope:
         create(model.trainable_variables)

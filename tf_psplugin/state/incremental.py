@@ -397,11 +397,14 @@ class IncrementalSaver:
                     table.stamps[s].watch(part)
         owners: Dict[str, List[Tuple[_Table, int]]] = {}
         for key, var in candidates:
-            name = var.name or ""
+            # A stacked table's slot view (tables/stacked_slots.py) of a table
+            # alone in its stack is that stack shard's slot: matched as it.
+            storage = getattr(var, "storage", None) or var
+            name = storage.name or ""
             found = [(len(shard.name), table, s) for table in self.tables
                      for s, shard in enumerate(table.shards)
                      if name.endswith("/" + shard.name) and var.shape == shard.shape
-                     and var.device == shard.device]
+                     and storage.device == shard.device]
             longest = max((n for n, _, _ in found), default=0)
             owners[key] = [(table, s) for n, table, s in found if n == longest]
         for table in self.tables:

@@ -12,9 +12,13 @@ strategy with ``stack_tables=True`` is built (`install`); the patches do
 nothing for a variable list without views.
 
 * **Slots** are made for the stack shards, never for views: the variable
-  list the optimizer builds from has each view replaced by its stack shard
-  (`substitute`; legacy `_create_all_weights`, the `build` of each new
-  optimizer in `_ELEMENTWISE_NAMES`).
+  list a legacy optimizer builds from has each view replaced by its stack
+  shard (`substitute`, in `_create_all_weights`). The `build` of each new
+  optimizer in `_ELEMENTWISE_NAMES` gets the views followed by their stack
+  shards, and lists each table's rows of the stack shard's slot where an
+  unstacked table's shard slot would be (`stacked_slots`: its checkpoint
+  and `optimizer.variables` are per table); the stack shard's own slot,
+  untracked, is what its apply uses.
 * **The merge** (`merge`): the gradients of the views of one stack shard
   become one `IndexedSlices` of the stack shard (each view's rows shifted
   to its place). It happens when `apply_gradients` is entered, so that the
@@ -60,9 +64,10 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["StackingError", "merge", "patch_keras_optimizers", "substitute"]
+__all__ = ["StackingError", "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
 
 
 def _legacy(name):
@@ -297,12 +302,14 @@ def _install_new(cls):
     # as Keras's docs suggest); subclasses loop over the list they are given.
     restore = [_restorer(cls, ("apply_gradients", "_distributed_apply_gradients_fn",
                                "_update_model_variables_moving_average",
-                               "_overwrite_model_variables_with_average_value"))]
+                               "_overwrite_model_variables_with_average_value",
+                               "add_variable_from_reference"))]
     for known in _classes(_new, _ELEMENTWISE_NAMES):
         if "build" in vars(known) and not getattr(vars(known)["build"], "_tf_psplugin", False):
             restore.append(_restorer(known, ("build",)))
             known.build = _substituting_build(vars(known)["build"])
     apply_gradients = cls.apply_gradients
+    add_variable_from_reference = cls.add_variable_from_reference
     distributed_apply = tf_objects.distributed_apply_gradients_fn(cls)
 
     update_average, overwrite_with_average = tf_objects.moving_average_functions(cls)
@@ -312,6 +319,12 @@ def _install_new(cls):
         variables = [v for _, v in grads_and_vars]
         if not has_views(variables):
             return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        if not tf_objects.optimizer_built(self) and _builds_per_table(self):
+            # Slots per table (`stacked_slots`): built from the views, as
+            # Keras's apply_gradients would, before the merge hides them.
+            name = kwargs.get("name") or (args[0] if args else None)
+            with tf.name_scope(name or self.name or "optimizer"), tf.init_scope():
+                self.build(variables)
         # `use_ema` in this call sees the views given a gradient, not the stack shards.
         previous = _APPLYING_VIEWS.get(id(self))
         _APPLYING_VIEWS[id(self)] = _views_by_shard(grads_and_vars)
@@ -342,7 +355,17 @@ def _install_new(cls):
             view.assign(_average_of_view(self, view))
         return overwrite_with_average(self, others if views else var_list)
 
+    def _add_variable_from_reference(self, model_variable, variable_name, shape=None,
+                                     initial_value=None):
+        slot = stacked_slots.add_slot(self, model_variable, variable_name, shape=shape,
+                                      initial_value=initial_value)
+        if slot is not None:
+            return slot
+        return add_variable_from_reference(self, model_variable, variable_name, shape=shape,
+                                           initial_value=initial_value)
+
     cls.apply_gradients = _apply_gradients
+    cls.add_variable_from_reference = _add_variable_from_reference
     tf_objects.set_distributed_apply_gradients_fn(cls, _distributed_apply_gradients_fn)
     tf_objects.set_moving_average_functions(cls, _update_model_variables_moving_average,
                                             _overwrite_model_variables_with_average_value)
@@ -397,9 +420,30 @@ def _average_rows(optimizer, view) -> None:
         average.scatter_update(tf.IndexedSlices(new, _view_rows(view)))
 
 
+def _builds_per_table(optimizer) -> bool:
+    """Whether `optimizer`'s `build` lists a stacked table's slots per table (`stacked_slots`).
+
+    True for the optimizers of `_ELEMENTWISE_NAMES` (and their subclasses
+    that keep their `build`); another optimizer's `build` is given the stack
+    shards (`substitute`): each of its tables is alone in a stack.
+    """
+    return getattr(type(_unwrapped(optimizer)).build, "_tf_psplugin", False)
+
+
+def slot_build_list(optimizer, var_list: Sequence) -> list:
+    """What to give `optimizer.build` to make the slots of `var_list` (a model's variables)."""
+    return list(var_list) if _builds_per_table(optimizer) else substitute(var_list)
+
+
 def _substituting_build(build):
     def _build(self, var_list):
-        return build(self, substitute(var_list))
+        var_list = list(var_list)
+        if tf_objects.optimizer_built(self) or not has_views(var_list):
+            return build(self, substitute(var_list))
+        # One slot per stack shard for the apply, listed per table (stacked_slots).
+        listed = {id(v) for v in var_list}
+        shards = [s for s in substitute(var_list) if id(s) not in listed]
+        return stacked_slots.build_per_table(self, build, var_list, shards)
 
     _build._tf_psplugin = True  # pylint: disable=protected-access
     return _build
