@@ -43,7 +43,23 @@ def strategy_options(job: dict) -> Dict[str, object]:
     return {"embedding_updates": job.get("embedding_updates", "sync"),
             "sharding": job.get("sharding") or None,
             "sparse_exchange": job.get("sparse_exchange", "ps"),
-            "stack_tables": bool(job.get("stack_tables", True))}
+            "stack_tables": bool(job.get("stack_tables", True)),
+            # "float32": the strategy's default (table_dtype=None, the tables in
+            # the dtype their layer asks for); "bfloat16"/"float16": stored so.
+            "table_dtype": job.get("table_dtype", "float32")}
+
+
+def strategy_kwargs(job: dict) -> Dict[str, object]:
+    """`strategy_options` as HybridParameterServerStrategy's keyword arguments.
+
+    ``table_dtype`` "float32" is the strategy's default, ``table_dtype=None``:
+    it is left out, so a plugin copy from before the option
+    (``run --plugin_path``) is measured too.
+    """
+    options = strategy_options(job)
+    if options["table_dtype"] == "float32":
+        del options["table_dtype"]
+    return options
 
 
 def peak_rss_mb(pid: str = "self") -> float:
