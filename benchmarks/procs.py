@@ -62,6 +62,19 @@ def strategy_kwargs(job: dict) -> Dict[str, object]:
     return options
 
 
+def log_name(job: dict) -> str:
+    """The job's log file name (without ``.log``): its setup, policy and table dtype.
+
+    A run of several policies or table dtypes keeps one log per variant.
+    """
+    name = job["setup"]
+    if job.get("mixed_precision", "float32") != "float32":
+        name += f"-{job['mixed_precision']}"
+    if job.get("table_dtype", "float32") != "float32":
+        name += f"-{job['table_dtype']}-tables"
+    return name
+
+
 def peak_rss_mb(pid: str = "self") -> float:
     """Peak resident set size (VmHWM) of a process in MiB; ru_maxrss as fallback."""
     try:
@@ -158,7 +171,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_single(job: dict, log_dir: str, timeout: float) -> dict:
     """Runs a single-process job; returns its result with ``peak_rss_mb`` per role."""
-    log = os.path.join(log_dir, f"{job['setup']}.log")
+    log = os.path.join(log_dir, f"{log_name(job)}.log")
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(child_command(job), env=child_env(), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -190,7 +203,7 @@ def run_ps_cluster(job: dict, num_workers: int, num_ps: int, log_dir: str,
         connected) and ``timed_cpu_seconds`` per role.
     """
     for attempt in range(1, attempts + 1):
-        log = os.path.join(log_dir, f"{job['setup']}.log")
+        log = os.path.join(log_dir, f"{log_name(job)}.log")
         try:
             return _run_ps_cluster_once(job, num_workers, num_ps, log, timeout)
         except PortClash:
@@ -285,7 +298,7 @@ def _run_mwms_once(job: dict, num_workers: int, log_dir: str, timeout: float) ->
     try:
         for i in range(num_workers):
             tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}
-            log = os.path.join(log_dir, f"{job['setup']}-worker-{i}.log")
+            log = os.path.join(log_dir, f"{log_name(job)}-worker-{i}.log")
             f = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed in finally.
             files.append(f)
             logs.append(log)

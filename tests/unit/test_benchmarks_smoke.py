@@ -155,6 +155,10 @@ def test_strategy_kwargs_leave_the_default_table_dtype_out():
     assert procs.strategy_options(job)["table_dtype"] == "float32"
     assert "table_dtype" not in procs.strategy_kwargs(job)  # A plugin before the option.
     assert procs.strategy_kwargs(dict(job, table_dtype="bfloat16"))["table_dtype"] == "bfloat16"
+    # One log per variant of a run (not one per setup, overwritten by the next variant).
+    assert procs.log_name(job) == "hybrid_sync"
+    assert procs.log_name(dict(job, mixed_precision="mixed_float16", table_dtype="bfloat16")) \
+        == "hybrid_sync-mixed_float16-bfloat16-tables"
 
 
 def test_model_optimizers_and_policy():
