@@ -382,12 +382,12 @@ def train(config):
 
 def main(argv):
     del argv
-    config = tf_psplugin.start_server()  # tf_psplugin: ps/worker tasks serve here, never return.
-    if not FLAGS.model_dir:
-        raise app.UsageError("--model_dir is required (a directory shared by every task).")
     if FLAGS.table_dtype != "float32" and FLAGS.optimizer == "legacy_adagrad":
         raise app.UsageError(f"--table_dtype={FLAGS.table_dtype} needs --optimizer=adagrad: a "
                              "legacy optimizer cannot update a half-precision table.")
+    config = tf_psplugin.start_server()  # tf_psplugin: ps/worker tasks serve here, never return.
+    if not FLAGS.model_dir:
+        raise app.UsageError("--model_dir is required (a directory shared by every task).")
     if config.task_type == "evaluator":  # tf_psplugin: never joins the training cluster.
         run_evaluator()
     else:
