@@ -476,10 +476,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=10_000_000, help="table rows")
     p.add_argument("--dim", type=int, default=16, help="table width (float32)")
-    p.add_argument("--fractions", default="0.01,0.1",
-                   help="comma-separated fractions of rows one step touches")
+    p.add_argument("--fractions", default="0.01,0.1,0.01",
+                   help="comma-separated fractions of rows one step touches (the summary "
+                        "takes the last run of the smallest: warm saves)")
     p.add_argument("--quick", action="store_true",
-                   help="the issue's run: 10M x 16 at 1%% and 10%% (the defaults)")
+                   help="the issue's run: 10M x 16 at 1%%, 10%% and 1%% again (the defaults)")
     p.add_argument("--output", default=None, help="also append the JSON lines to this file")
     p.add_argument("--chart", default="", help="PNG of bytes and seconds, full vs delta")
     p.add_argument("--log_dir", default=None)
@@ -541,8 +542,15 @@ def write_chart(records: List[dict], path: str) -> str:
 
 
 def summary(records: List[dict]) -> dict:
-    """The targets at the smallest fraction (1% by default), exactness and freshness everywhere."""
-    low = min(records, key=lambda r: r["touched_fraction"])
+    """The targets at the smallest fraction (1% by default), exactness and freshness everywhere.
+
+    When the smallest fraction was run more than once, its last run counts:
+    the run's first full save and first delta also trace their save
+    functions, so a later pair compares the warm costs a job pays at every
+    save (the default fractions, 1%, 10%, 1%, end with that pair).
+    """
+    smallest = min(r["touched_fraction"] for r in records)
+    low = [r for r in records if r["touched_fraction"] == smallest][-1]
     freshness = max(r["serving_freshness_seconds"] for r in records)
     bytes_ratio = low["delta_bytes"] / low["full_bytes"]
     seconds_ratio = low["delta_seconds"] / low["full_seconds"]

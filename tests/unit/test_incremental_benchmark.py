@@ -59,6 +59,14 @@ def test_summary_checks_the_targets_at_the_smallest_fraction():
     assert bad["serving_exact"] is False
 
 
+
+def test_summary_takes_the_last_run_of_the_smallest_fraction():
+    # The first 1% run traces the save functions (cold, 5.0 s); the last is warm.
+    summary = incremental.summary([record(0.01, 50, 5.0), record(0.1, 200, 3.0),
+                                   record(0.01, 50, 1.2)])
+    assert summary["delta_to_full_seconds"] == 0.12 and not summary["seconds_target_met"]
+    assert incremental.parse_args([]).fraction_list == [0.01, 0.1, 0.01]
+
 def test_chart(tmp_path):
     path = incremental.write_chart([record(0.01, 50, 1.0), record(0.1, 200, 3.0)],
                                    str(tmp_path / "c" / "incremental.png"))
