@@ -19,6 +19,10 @@ with ``job["role"]`` one of:
   of wall-clock time instead of a number of epochs and prints
   ``SOAK_PROGRESS {json}`` after every epoch (see `benchmarks.soak`).
 
+``job["mixed_precision"]`` (default ``float32``) is the Keras policy the
+process sets before building the model (every MultiWorkerMirroredStrategy
+worker sets it; in a PS cluster the chief, which traces every step).
+
 Timing: `model.fit` runs ``1 + timed_epochs`` epochs of ``steps_per_epoch``
 steps; epoch 0 is the warm-up (tracing, first RPCs, cache fill) and is not
 timed. Keras joins the coordinator at every epoch end, so epoch wall times
@@ -38,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
 from benchmarks.procs import (  # noqa: E402
-    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb, strategy_options)
+    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb, strategy_kwargs)
 
 
 _KEEP = []  # Objects that must live as long as the process (row tracking).
@@ -142,7 +146,7 @@ def _build_ps_chief(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            log_placement=False, **strategy_options(job))
+            log_placement=False, **strategy_kwargs(job))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.
@@ -292,9 +296,17 @@ RUNNERS = {"single": run_single, "ps_chief": run_ps_chief, "mwms_worker": run_mw
            "soak_chief": run_soak_chief}
 
 
+def set_policy(job):
+    """Sets the job's Keras policy (``mixed_precision``) for this process."""
+    policy = job.get("mixed_precision", "float32")
+    if policy != "float32":
+        tf.keras.mixed_precision.set_global_policy(policy)
+
+
 def main(argv):
     job = json.loads(argv[1])
     t0 = time.perf_counter()
+    set_policy(job)
     result = RUNNERS[job["role"]](job)
     result["process_seconds"] = time.perf_counter() - t0
     result["peak_rss_mb"] = peak_rss_mb()

@@ -9,7 +9,9 @@ Default model (Criteo-shaped): 26 categorical features, one embedding table
 of `vocab_size` rows x `embedding_dim` per feature (Keras `Embedding`, whose
 weight is named ``embeddings``, so every strategy recognises it as a table),
 concatenated with the 13 dense features, then an MLP 512-256-128-1 (ReLU) and
-a logit; binary cross-entropy; legacy Adagrad.
+a logit (float32 under every Keras policy, as Keras's mixed-precision guide
+says); binary cross-entropy; legacy Adagrad (``optimizer``: Keras's new
+Adagrad or SGD instead, which mixed_float16 and half-precision tables need).
 
 Variants used by the profile (`--variant`):
 
@@ -44,6 +46,15 @@ NUM_DENSE = 13
 VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed", "dynamic")
 RAW_KEY_VARIANTS = ("hashed", "dynamic")
 RAW_KEY_BITS = 40
+# ModelSpec.optimizer -> the optimizer for a learning rate (the names are
+# benchmarks.run's --optimizer choices). Keras's new optimizers are what
+# `mixed_float16` (LossScaleOptimizer) and tables in half precision
+# (HybridOptions.table_dtype) need (docs/mixed_precision.md).
+OPTIMIZERS = {
+    "legacy_adagrad": tf.keras.optimizers.legacy.Adagrad,
+    "adagrad": tf.keras.optimizers.Adagrad,
+    "sgd": tf.keras.optimizers.SGD,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +72,8 @@ class ModelSpec:
         seed: Data and initialisation seed.
         capacity: Rows of the one table of the raw-key variants.
         admit_after: The dynamic variant's `admit_after`.
+        optimizer: One of `OPTIMIZERS`: ``legacy_adagrad`` (the benchmark's
+            default), ``adagrad`` (Keras's new Adagrad) or ``sgd``.
     """
 
     vocab_size: int = 100_000
@@ -72,10 +85,14 @@ class ModelSpec:
     seed: int = 0
     capacity: int = 0
     admit_after: int = 1
+    optimizer: str = "legacy_adagrad"
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
         object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
 
     @property
@@ -227,17 +244,23 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
     x = tf.keras.layers.Concatenate(name="concat")([dense_in, emb])
     for i, width in enumerate(spec.hidden):
         x = tf.keras.layers.Dense(width, activation="relu", name=f"mlp_{i}")(x)
-    logit = tf.keras.layers.Dense(1, name="logit")(x)
+    # float32 under a mixed policy too (Keras's mixed-precision guide); the
+    # same layer as before under float32.
+    logit = tf.keras.layers.Dense(1, name="logit", dtype="float32")(x)
     return tf.keras.Model({"dense": dense_in, "categorical": cat_in}, logit, name="ctr")
 
 
 def compile_model(model: tf.keras.Model, spec: ModelSpec, steps_per_execution: int) -> None:
-    """Compiles with the benchmark's loss, optimizer and knobs (AUC for raw-key variants)."""
+    """Compiles with the benchmark's loss, optimizer and knobs (AUC for raw-key variants).
+
+    Under `mixed_float16` Keras's `compile` wraps the optimizer in its
+    `LossScaleOptimizer`, as in a user's job.
+    """
     # The raw-key variants report held-out AUC (`benchmarks.run --dynamic`).
     metrics = ([tf.keras.metrics.AUC(from_logits=True, name="auc")]
                if spec.variant in RAW_KEY_VARIANTS else None)
     model.compile(
-        optimizer=tf.keras.optimizers.legacy.Adagrad(spec.learning_rate),
+        optimizer=OPTIMIZERS[spec.optimizer](spec.learning_rate),
         loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
         metrics=metrics, steps_per_execution=steps_per_execution)
 

@@ -58,12 +58,14 @@ def dense_parameters(spec) -> int:
 
 
 def analytical_min_bytes_per_example(setup: str, spec, num_workers: int,
-                                     per_worker_batch: int) -> Dict[str, float]:
+                                     per_worker_batch: int,
+                                     table_bytes: int = 4) -> Dict[str, float]:
     """Bytes all hosts together must send per example, at the least.
 
     * Embeddings (every setup): each example's ids go to the PS (int64), the
       looked-up rows come back and their gradients go back to the PS
-      (float32): 26 x (8 + 2 x 4 x dim) bytes. Repeated ids in a batch are
+      (`table_bytes` per value: 4 for float32 tables, 2 for half-precision
+      ones): 26 x (8 + 2 x table_bytes x dim) bytes. Repeated ids in a batch are
       counted each time (the model does not de-duplicate).
     * Dense, stock PSS: each step (one worker, one batch) pulls every dense
       variable from the PS and pushes its gradient: 2 x 4 x params / batch.
@@ -72,7 +74,7 @@ def analytical_min_bytes_per_example(setup: str, spec, num_workers: int,
       2 (W-1) x 4 x params / (W x batch). Variables never move.
     """
     dense_bytes = 4 * dense_parameters(spec)
-    embedding = spec.num_categorical * (8 + 2 * 4 * spec.embedding_dim)
+    embedding = spec.num_categorical * (8 + 2 * table_bytes * spec.embedding_dim)
     if setup == "stock_pss":
         dense = 2 * dense_bytes / per_worker_batch
     else:
@@ -106,8 +108,9 @@ def setup_options(setup: str) -> Dict[str, str]:
             "sparse_exchange": "allgather" if setup == "hybrid_sync_allgather" else "ps"}
 
 
-def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -> dict:
-    """One (setup, W) on fresh emulated hosts; the raw measurement."""
+def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str,
+            table_dtype: str = "float32") -> dict:
+    """One (setup, W, table dtype) on fresh emulated hosts; the raw measurement."""
     from tf_psplugin.testing import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
 
     num_ps = args.num_ps
@@ -125,8 +128,10 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
         "steps_per_execution": args.network_spe, "steps_per_epoch": epoch_steps,
         "timed_epochs": args.network_epochs, "pool_batches": 4,
         "partition_min_bytes": 1 << 20, "announce_epochs": True, **setup_options(setup),
+        "table_dtype": table_dtype,
     }
-    log = os.path.join(log_dir, f"network-{setup}-w{num_workers}.log")
+    tag = "" if table_dtype == "float32" else f"-{table_dtype}"
+    log = os.path.join(log_dir, f"network-{setup}{tag}-w{num_workers}.log")
     env = procs.child_env()
     with hosts_lib.EmulatedHosts(names, rate_mbit=args.link_mbit) as hosts:
         cluster = {"chief": [f"{hosts.address('chief')}:{PORT}"],
@@ -137,7 +142,7 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
         for name in names[1:]:
             task_type, index = ("ps", int(name[2:])) if name.startswith("ps") else (
                 "worker", int(name[6:]))
-            out = open(os.path.join(log_dir, f"network-{setup}-w{num_workers}-{name}.log"),
+            out = open(os.path.join(log_dir, f"network-{setup}{tag}-w{num_workers}-{name}.log"),
                        "w", encoding="utf-8")  # pylint: disable=consider-using-with
             server_logs.append(out)
             hosts.popen(name, [sys.executable, "-m", "tf_psplugin.server"],
@@ -186,7 +191,8 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str) -
     return result
 
 
-def network_record(setup: str, num_workers: int, result: dict, args, spec) -> dict:
+def network_record(setup: str, num_workers: int, result: dict, args, spec,
+                   table_dtype: str = "float32") -> dict:
     examples = result["examples"]
     per_role: Dict[str, List[int]] = {"chief": [], "ps": [], "worker": []}
     for name, moved in result["bytes"].items():
@@ -196,10 +202,12 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec) -> di
     worker_steps = (result["timed_steps"] if setup != "stock_pss"
                     else result["timed_steps"] / num_workers)
     total_tx = sum(m["tx_bytes"] for m in result["bytes"].values())
-    minimum = analytical_min_bytes_per_example(setup, spec, num_workers, args.per_worker_batch)
+    minimum = analytical_min_bytes_per_example(setup, spec, num_workers, args.per_worker_batch,
+                                               table_bytes=4 if table_dtype == "float32" else 2)
     worker_bytes_per_step = sum(per_role["worker"]) / len(per_role["worker"]) / worker_steps
     record = {
         "kind": "network", "setup": setup, "num_workers": num_workers, "num_ps": args.num_ps,
+        "table_dtype": table_dtype if setup != "stock_pss" else None,
         "link_mbit": args.link_mbit, "per_worker_batch": args.per_worker_batch,
         "examples_per_sec": round(result["examples_per_sec"], 1),
         "timed_seconds": round(result["timed_seconds"], 2), "examples": examples,
@@ -211,7 +219,8 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec) -> di
         "ratio_to_analytical_min": round(total_tx / examples / minimum["total"], 3),
         "dense_parameters": dense_parameters(spec),
         # The plugin's strategy arguments (None: stock PSS).
-        "strategy_options": (procs.strategy_options(setup_options(setup))
+        "strategy_options": (procs.strategy_options(dict(setup_options(setup),
+                                                         table_dtype=table_dtype))
                              if setup != "stock_pss" else None),
     }
     if "chief_exit" in result:
@@ -237,23 +246,28 @@ def mode_network(args, log_dir: str, emit) -> List[dict]:
     from benchmarks import model as model_lib  # pylint: disable=g-import-not-at-top
 
     spec_dict = {"vocab_size": args.vocab_size, "embedding_dim": args.embedding_dim,
-                 "variant": args.variant, "hidden": list(args.hidden)}
+                 "variant": args.variant, "hidden": list(args.hidden),
+                 "optimizer": getattr(args, "optimizer", "legacy_adagrad")}
     spec = model_lib.ModelSpec.from_dict(spec_dict)
-    setups = list(args.setup_list)
+    # Half-precision tables (--table_dtype) for the plugin's setups only.
+    runs = [(setup, dtype) for dtype in getattr(args, "table_dtype_list", ["float32"])
+            for setup in args.setup_list if dtype == "float32" or setup != "stock_pss"]
     records = []
     for w in args.network_workers:
         by_setup = {}
-        for setup in setups:
-            sys.stderr.write(f"[network] {setup} W={w} ...\n")
+        for setup, dtype in runs:
+            sys.stderr.write(f"[network] {setup} {dtype} tables W={w} ...\n")
             try:
-                record = network_record(setup, w, run_one(setup, w, args, spec_dict, log_dir),
-                                        args, spec)
+                record = network_record(
+                    setup, w, run_one(setup, w, args, spec_dict, log_dir, table_dtype=dtype),
+                    args, spec, table_dtype=dtype)
             except procs.BenchmarkProcessError as e:
                 record = {"kind": "network", "setup": setup, "num_workers": w,
-                          "error": str(e)[-1500:], "examples_per_sec": None}
-            by_setup[setup] = record
-        stock = by_setup.get("stock_pss", {}).get("examples_per_sec")
-        for setup, record in by_setup.items():
+                          "table_dtype": dtype, "error": str(e)[-1500:],
+                          "examples_per_sec": None}
+            by_setup[(setup, dtype)] = record
+        stock = by_setup.get(("stock_pss", "float32"), {}).get("examples_per_sec")
+        for record in by_setup.values():
             eps = record.get("examples_per_sec")
             record["ratio_to_stock_pss"] = round(eps / stock, 3) if eps and stock else None
             emit(record)
@@ -276,7 +290,8 @@ def summarize(records: Sequence[dict], spec) -> dict:
         "bytes_over_analytical_min": 1.3}}
     for name in ("hybrid_sync", "hybrid_sync_allgather"):
         sync = {r["num_workers"]: r for r in records
-                if r["setup"] == name and r.get("examples_per_sec")}
+                if r["setup"] == name and r.get("examples_per_sec")
+                and r.get("table_dtype") in (None, "float32")}
         if not sync:
             continue
         lo, hi = min(sync), max(sync)
@@ -296,6 +311,17 @@ def summarize(records: Sequence[dict], spec) -> dict:
         if r.get("ratio_to_analytical_min") is not None:
             ratios.setdefault(r["setup"], []).append(r["ratio_to_analytical_min"])
     summary["max_ratio_to_analytical_min"] = {s: max(v) for s, v in ratios.items()}
+    # Half-precision tables (--table_dtype): bytes per example against the
+    # same setup and W with float32 tables.
+    float32 = {(r["setup"], r["num_workers"]): r for r in records
+               if r.get("table_dtype") == "float32" and r.get("total_bytes_per_example")}
+    for r in records:
+        base = float32.get((r["setup"], r.get("num_workers")))
+        if r.get("table_dtype") not in (None, "float32") and base and \
+                r.get("total_bytes_per_example"):
+            key = f"{r['setup']} {r['table_dtype']} W={r['num_workers']}"
+            summary.setdefault("bytes_per_example_over_float32_tables", {})[key] = round(
+                r["total_bytes_per_example"] / base["total_bytes_per_example"], 3)
     return summary
 
 

@@ -43,7 +43,36 @@ def strategy_options(job: dict) -> Dict[str, object]:
     return {"embedding_updates": job.get("embedding_updates", "sync"),
             "sharding": job.get("sharding") or None,
             "sparse_exchange": job.get("sparse_exchange", "ps"),
-            "stack_tables": bool(job.get("stack_tables", True))}
+            "stack_tables": bool(job.get("stack_tables", True)),
+            # "float32": the strategy's default (table_dtype=None, the tables in
+            # the dtype their layer asks for); "bfloat16"/"float16": stored so.
+            "table_dtype": job.get("table_dtype", "float32")}
+
+
+def strategy_kwargs(job: dict) -> Dict[str, object]:
+    """`strategy_options` as HybridParameterServerStrategy's keyword arguments.
+
+    ``table_dtype`` "float32" is the strategy's default, ``table_dtype=None``:
+    it is left out, so a plugin copy from before the option
+    (``run --plugin_path``) is measured too.
+    """
+    options = strategy_options(job)
+    if options["table_dtype"] == "float32":
+        del options["table_dtype"]
+    return options
+
+
+def log_name(job: dict) -> str:
+    """The job's log file name (without ``.log``): its setup, policy and table dtype.
+
+    A run of several policies or table dtypes keeps one log per variant.
+    """
+    name = job["setup"]
+    if job.get("mixed_precision", "float32") != "float32":
+        name += f"-{job['mixed_precision']}"
+    if job.get("table_dtype", "float32") != "float32":
+        name += f"-{job['table_dtype']}-tables"
+    return name
 
 
 def peak_rss_mb(pid: str = "self") -> float:
@@ -142,7 +171,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_single(job: dict, log_dir: str, timeout: float) -> dict:
     """Runs a single-process job; returns its result with ``peak_rss_mb`` per role."""
-    log = os.path.join(log_dir, f"{job['setup']}.log")
+    log = os.path.join(log_dir, f"{log_name(job)}.log")
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(child_command(job), env=child_env(), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -174,7 +203,7 @@ def run_ps_cluster(job: dict, num_workers: int, num_ps: int, log_dir: str,
         connected) and ``timed_cpu_seconds`` per role.
     """
     for attempt in range(1, attempts + 1):
-        log = os.path.join(log_dir, f"{job['setup']}.log")
+        log = os.path.join(log_dir, f"{log_name(job)}.log")
         try:
             return _run_ps_cluster_once(job, num_workers, num_ps, log, timeout)
         except PortClash:
@@ -269,7 +298,7 @@ def _run_mwms_once(job: dict, num_workers: int, log_dir: str, timeout: float) ->
     try:
         for i in range(num_workers):
             tf_config = {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": i}}
-            log = os.path.join(log_dir, f"{job['setup']}-worker-{i}.log")
+            log = os.path.join(log_dir, f"{log_name(job)}-worker-{i}.log")
             f = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed in finally.
             files.append(f)
             logs.append(log)

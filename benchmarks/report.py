@@ -12,6 +12,18 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 
+def variant_label(setup: str, policy: str = "float32", table_dtype: str = "float32") -> str:
+    """``hybrid_sync``, ``hybrid_sync mixed_float16``, ``hybrid_sync bfloat16 tables``..."""
+    return " ".join([setup] + ([policy] if policy != "float32" else [])
+                    + ([f"{table_dtype} tables"] if table_dtype != "float32" else []))
+
+
+def record_label(r: Dict) -> str:
+    """A throughput record's setup with its policy and table dtype (if not float32)."""
+    return variant_label(r["setup"], r.get("policy") or "float32",
+                         r.get("table_dtype") or "float32")
+
+
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -32,7 +44,7 @@ def throughput(records: List[Dict]) -> str:
     return _table(
         ["setup", "examples/s>", "x single>", "x stock PSS>", "examples/CPU-s>",
          "x single (CPU)>", "x stock PSS (CPU)>", "peak RSS MiB"],
-        [[r["setup"], _fmt(r["examples_per_sec"], ".0f"), _fmt(r["ratio_to_single"], ".2f"),
+        [[record_label(r), _fmt(r["examples_per_sec"], ".0f"), _fmt(r["ratio_to_single"], ".2f"),
           _fmt(r["ratio_to_stock_pss"], ".2f"), _fmt(r.get("examples_per_cpu_sec"), ".0f"),
           _fmt(r.get("cpu_ratio_to_single"), ".2f"), _fmt(r.get("cpu_ratio_to_stock_pss"), ".2f"),
           _rss(r)] for r in records])
@@ -51,12 +63,14 @@ def scaling(records: List[Dict]) -> str:
 def memory(records: List[Dict]) -> str:
     roles = ["chief", "worker:0", "worker:1", "ps:0", "ps:1"]
     return _table(
-        ["table rows x 16>", "(table + slots) per PS MiB>"] + [f"{x}>" for x in roles]
-        + ["PS peak / share>", "(PS peak - idle PS) / share>"],
-        [[f"{r['table_rows']:,}", f"{r['table_plus_slots_per_ps_mb']:.0f}"]
+        ["table rows x 16>", "table", "(table + slots) per PS MiB>"] + [f"{x}>" for x in roles]
+        + ["PS peak / share>", "(PS peak - idle PS) / share>", "(PS peak - idle PS) B/row>"],
+        [[f"{r['table_rows']:,}", r.get("table_dtype", "float32"),
+          f"{r['table_plus_slots_per_ps_mb']:.0f}"]
          + [_fmt(r.get("peak_rss_mb", {}).get(x), ".0f") for x in roles]
          + [f"{max(r['ps_peak_over_share'].values(), default=float('nan')):.2f}",
-            f"{max(r['ps_growth_over_share'].values(), default=float('nan')):.2f}"]
+            f"{max(r['ps_growth_over_share'].values(), default=float('nan')):.2f}",
+            _fmt(max(r.get("ps_growth_bytes_per_row", {}).values(), default=None), ".1f")]
          for r in records])
 
 
@@ -114,11 +128,12 @@ def throughput_chart(records: Sequence[Dict], path: str, title: str = "") -> Opt
         sys.stderr.write("[report] no chart: pip install -e .[bench] for matplotlib\n")
         return None
     rows = [r for r in records if r.get("mode", "throughput") == "throughput" and "setup" in r]
-    setups = [r["setup"] for r in rows]
+    setups = [record_label(r) for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (("examples_per_sec", "ratio_to_stock_pss", "examples/s"),
-              ("examples_per_cpu_sec", "cpu_ratio_to_stock_pss", "examples per CPU-second"))
-    for ax, (key, ratio_key, label) in zip(axes, panels):
+    panels = (("examples_per_sec", "ratio_to_stock_pss", "ratio_to_float32", "examples/s"),
+              ("examples_per_cpu_sec", "cpu_ratio_to_stock_pss", "cpu_ratio_to_float32",
+               "examples per CPU-second"))
+    for ax, (key, ratio_key, f32_key, label) in zip(axes, panels):
         values = [r.get(key) or 0.0 for r in rows]
         colors = ["tab:orange" if s.startswith("hybrid") else
                   "tab:blue" if s == "stock_pss" else "tab:gray" for s in setups]
@@ -133,6 +148,8 @@ def throughput_chart(records: Sequence[Dict], path: str, title: str = "") -> Opt
                 text = "error"
             elif r.get(ratio_key) is not None:
                 text = f"{r[key]:.0f}\n{r[ratio_key]:.2f}x stock"
+            elif r.get(f32_key) is not None:  # --mixed_precision / --table_dtype runs.
+                text = f"{r[key]:.0f}\n{r[f32_key]:.2f}x float32"
             else:
                 text = f"{r[key]:.0f}"
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, top),

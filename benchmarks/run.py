@@ -17,6 +17,11 @@ Modes (default: throughput):
 * ``--scaling``: hybrid sync vs stock PSS with 1, 2 and 4 workers.
 * ``--dynamic``: a `layers.DynamicEmbedding` against a static hashed table of
   the same capacity, both under hybrid sync (`benchmarks/dynamic.py`).
+* ``--mixed_precision`` / ``--table_dtype`` (comma-separated lists): every
+  setup (``--memory``, ``--network``: every size or W) runs under each Keras
+  policy and with the tables stored in each dtype (hybrid setups only),
+  side by side; every line says which (``policy``, ``table_dtype``,
+  ``strategy_options``).
 * ``--network``: stock PSS, hybrid sync (sparse gradients summed on the PS,
   and all-gathered for comparison) and hybrid async with 2, 4 and 8 workers,
   every task on its own emulated host with a rate-limited link (needs root;
@@ -46,6 +51,12 @@ HYBRID_SETUPS = ("hybrid_sync", "hybrid_sync_unstacked", "hybrid_async")
 SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_pss",
                "peak_rss_mb", "steps", "global_batch", "tf_version", "strategy_options")
 DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+TABLE_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --optimizer -> how the lines name it (benchmarks/model.py builds it).
+OPTIMIZER_NAMES = {"legacy_adagrad": "legacy.Adagrad", "adagrad": "Adagrad", "sgd": "SGD"}
+LEARNING_RATE = 0.05  # benchmarks/model.py's ModelSpec.learning_rate
 TARGETS = {"hybrid_sync_over_stock_pss": 2.0, "hybrid_sync_over_single": 0.8,
            "memory_worker_spread": 0.10, "memory_ps_over_share": 1.3, "balance_max_over_mean": 1.1}
 
@@ -80,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed",
                             "dynamic"),
                    help="model variant (see benchmarks/model.py)")
+    p.add_argument("--mixed_precision", default="float32",
+                   help=f"comma-separated Keras policies, each run side by side: "
+                        f"{','.join(POLICIES)} (mixed_float16 needs --optimizer adagrad or sgd)")
+    p.add_argument("--table_dtype", default="float32",
+                   help=f"comma-separated dtypes the hybrid setups store their tables in "
+                        f"(HybridOptions.table_dtype), each run side by side: "
+                        f"{','.join(TABLE_DTYPES)} (half precision needs --optimizer adagrad "
+                        f"or sgd)")
+    p.add_argument("--optimizer", default="legacy_adagrad", choices=sorted(OPTIMIZER_NAMES),
+                   help="legacy_adagrad: tf.keras.optimizers.legacy.Adagrad (the default); "
+                        "adagrad / sgd: Keras's new Adagrad / SGD, lr 0.05")
     p.add_argument("--track_rows", action="store_true",
                    help="hybrid setups track updated table rows for incremental checkpoints "
                         "(CheckpointManager(full_every=...)), to measure its step-time cost")
@@ -154,6 +176,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      "before timing starts")
     if args.global_batch % args.num_workers:
         parser.error("--global_batch must be divisible by --num_workers")
+    args.policy_list = _choices(parser, "--mixed_precision", args.mixed_precision, POLICIES)
+    args.table_dtype_list = _choices(parser, "--table_dtype", args.table_dtype, TABLE_DTYPES)
+    _check_precision(parser, args)
     args.memory_row_list = [int(r) for r in args.memory_rows.split(",") if r]
     args.scaling_worker_list = [int(w) for w in args.scaling_workers.split(",") if w]
     if args.network_workers is None:
@@ -169,10 +194,61 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def _choices(parser, flag: str, text: str, known: Sequence[str]) -> List[str]:
+    """A comma-separated list of `known` values, in order, without repeats."""
+    values = list(dict.fromkeys(v for v in text.split(",") if v))
+    unknown = [v for v in values if v not in known]
+    if unknown or not values:
+        parser.error(f"{flag}: {unknown or 'nothing'} not known; give a comma-separated "
+                     f"list of {','.join(known)}")
+    return values
+
+
+def _check_precision(parser, args) -> None:
+    """Refuses the policy / table dtype / setup combinations that cannot run."""
+    half = [d for d in args.table_dtype_list if d != "float32"]
+    if args.optimizer == "legacy_adagrad" and ("mixed_float16" in args.policy_list or half):
+        what = "--mixed_precision mixed_float16" if "mixed_float16" in args.policy_list else (
+            f"--table_dtype {half[0]}")
+        parser.error(f"{what} needs one of Keras's new optimizers (a legacy optimizer is "
+                     f"refused, docs/mixed_precision.md); add --optimizer adagrad")
+    other_mode = next((m for m in ("memory", "network", "scaling", "balance", "dynamic")
+                       if getattr(args, m)), None)
+    if other_mode and args.policy_list != ["float32"]:
+        parser.error(f"--mixed_precision applies to the throughput mode only; drop it from "
+                     f"--{other_mode}")
+    if other_mode in ("scaling", "balance", "dynamic") and args.table_dtype_list != ["float32"]:
+        parser.error(f"--table_dtype applies to the throughput, --memory and --network modes; "
+                     f"drop it from --{other_mode}")
+    if "mixed_float16" in args.policy_list:
+        refused = [s for s in args.setup_list if s in ("stock_pss", "hybrid_async")]
+        if refused:
+            parser.error(f"--mixed_precision mixed_float16 cannot run setups {refused} "
+                         f"(Keras refuses loss scaling with asynchronous updates); drop them "
+                         f"from --setups")
+
+
+def variants(args) -> List[tuple]:
+    """Every (setup, policy, table_dtype) to run, in order: policies, then dtypes, then setups.
+
+    Only the plugin's setups store tables in half precision: the others run
+    once per policy.
+    """
+    out = []
+    for policy in args.policy_list:
+        for table_dtype in args.table_dtype_list:
+            for setup in args.setup_list:
+                if table_dtype == "float32" or setup.startswith("hybrid"):
+                    out.append((setup, policy, table_dtype))
+    return out
+
+
 def knobs(args) -> Dict[str, object]:
     """The settings every setup shares, stated in every output line."""
     return {"steps_per_execution": args.steps_per_execution, "warmup_steps": args.warmup_steps,
-            "pool_batches": args.pool_batches, "optimizer": "legacy.Adagrad(0.05)",
+            "pool_batches": args.pool_batches,
+            "optimizer": f"{OPTIMIZER_NAMES[getattr(args, 'optimizer', 'legacy_adagrad')]}"
+                         f"({LEARNING_RATE:g})",
             "variant": args.variant, "vocab_size": args.vocab_size,
             "embedding_dim": args.embedding_dim, "mlp": [512, 256, 128, 1],
             "num_tables": 26, "input": "SyntheticCTR pool, cached, repeated",
@@ -182,13 +258,20 @@ def knobs(args) -> Dict[str, object]:
 def model_dict(args, vocab_size: Optional[int] = None, variant: Optional[str] = None) -> dict:
     return {"vocab_size": vocab_size or args.vocab_size, "embedding_dim": args.embedding_dim,
             "variant": variant or args.variant, "capacity": args.capacity,
-            "admit_after": args.admit_after}
+            "admit_after": args.admit_after,
+            "optimizer": getattr(args, "optimizer", "legacy_adagrad")}
 
 
 def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
             steps: Optional[int] = None, warmup: Optional[int] = None,
-            spe: Optional[int] = None, pool: Optional[int] = None) -> dict:
-    """The JSON job a child process runs (see benchmarks/child.py)."""
+            spe: Optional[int] = None, pool: Optional[int] = None,
+            policy: str = "float32", table_dtype: str = "float32") -> dict:
+    """The JSON job a child process runs (see benchmarks/child.py).
+
+    `policy` is the Keras policy the child sets (``mixed_precision``);
+    `table_dtype` the hybrid setups' HybridOptions.table_dtype ("float32":
+    the default).
+    """
     warmup = warmup or args.warmup_steps
     steps = steps or args.steps
     role = {"single": "single", "mwms": "mwms_worker"}.get(setup, "ps_chief")
@@ -201,6 +284,7 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "stack_tables": setup != "hybrid_sync_unstacked",
         "track_rows": bool(getattr(args, "track_rows", False)),
         "partition_min_bytes": 1 << 20,
+        "mixed_precision": policy, "table_dtype": table_dtype,
     }
 
 
@@ -232,24 +316,42 @@ def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
-def throughput_records(runs: Dict[str, List[dict]], args, num_workers: int) -> List[dict]:
-    """One output record per setup (medians over repeats), with ratios."""
+def throughput_records(runs: Dict[tuple, List[dict]], args, num_workers: int) -> List[dict]:
+    """One output record per (setup, policy, table_dtype) (medians over repeats), with ratios.
+
+    Args:
+        runs: Results by `variants` key, or by setup name alone (float32).
+
+    The ratios to single and stock PSS compare within one policy (their
+    float32-table runs); ``ratio_to_float32`` is to the same setup under
+    float32 with float32 tables.
+    """
+    runs = {(k, "float32", "float32") if isinstance(k, str) else tuple(k): v
+            for k, v in runs.items()}
     eps, cpu_eff = {}, {}
-    for setup, results in runs.items():
+    for key, results in runs.items():
         ok = [r for r in results if r.get("status") == "ok"]
-        eps[setup] = statistics.median(r["examples_per_sec"] for r in ok) if ok else None
+        eps[key] = statistics.median(r["examples_per_sec"] for r in ok) if ok else None
         eff = [r["examples_per_cpu_sec"] for r in ok if r.get("examples_per_cpu_sec")]
-        cpu_eff[setup] = statistics.median(eff) if eff else None
+        cpu_eff[key] = statistics.median(eff) if eff else None
     records = []
-    for setup, results in runs.items():
+    for key, results in runs.items():
+        setup, policy, table_dtype = key
+        single = ("single", policy, "float32")
+        stock = ("stock_pss", policy, "float32")
+        base = (setup, "float32", "float32")
         ok = [r for r in results if r.get("status") == "ok"]
         last = ok[-1] if ok else results[-1]
+        job = job_for(setup, args, num_workers, policy=policy, table_dtype=table_dtype)
         rec = {
             "mode": "throughput",
             "setup": setup,
-            "examples_per_sec": round(eps[setup], 1) if eps[setup] else None,
-            "ratio_to_single": _ratio(eps[setup], eps.get("single")),
-            "ratio_to_stock_pss": _ratio(eps[setup], eps.get("stock_pss")),
+            "policy": policy,
+            "table_dtype": table_dtype if setup in HYBRID_SETUPS else None,
+            "examples_per_sec": round(eps[key], 1) if eps[key] else None,
+            "ratio_to_single": _ratio(eps[key], eps.get(single)),
+            "ratio_to_stock_pss": _ratio(eps[key], eps.get(stock)),
+            "ratio_to_float32": _ratio(eps[key], eps.get(base)) if key != base else None,
             "peak_rss_mb": {k: round(v, 1) for k, v in last.get("peak_rss_mb", {}).items()},
             "steps": last.get("timed_steps", args.steps),
             "global_batch": args.global_batch,
@@ -261,17 +363,19 @@ def throughput_records(runs: Dict[str, List[dict]], args, num_workers: int) -> L
             "runs_examples_per_sec": [round(r["examples_per_sec"], 1) for r in ok],
             # Contention-robust companion figure: examples per CPU-second of
             # all the setup's processes during the timed steps.
-            "examples_per_cpu_sec": round(cpu_eff[setup], 1) if cpu_eff[setup] else None,
-            "cpu_ratio_to_single": _ratio(cpu_eff[setup], cpu_eff.get("single")),
-            "cpu_ratio_to_stock_pss": _ratio(cpu_eff[setup], cpu_eff.get("stock_pss")),
+            "examples_per_cpu_sec": round(cpu_eff[key], 1) if cpu_eff[key] else None,
+            "cpu_ratio_to_single": _ratio(cpu_eff[key], cpu_eff.get(single)),
+            "cpu_ratio_to_stock_pss": _ratio(cpu_eff[key], cpu_eff.get(stock)),
+            "cpu_ratio_to_float32": (_ratio(cpu_eff[key], cpu_eff.get(base))
+                                     if key != base else None),
             "timed_cpu_seconds": {k: round(v, 2) for k, v in
                                   last.get("timed_cpu_seconds", {}).items()},
             "loadavg_start": [r.get("loadavg_start") for r in results],
             "epoch_examples_per_sec": [round(x, 1) for x in last.get("epoch_examples_per_sec", [])],
             "knobs": knobs(args),
             # The plugin's strategy arguments for this setup (None: not the plugin).
-            "strategy_options": (procs.strategy_options(job_for(setup, args, num_workers))
-                                 if setup in HYBRID_SETUPS else None),
+            "strategy_options": (procs.strategy_options(job) if setup in HYBRID_SETUPS
+                                 else None),
         }
         if not ok:
             rec["error"] = last.get("error")
@@ -288,8 +392,9 @@ def throughput_table(records: List[dict]) -> str:
 
     for r in records:
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
+        label = report.record_label(r)
         lines.append(
-            f"{r['setup']:14s} {fmt(r['examples_per_sec'], '.0f'):>11s} "
+            f"{label:14s} {fmt(r['examples_per_sec'], '.0f'):>11s} "
             f"{fmt(r['ratio_to_single'], '.2f'):>9s} {fmt(r['ratio_to_stock_pss'], '.2f'):>11s} "
             f"{fmt(r['examples_per_cpu_sec'], '.0f'):>9s} "
             f"{fmt(r['cpu_ratio_to_single'], '.2f'):>9s}  {rss}")
@@ -297,12 +402,13 @@ def throughput_table(records: List[dict]) -> str:
 
 
 def mode_throughput(args, log_dir: str, emit) -> List[dict]:
-    runs: Dict[str, List[dict]] = {s: [] for s in args.setup_list}
+    runs: Dict[tuple, List[dict]] = {v: [] for v in variants(args)}
     for _ in range(args.repeats):
-        for setup in args.setup_list:
-            job = job_for(setup, args, args.num_workers)
-            runs[setup].append(run_job(job, args, args.num_workers, log_dir))
-            _progress(f"{setup}: {_short(runs[setup][-1])}")
+        for key in runs:
+            setup, policy, table_dtype = key
+            job = job_for(setup, args, args.num_workers, policy=policy, table_dtype=table_dtype)
+            runs[key].append(run_job(job, args, args.num_workers, log_dir))
+            _progress(f"{report.variant_label(*key)}: {_short(runs[key][-1])}")
     records = throughput_records(runs, args, args.num_workers)
     for r in records:
         emit(r)
@@ -342,40 +448,57 @@ def mode_scaling(args, log_dir: str, emit) -> List[dict]:
     return records
 
 
+def _memory_record(args, log_dir: str, rows: int, table_dtype: str, steps: int, spe: int,
+                   slot_bytes: int) -> dict:
+    """One --memory run: hybrid sync with one table of about `rows` rows in `table_dtype`."""
+    vocab = -(-rows // 26)
+    model = model_dict(args, vocab_size=vocab, variant="fused")
+    job = job_for("hybrid_sync", args, args.num_workers, model=model, steps=steps,
+                  warmup=steps, spe=spe, pool=4, table_dtype=table_dtype)
+    result = run_job(job, args, args.num_workers, log_dir)
+    table_rows = vocab * 26
+    table_bytes = table_rows * args.embedding_dim * DTYPE_BYTES[table_dtype]
+    slots = table_rows * args.embedding_dim * slot_bytes
+    share = (table_bytes + slots) / args.num_ps / 2**20  # Table + optimizer slots, per PS.
+    peaks = result.get("peak_rss_mb", {})
+    base = result.get("baseline_rss_mb", {})
+    ps_roles = sorted(r for r in peaks if r.startswith("ps"))
+    rows_per_ps = table_rows / args.num_ps
+    rec = {
+        "mode": "memory", "setup": "hybrid_sync", "status": result["status"],
+        "table_dtype": table_dtype, "optimizer": knobs(args)["optimizer"],
+        "table_rows": table_rows, "embedding_dim": args.embedding_dim,
+        "table_mb": round(table_bytes / 2**20, 1),
+        "table_plus_slots_per_ps_mb": round(share, 1),
+        "peak_rss_mb": {k: round(v, 1) for k, v in peaks.items()},
+        "baseline_rss_mb": {k: round(v, 1) for k, v in base.items()},
+        "ps_peak_over_share": {r: round(peaks[r] / share, 3) for r in ps_roles},
+        "ps_growth_over_share": {r: round((peaks[r] - base.get(r, 0.0)) / share, 3)
+                                 for r in ps_roles},
+        # What a row costs a PS: its peak RSS above the idle server, per row it holds.
+        "ps_growth_bytes_per_row": {r: round((peaks[r] - base.get(r, 0.0)) * 2**20
+                                             / rows_per_ps, 1) for r in ps_roles},
+        "steps": steps, "global_batch": args.global_batch,
+        "tf_version": result.get("tf_version"),
+        "strategy_options": procs.strategy_options(job),
+    }
+    if result["status"] != "ok":
+        rec["error"] = result.get("error")
+    return rec
+
+
 def mode_memory(args, log_dir: str, emit) -> List[dict]:
     records = []
     spe = 1
     steps = max(args.memory_steps, 1)
-    for rows in args.memory_row_list:
-        vocab = -(-rows // 26)
-        model = model_dict(args, vocab_size=vocab, variant="fused")
-        job = job_for("hybrid_sync", args, args.num_workers, model=model, steps=steps,
-                      warmup=steps, spe=spe, pool=4)
-        result = run_job(job, args, args.num_workers, log_dir)
-        table_rows = vocab * 26
-        table_bytes = table_rows * args.embedding_dim * 4
-        share = 2 * table_bytes / args.num_ps / 2**20  # table + Adagrad accumulator, per PS.
-        peaks = result.get("peak_rss_mb", {})
-        base = result.get("baseline_rss_mb", {})
-        ps_roles = sorted(r for r in peaks if r.startswith("ps"))
-        rec = {
-            "mode": "memory", "setup": "hybrid_sync", "status": result["status"],
-            "table_rows": table_rows, "embedding_dim": args.embedding_dim,
-            "table_mb": round(table_bytes / 2**20, 1),
-            "table_plus_slots_per_ps_mb": round(share, 1),
-            "peak_rss_mb": {k: round(v, 1) for k, v in peaks.items()},
-            "baseline_rss_mb": {k: round(v, 1) for k, v in base.items()},
-            "ps_peak_over_share": {r: round(peaks[r] / share, 3) for r in ps_roles},
-            "ps_growth_over_share": {r: round((peaks[r] - base.get(r, 0.0)) / share, 3)
-                                     for r in ps_roles},
-            "steps": steps, "global_batch": args.global_batch,
-            "tf_version": result.get("tf_version"),
-        }
-        if result["status"] != "ok":
-            rec["error"] = result.get("error")
-        records.append(rec)
-        emit(rec)
-        _progress(f"memory {rows}: {rec['peak_rss_mb']}")
+    # Adagrad's accumulator is float32 (also for half-precision tables); SGD has no slot.
+    slot_bytes = 0 if args.optimizer == "sgd" else 4
+    for table_dtype in args.table_dtype_list:
+        for rows in args.memory_row_list:
+            records.append(_memory_record(args, log_dir, rows, table_dtype, steps, spe,
+                                          slot_bytes))
+            emit(records[-1])
+            _progress(f"memory {rows} {table_dtype}: {records[-1]['peak_rss_mb']}")
     ok = [r for r in records if r["status"] == "ok"]
     summary = {"mode": "memory_summary", "sizes": [r["table_rows"] for r in ok]}
     if ok:
@@ -387,19 +510,32 @@ def mode_memory(args, log_dir: str, emit) -> List[dict]:
         summary["worker_peak_spread"] = spread
         summary["worker_within_10pct"] = all(v <= TARGETS["memory_worker_spread"]
                                              for v in spread.values())
+        # By size (and table dtype, when several were measured).
+        size = ((lambda r: r["table_rows"]) if len(args.table_dtype_list) == 1 else
+                (lambda r: f"{r['table_dtype']} {r['table_rows']}"))
         summary["ps_peak_within_1_3x_share"] = {
-            r["table_rows"]: all(v <= TARGETS["memory_ps_over_share"]
-                                 for v in r["ps_peak_over_share"].values()) for r in ok}
+            size(r): all(v <= TARGETS["memory_ps_over_share"]
+                         for v in r["ps_peak_over_share"].values()) for r in ok}
         summary["ps_growth_within_1_3x_share"] = {
-            r["table_rows"]: all(v <= TARGETS["memory_ps_over_share"]
-                                 for v in r["ps_growth_over_share"].values()) for r in ok}
+            size(r): all(v <= TARGETS["memory_ps_over_share"]
+                         for v in r["ps_growth_over_share"].values()) for r in ok}
+        if len(args.table_dtype_list) > 1:
+            # Same size, half-precision tables against float32: PS growth per row.
+            per_row = {(r["table_dtype"], r["table_rows"]):
+                       max(r["ps_growth_bytes_per_row"].values()) for r in ok}
+            summary["ps_growth_per_row_over_float32"] = {
+                f"{d} {rows}": round(v / per_row[("float32", rows)], 3)
+                for (d, rows), v in per_row.items()
+                if d != "float32" and per_row.get(("float32", rows))}
     emit(summary)
-    lines = [f"{'rows':>11s} {'share/PS MiB':>12s}  peak RSS MiB by role  |  PS peak/share, "
-             f"(peak-baseline)/share"]
+    lines = [f"{'rows':>11s} {'table':>8s} {'share/PS MiB':>12s}  peak RSS MiB by role  |  "
+             f"PS peak/share, (peak-baseline)/share, (peak-baseline) bytes/row"]
     for r in records:
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items()) or r.get("error", "")
-        lines.append(f"{r['table_rows']:11d} {r['table_plus_slots_per_ps_mb']:12.0f}  {rss}  |  "
-                     f"{r['ps_peak_over_share']}  {r['ps_growth_over_share']}")
+        lines.append(f"{r['table_rows']:11d} {r['table_dtype']:>8s} "
+                     f"{r['table_plus_slots_per_ps_mb']:12.0f}  {rss}  |  "
+                     f"{r['ps_peak_over_share']}  {r['ps_growth_over_share']}  "
+                     f"{r['ps_growth_bytes_per_row']}")
     _table("\n".join(lines))
     return records
 

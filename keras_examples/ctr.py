@@ -51,6 +51,12 @@ flags.DEFINE_string("data", "synthetic", "'synthetic' or a glob of Criteo TSV fi
 flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate (1500 steps of 2 x 256 "
                    "examples, vocab 10k: held-out AUC 0.778 vs a ceiling of 0.791).")
 flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
+flags.DEFINE_enum("table_dtype", "float32", ["float32", "bfloat16", "float16"],
+                  "Store the embedding table on the PS in this dtype (HybridOptions.table_dtype; "
+                  "half precision needs --optimizer=adagrad).")
+flags.DEFINE_enum("optimizer", "legacy_adagrad", ["legacy_adagrad", "adagrad"],
+                  "legacy_adagrad: tf.keras.optimizers.legacy.Adagrad; adagrad: Keras's new "
+                  "Adagrad (float32 slots beside a half-precision table).")
 flags.DEFINE_integer("save_every_steps", 250, "Checkpoint every N steps (0: only at the end).")
 flags.DEFINE_float("save_every_seconds", 0, "Also checkpoint every S seconds (0: off).")
 flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints kept in --model_dir.")
@@ -226,6 +232,13 @@ def compile_ctr_model(model: tf.keras.Model, learning_rate: float = 0.3,
 # -- The job -----------------------------------------------------------------
 
 
+def make_optimizer():
+    """The --optimizer at --learning_rate."""
+    if FLAGS.optimizer == "adagrad":
+        return tf.keras.optimizers.Adagrad(FLAGS.learning_rate)
+    return tf.keras.optimizers.legacy.Adagrad(FLAGS.learning_rate)
+
+
 def model_fn():
     """The CTR model, uncompiled; same call on the chief and the evaluator."""
     return build_ctr_model(vocab_size=FLAGS.vocab_size, embedding_dim=FLAGS.embedding_dim,
@@ -285,7 +298,7 @@ def run_evaluator():
     """The evaluator task: plain local TF, never connects to the training cluster."""
 
     def compiled_model():
-        return compile_ctr_model(model_fn())
+        return compile_ctr_model(model_fn(), optimizer=make_optimizer())
 
     records = tf_psplugin.run_evaluator(  # tf_psplugin: watch --model_dir.
         compiled_model, eval_dataset, FLAGS.model_dir, eval_steps=FLAGS.eval_steps,
@@ -310,12 +323,15 @@ def train(config):
         print(f"ctr: resuming from {latest.path} (step {start_step})")
 
     strategy = tf_psplugin.HybridParameterServerStrategy(  # tf_psplugin: chief = coordinator.
-        embedding_updates=FLAGS.embedding_updates, sharding=FLAGS.sharding)
+        embedding_updates=FLAGS.embedding_updates, sharding=FLAGS.sharding,
+        # tf_psplugin: None keeps the table in the dtype its layer asks for (float32).
+        table_dtype=None if FLAGS.table_dtype == "float32" else FLAGS.table_dtype)
     with strategy.scope():  # tf_psplugin: tables go to the PS tasks, the rest to every worker.
-        # tf_psplugin: compile_ctr_model uses Keras 2's *legacy* Adagrad: PSS supports
-        # the legacy optimizers (their slots live next to each table shard / replica).
-        model = compile_ctr_model(model_fn(), learning_rate=FLAGS.learning_rate,
-                                  steps_per_execution=FLAGS.steps_per_execution)
+        # tf_psplugin: Keras 2's *legacy* Adagrad by default: PSS supports the legacy
+        # optimizers (their slots live next to each table shard / replica); a table in
+        # half precision (--table_dtype) needs Keras's new Adagrad (--optimizer=adagrad).
+        model = compile_ctr_model(model_fn(), steps_per_execution=FLAGS.steps_per_execution,
+                                  optimizer=make_optimizer())
     # tf_psplugin: chief-only checkpoints; restores at train begin, final one at train_steps.
     # Each also holds where every worker's input stands, and a restarted job continues
     # from there without reading its input again.
@@ -366,6 +382,9 @@ def train(config):
 
 def main(argv):
     del argv
+    if FLAGS.table_dtype != "float32" and FLAGS.optimizer == "legacy_adagrad":
+        raise app.UsageError(f"--table_dtype={FLAGS.table_dtype} needs --optimizer=adagrad: a "
+                             "legacy optimizer cannot update a half-precision table.")
     config = tf_psplugin.start_server()  # tf_psplugin: ps/worker tasks serve here, never return.
     if not FLAGS.model_dir:
         raise app.UsageError("--model_dir is required (a directory shared by every task).")

@@ -104,18 +104,24 @@ assert not uncovered_pairs(PAIRWISE), uncovered_pairs(PAIRWISE)
 FULL = [".".join(c) for c in itertools.product(OPTIMIZERS, MODES, SITUATIONS)]
 
 
-def run_cells(cluster, root, cells, timeout):
-    """Runs `cells` stacked and unstacked on `cluster`; returns {stacking: {cell: result}}."""
+def run_cells(cluster, root, cells, timeout, table_dtype=None):
+    """Runs `cells` stacked and unstacked on `cluster`; returns {stacking: {cell: result}}.
+
+    `table_dtype` (e.g. ``"bfloat16"``): the strategy stores the tables so
+    (``HybridOptions.table_dtype``, tests/cluster/test_half_tables.py).
+    """
     cluster.start_servers()
     kills = any(".kill." in cell for cell in cells)
+    suffix = f"+{table_dtype}" if table_dtype else ""
     for stacking in ("stacked", "unstacked"):
         for phase in ("run", "resume") if kills else ("run",):
             result = cluster.run_chief(
-                [cu.PYTHON, SCRIPT, stacking, str(root), phase] + list(cells), timeout=timeout)
+                [cu.PYTHON, SCRIPT, stacking + suffix, str(root), phase] + list(cells),
+                timeout=timeout)
             # A run with kill cells ends killed (-9) by its last kill cell.
             expected = -9 if (phase == "run" and kills) else 0
             assert result.returncode == expected, (stacking, phase, result.stdout[-8000:])
-    return {stacking: {cell: load(root / stacking / cell) for cell in cells}
+    return {stacking: {cell: load(root / (stacking + suffix) / cell) for cell in cells}
             for stacking in ("stacked", "unstacked")}
 
 

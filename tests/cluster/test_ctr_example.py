@@ -35,6 +35,15 @@ def launch(procs, model_dir, steps, extra=(), timeout=170, evaluator=True):
     return result.stdout
 
 
+@pytest.mark.timeout(150)
+def test_half_precision_table_needs_a_new_optimizer(procs, tmp_path):
+    """--table_dtype=bfloat16 with the default legacy Adagrad: one usage error, no server."""
+    done = procs.run([cu.PYTHON, CTR, "--model_dir", str(tmp_path), "--table_dtype",
+                      "bfloat16"], timeout=120)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "--table_dtype=bfloat16 needs --optimizer=adagrad" in done.stdout, done.stdout[-3000:]
+
+
 def metrics(model_dir):
     with open(os.path.join(model_dir, "eval", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -78,11 +78,142 @@ def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     # Every line says which strategy options made its figure.
     assert by["hybrid_sync"]["strategy_options"] == {
         "embedding_updates": "sync", "sharding": None, "sparse_exchange": "ps",
-        "stack_tables": True}
+        "stack_tables": True, "table_dtype": "float32"}
+    assert all(r["policy"] == "float32" for r in lines)
+    assert by["hybrid_sync"]["table_dtype"] == "float32" and by["single"]["table_dtype"] is None
+    assert by["hybrid_sync"]["knobs"]["optimizer"] == "legacy.Adagrad(0.05)"
     assert by["hybrid_sync_unstacked"]["strategy_options"]["stack_tables"] is False
     assert by["hybrid_async"]["strategy_options"]["embedding_updates"] == "async"
     assert by["stock_pss"]["strategy_options"] is None
     assert "hybrid_sync" in err and "examples/s" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--mixed_precision", "mixed_float16", "--setups", "hybrid_sync"], "--optimizer adagrad"),
+    (["--table_dtype", "bfloat16"], "--optimizer adagrad"),
+    (["--memory", "--table_dtype", "float32,float16"], "--optimizer adagrad"),
+    (["--mixed_precision", "float64"], "--mixed_precision"),
+    (["--table_dtype", "int8", "--optimizer", "adagrad"], "--table_dtype"),
+    (["--mixed_precision", "mixed_float16", "--optimizer", "adagrad"], "drop them from --setups"),
+    (["--memory", "--mixed_precision", "mixed_bfloat16"], "throughput mode only"),
+    (["--network", "--mixed_precision", "mixed_bfloat16"], "throughput mode only"),
+    (["--scaling", "--table_dtype", "bfloat16", "--optimizer", "adagrad"], "--table_dtype"),
+    (["--optimizer", "adam"], "--optimizer"),
+])
+def test_precision_arguments_refused_with_the_fix(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_precision_variants_run_side_by_side(monkeypatch, capsys, tmp_path):
+    """--mixed_precision and --table_dtype lists: every combination, each line says which."""
+    jobs = []
+    eps = {("float32", "float32"): 1000.0, ("float32", "bfloat16"): 900.0,
+           ("mixed_bfloat16", "float32"): 500.0, ("mixed_bfloat16", "bfloat16"): 450.0}
+
+    def fake_run_job(job, args, num_workers, log_dir):
+        jobs.append(job)
+        rate = eps[(job["mixed_precision"], job["table_dtype"])]
+        return _fake_result(rate / (2 if job["setup"] == "single" else 1))
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    chart = tmp_path / "mp.png"
+    assert run.main(["--quick", "--setups", "single,hybrid_sync", "--mixed_precision",
+                     "float32,mixed_bfloat16", "--table_dtype", "float32,bfloat16",
+                     "--optimizer", "adagrad", "--log_dir", str(tmp_path),
+                     "--chart", str(chart)]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(ln) for ln in out.splitlines()]
+    # Half-precision tables only where there are tables on a PS (the plugin's setups).
+    assert [(r["setup"], r["policy"], r["table_dtype"]) for r in lines] == [
+        ("single", "float32", None), ("hybrid_sync", "float32", "float32"),
+        ("hybrid_sync", "float32", "bfloat16"), ("single", "mixed_bfloat16", None),
+        ("hybrid_sync", "mixed_bfloat16", "float32"), ("hybrid_sync", "mixed_bfloat16",
+                                                        "bfloat16")]
+    assert [(j["mixed_precision"], j["table_dtype"], j["model"]["optimizer"]) for j in jobs] == [
+        (p, d, "adagrad") for p in ("float32", "mixed_bfloat16")
+        for d in ("float32", "float32", "bfloat16")]
+    by = {(r["setup"], r["policy"], r["table_dtype"]): r for r in lines}
+    half = by[("hybrid_sync", "float32", "bfloat16")]
+    assert half["strategy_options"]["table_dtype"] == "bfloat16"
+    assert half["ratio_to_float32"] == 0.9 and half["cpu_ratio_to_float32"] == 0.9
+    mixed = by[("hybrid_sync", "mixed_bfloat16", "float32")]
+    assert mixed["ratio_to_float32"] == 0.5
+    assert mixed["ratio_to_single"] == 2.0  # Against single under the same policy.
+    assert by[("hybrid_sync", "float32", "float32")]["ratio_to_float32"] is None
+    assert all(r["knobs"]["optimizer"] == "Adagrad(0.05)" for r in lines)
+    assert "hybrid_sync mixed_bfloat16 bfloat16 tables" in err
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_strategy_kwargs_leave_the_default_table_dtype_out():
+    from benchmarks import procs
+
+    job = {"setup": "hybrid_sync", "stack_tables": True}
+    assert procs.strategy_options(job)["table_dtype"] == "float32"
+    assert "table_dtype" not in procs.strategy_kwargs(job)  # A plugin before the option.
+    assert procs.strategy_kwargs(dict(job, table_dtype="bfloat16"))["table_dtype"] == "bfloat16"
+    # One log per variant of a run (not one per setup, overwritten by the next variant).
+    assert procs.log_name(job) == "hybrid_sync"
+    assert procs.log_name(dict(job, mixed_precision="mixed_float16", table_dtype="bfloat16")) \
+        == "hybrid_sync-mixed_float16-bfloat16-tables"
+
+
+def test_model_optimizers_and_policy():
+    """Every --optimizer builds; under mixed_bfloat16 the logit stays float32."""
+    import tensorflow as tf
+
+    from benchmarks import child
+    from benchmarks import model as model_lib
+
+    assert sorted(model_lib.OPTIMIZERS) == sorted(run.OPTIMIZER_NAMES)
+    with pytest.raises(ValueError, match="optimizer"):
+        model_lib.ModelSpec(optimizer="adam")
+    before = tf.keras.mixed_precision.global_policy()
+    try:
+        child.set_policy({"mixed_precision": "mixed_bfloat16"})
+        assert tf.keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+        spec = model_lib.ModelSpec(vocab_size=10, embedding_dim=4, hidden=(8,),
+                                   optimizer="adagrad")
+        model = model_lib.build_model(spec)
+        model_lib.compile_model(model, spec, 1)
+        assert model.get_layer("mlp_0").compute_dtype == "bfloat16"
+        assert model.get_layer("logit").compute_dtype == "float32"
+        assert not isinstance(model.optimizer, tf.keras.optimizers.legacy.Optimizer)
+    finally:
+        tf.keras.mixed_precision.set_global_policy(before)
+
+
+def test_memory_with_half_precision_tables(monkeypatch, capsys, tmp_path):
+    def fake_run_job(job, args, num_workers, log_dir):
+        rows = job["model"]["vocab_size"] * 26
+        per_row = {"float32": 16 * 8, "bfloat16": 16 * 6}[job["table_dtype"]]  # Adagrad.
+        ps = 300.0 + rows / 2 * per_row / 2**20
+        r = _fake_result(100.0)
+        r["peak_rss_mb"] = {"chief": 500.0, "ps:0": ps, "ps:1": ps, "worker:0": 600.0,
+                            "worker:1": 600.0}
+        r["baseline_rss_mb"] = {"ps:0": 300.0, "ps:1": 300.0}
+        return r
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    run.main(["--memory", "--memory_rows", "26000,260000", "--table_dtype", "float32,bfloat16",
+              "--optimizer", "adagrad", "--log_dir", str(tmp_path)])
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [(r["mode"], r.get("table_dtype")) for r in lines] == [
+        ("memory", "float32"), ("memory", "float32"), ("memory", "bfloat16"),
+        ("memory", "bfloat16"), ("memory_summary", None)]
+    f32, bf16 = lines[1], lines[3]
+    assert bf16["table_mb"] * 2 == pytest.approx(f32["table_mb"], abs=0.1)
+    # Table + float32 Adagrad slot: 6 bytes per value against 8.
+    assert bf16["table_plus_slots_per_ps_mb"] == pytest.approx(
+        f32["table_plus_slots_per_ps_mb"] * 6 / 8, abs=0.1)
+    assert f32["ps_growth_bytes_per_row"]["ps:0"] == pytest.approx(128.0, abs=0.1)
+    assert bf16["ps_growth_over_share"]["ps:0"] == pytest.approx(1.0, abs=1e-3)
+    assert bf16["strategy_options"]["table_dtype"] == "bfloat16"
+    assert lines[-1]["ps_growth_per_row_over_float32"] == {"bfloat16 260000": 0.75,
+                                                           "bfloat16 26000": 0.75}
 
 
 def test_jobs_share_knobs():

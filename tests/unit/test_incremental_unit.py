@@ -192,6 +192,8 @@ def test_object_keys_are_the_full_checkpoints_keys(tmp_path):
     (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9), "legacy.SGD"),
     (lambda: tf.keras.optimizers.Adagrad(0.1, weight_decay=0.01), "weight_decay"),
     (lambda: tf.keras.optimizers.RMSprop(0.1), "row_local_sparse_updates"),
+    (lambda: tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(0.1)),
+     "tf.keras.optimizers.Adam"),  # mixed_float16: judged by its inner optimizer.
     (lambda: None, "no optimizer"),
 ])
 def test_optimizers_whose_sparse_update_touches_every_row_are_refused(optimizer, names):
@@ -206,6 +208,8 @@ def test_optimizers_whose_sparse_update_touches_every_row_are_refused(optimizer,
     lambda: tf.keras.optimizers.legacy.Ftrl(0.1),
     lambda: tf.keras.optimizers.Adagrad(0.1),
     lambda: tf_psplugin.LazyAdam(0.1),
+    # mixed_float16: Keras's loss scaling applies with its inner optimizer (or not at all).
+    lambda: tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adagrad(0.1)),
 ])
 def test_row_local_optimizers_are_accepted_and_are_row_local(optimizer):
     """Accepted, and measured: two sparse steps on disjoint rows leave every other row alone."""

@@ -54,7 +54,7 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
            ("hybrid_sync_allgather", 2): 140.0, ("hybrid_sync_allgather", 8): 150.0,
            ("stock_pss", 8): 80.0, ("hybrid_sync", 8): 200.0, ("hybrid_async", 8): 210.0}
     monkeypatch.setattr(network, "run_one",
-                        lambda setup, w, *a: _fake_result(setup, w, eps[(setup, w)]))
+                        lambda setup, w, *a, **kw: _fake_result(setup, w, eps[(setup, w)]))
     args = run.parse_args(["--network", "--quick", "--network_workers", "2,8",
                            "--setups", ",".join(network.NETWORK_SETUPS)])
     lines = []
@@ -76,7 +76,8 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     assert "worker_allreduce_bytes_per_step" not in by[("stock_pss", 2)]
     # Every line says which strategy options made its figure (stacking: the default).
     assert r["strategy_options"] == {"embedding_updates": "sync", "sharding": None,
-                                     "sparse_exchange": "ps", "stack_tables": True}
+                                     "sparse_exchange": "ps", "stack_tables": True,
+                                     "table_dtype": "float32"}
     assert by[("hybrid_sync_allgather", 8)]["strategy_options"]["sparse_exchange"] == "allgather"
     assert by[("stock_pss", 2)]["strategy_options"] is None
     summary = lines[-1]
@@ -93,6 +94,39 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
         by[("hybrid_sync", w)]["ratio_to_analytical_min"] for w in (2, 8))
     assert network.summarize(records, _spec()) == summary
     json.dumps(lines)  # every line is JSON
+
+
+def test_half_precision_tables_side_by_side(monkeypatch):
+    """--table_dtype float32,bfloat16: the plugin's setups once per dtype, bytes compared."""
+    calls = []
+
+    def fake_run_one(setup, w, args, spec_dict, log_dir, table_dtype="float32"):
+        calls.append((setup, table_dtype, spec_dict["optimizer"]))
+        result = _fake_result(setup, w, 100.0)
+        if table_dtype == "bfloat16":  # Fewer bytes on every host.
+            result["bytes"] = {n: {k: v // 2 for k, v in b.items()}
+                               for n, b in result["bytes"].items()}
+        return result
+
+    monkeypatch.setattr(network, "run_one", fake_run_one)
+    args = run.parse_args(["--network", "--quick", "--network_workers", "2",
+                           "--table_dtype", "float32,bfloat16", "--optimizer", "adagrad"])
+    lines = []
+    network.mode_network(args, "/tmp", lines.append)
+    assert calls == [("stock_pss", "float32", "adagrad"), ("hybrid_sync", "float32", "adagrad"),
+                     ("hybrid_sync", "bfloat16", "adagrad")]
+    records = [r for r in lines if r["kind"] == "network"]
+    assert [(r["setup"], r["table_dtype"]) for r in records] == [
+        ("stock_pss", None), ("hybrid_sync", "float32"), ("hybrid_sync", "bfloat16")]
+    half = records[2]
+    assert half["strategy_options"]["table_dtype"] == "bfloat16"
+    # The minimum counts 2 bytes per looked-up value and per gradient value.
+    assert half["analytical_min_bytes_per_example"]["embedding"] == 26 * (8 + 2 * 2 * 16)
+    assert records[1]["analytical_min_bytes_per_example"]["embedding"] == 26 * (8 + 2 * 4 * 16)
+    summary = lines[-1]
+    assert summary["bytes_per_example_over_float32_tables"] == {"hybrid_sync bfloat16 W=2": 0.5}
+    # The float32 figures alone make the targets' ratios.
+    assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 1.0
 
 
 def test_network_arguments():

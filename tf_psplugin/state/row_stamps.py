@@ -124,7 +124,8 @@ def row_local_refusal(optimizer) -> Optional[str]:
     Deltas stay small only if a sparse update writes the gradient's rows
     (and their slots) alone: Keras's legacy SGD, Adagrad and Ftrl; Keras's
     own (new) Adagrad; `tf_psplugin.LazyAdam`; and
-    any optimizer whose class sets ``row_local_sparse_updates = True``.
+    any optimizer whose class sets ``row_local_sparse_updates = True``;
+    Keras's `LossScaleOptimizer` (``mixed_float16``) as its inner optimizer.
     (Every write reaches the next delta either way, see `RowStamps.watch`:
     this check keeps an optimizer that writes whole tables each step from
     making every delta as large as a full save.)
@@ -139,6 +140,13 @@ def row_local_refusal(optimizer) -> Optional[str]:
     if optimizer is None:
         return "the checkpoint has no optimizer; " + allowed + fix
     name = type(optimizer).__name__
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if name.startswith("LossScaleOptimizer") and inner is not None:
+        # Keras's LossScaleOptimizer applies every gradient with its inner
+        # optimizer, or none (a step with a non-finite gradient writes
+        # nothing; the loss scale is not a table): its table writes are the
+        # inner optimizer's.
+        return row_local_refusal(inner)
     if getattr(type(optimizer), "row_local_sparse_updates", False) is True:
         return None
     if hasattr(optimizer, "get_slot_names"):  # Keras 2 legacy (optimizer_v2).

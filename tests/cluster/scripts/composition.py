@@ -1,9 +1,13 @@
 """Chief script of the composition suite: one Keras job per cell, stacked or unstacked.
 
-Used by tests/cluster/test_composition.py (issue 40 item 3). Arguments:
-``<stacked|unstacked> <root> <run|resume> <cell>...``, a cell being
-``<optimizer>.<mode>.<situation>`` (the names in `OPTIMIZERS`, `MODES`,
-`SITUATIONS`). Every cell is the same small job, as a Keras user writes it:
+Used by tests/cluster/test_composition.py (issue 40 item 3) and
+tests/cluster/test_half_tables.py (issue 42). Arguments:
+``<stacked|unstacked>[+<table_dtype>] <root> <run|resume> <cell>...``, a cell
+being ``<optimizer>.<mode>.<situation>[+<policy>]`` (the names in
+`OPTIMIZERS`, `MODES`, `SITUATIONS`; ``+bfloat16`` / ``+float16``: the
+strategy stores the tables in that dtype, ``HybridOptions.table_dtype``;
+``+mixed_float16`` / ``+mixed_bfloat16``: the cell's models are built and
+compiled under that Keras policy). Every cell is the same small job, as a Keras user writes it:
 a model with three `Embedding` tables (40 rows of one width, so they share
 a stack; each cell has a width of its own, so cells never share one)
 and a `Dense` head, trained 2 epochs x 4 steps on deterministic data with
@@ -44,7 +48,8 @@ Situations:
 For each cell it writes ``<root>/<stacking>/<cell>/result.json``: ``status``
 ``ok`` or ``refused`` (``error``: the exception's type and message,
 ``step``: the optimizer's iterations when it was raised), the mode's own
-differences, and ``weights.npz`` (every weight of the models in the cell,
+differences, ``tables`` (each table of the cell's models as placed: name,
+dtype, stack), and ``weights.npz`` (every weight of the models in the cell,
 tables as ``[V, D]`` in id order, and every tensor of the final checkpoint
 under ``ckpt/<key>``; ``resumed.npz`` / ``ref.npz`` for kill cells).
 """
@@ -163,7 +168,9 @@ class Cell:
 
     def __init__(self, strategy, cell, index):
         self.strategy, self.name = strategy, cell
-        self.optimizer, self.mode, self.situation = cell.split(".")
+        self.optimizer, self.mode, situation = cell.split(".")
+        self.situation, _, self.policy = situation.partition("+")
+        self.first_record = len(strategy.placement_records())  # Its tables' come after.
         self.prefix = f"c{index}"
         # A row width of its own: no table of another cell (an earlier job of
         # this process) ever shares a stack with this cell's tables.
@@ -174,15 +181,27 @@ class Cell:
         prefix = f"{self.prefix}{tag}"
         ema = ({"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 3}
                if self.situation == "ema" else {})
-        with self.strategy.scope():
-            model = builder(prefix, self.dim, self.situation)()
-            others = []
-            if self.situation == "second_model":
-                others.append(functional_model(prefix + "t", self.dim))  # A target network.
-            if self.situation == "subclassed_second":
-                others.append(builder(prefix + "t", self.dim, self.situation)())
-            model.compile(OPTIMIZERS[self.optimizer](**ema), loss="mse")
+        before = tf.keras.mixed_precision.global_policy()
+        if self.policy:  # Layers and compile's LossScaleOptimizer take it when made.
+            tf.keras.mixed_precision.set_global_policy(self.policy)
+        try:
+            with self.strategy.scope():
+                model = builder(prefix, self.dim, self.situation)()
+                others = []
+                if self.situation == "second_model":
+                    others.append(functional_model(prefix + "t", self.dim))  # A target network.
+                if self.situation == "subclassed_second":
+                    others.append(builder(prefix + "t", self.dim, self.situation)())
+                model.compile(OPTIMIZERS[self.optimizer](**ema), loss="mse")
+        finally:
+            tf.keras.mixed_precision.set_global_policy(before)
         return model, others
+
+    def tables(self):
+        """The cell's tables as placed (every copy: name, dtype, stack)."""
+        return [{"name": r.name, "dtype": r.dtype, "stack": r.stack}
+                for r in self.strategy.placement_records()[self.first_record:]
+                if r.kind == "table"]
 
     def train(self, model_dir, tag="", kill=None):
         """Runs the job in `model_dir` (resuming what it holds); returns its weights."""
@@ -206,7 +225,7 @@ class Cell:
             weights.update(layer_weights(other))
         weights = untagged(weights, self.prefix, tag)
         weights.update(checkpoint_tensors(model_dir))
-        return model, weights
+        return model, {key: widened(value) for key, value in weights.items()}
 
 
 def restore_diff(cell, model_dir, live):
@@ -221,8 +240,14 @@ def restore_diff(cell, model_dir, live):
     tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=model.optimizer,
                                   full_every=3).restore()
     restored = untagged(layer_weights(model), cell.prefix, "r")
-    return max(float(np.max(np.abs(restored[key] - value)))
+    return max(float(np.max(np.abs(widened(restored[key]) - widened(value))))
                for key, value in layer_weights(live).items())
+
+
+def widened(value):
+    """`value` as a numpy array, bfloat16 ones as float32 (exact; np.savez cannot store them)."""
+    value = np.asarray(value)
+    return value.astype(np.float32) if value.dtype.name == "bfloat16" else value
 
 
 def untagged(weights, prefix, tag):
@@ -275,6 +300,7 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
         step = (int(model.optimizer.iterations.numpy())
                 if model is not None and model.optimizer is not None else 0)
         result = {"status": "refused", "error": f"{type(e).__name__}: {e}", "step": step}
+    result["tables"] = cell.tables()
     result["seconds"] = round(time.monotonic() - start, 1)
     with open(os.path.join(out, "result.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
@@ -284,7 +310,9 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
 def main():
     mode, root, phase, cells = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=(mode == "stacked"))
+    stacking, _, table_dtype = mode.partition("+")
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        stack_tables=(stacking == "stacked"), table_dtype=table_dtype or None)
     root = os.path.join(root, mode)
     # Kill cells last: the last of them kills this process for real.
     order = sorted(range(len(cells)), key=lambda i: ".kill." in cells[i])
