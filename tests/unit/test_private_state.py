@@ -45,9 +45,6 @@ ALLOWED = {
     ("tables/sharded.py", "_tf_psplugin_slot_fix"): (
         2, "a marker on the user's Keras optimizer that its slot lookup is patched once; "
            "moves with the slot-lookup patching out of sharded.py (issue 45 item 1)"),
-    ("tables/stacked_updates.py", "_tf_psplugin"): (
-        2, "a marker on the replacement `build` function set on Keras optimizer classes, so "
-           "the patch is not stacked twice (a function, not an object with methods)"),
     ("tables/half_precision.py", "_FORWARDED"): (
         1, "the class's own constant, named through the class inside its __getattr__"),
 }

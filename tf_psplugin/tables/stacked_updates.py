@@ -305,7 +305,7 @@ def _install_new(cls):
                                "_overwrite_model_variables_with_average_value",
                                "add_variable_from_reference"))]
     for known in _classes(_new, _ELEMENTWISE_NAMES):
-        if "build" in vars(known) and not getattr(vars(known)["build"], "_tf_psplugin", False):
+        if "build" in vars(known) and vars(known)["build"] not in _PATCHED_BUILDS:
             restore.append(_restorer(known, ("build",)))
             known.build = _substituting_build(vars(known)["build"])
     apply_gradients = cls.apply_gradients
@@ -420,6 +420,11 @@ def _average_rows(optimizer, view) -> None:
         average.scatter_update(tf.IndexedSlices(new, _view_rows(view)))
 
 
+# The replacement `build` functions set on Keras optimizer classes (so a
+# class is never patched twice, and `_builds_per_table` knows its own).
+_PATCHED_BUILDS = set()
+
+
 def _builds_per_table(optimizer) -> bool:
     """Whether `optimizer`'s `build` lists a stacked table's slots per table (`stacked_slots`).
 
@@ -427,7 +432,7 @@ def _builds_per_table(optimizer) -> bool:
     that keep their `build`); another optimizer's `build` is given the stack
     shards (`substitute`): each of its tables is alone in a stack.
     """
-    return getattr(type(_unwrapped(optimizer)).build, "_tf_psplugin", False)
+    return type(_unwrapped(optimizer)).build in _PATCHED_BUILDS
 
 
 def slot_build_list(optimizer, var_list: Sequence) -> list:
@@ -445,7 +450,7 @@ def _substituting_build(build):
         shards = [s for s in substitute(var_list) if id(s) not in listed]
         return stacked_slots.build_per_table(self, build, var_list, shards)
 
-    _build._tf_psplugin = True  # pylint: disable=protected-access
+    _PATCHED_BUILDS.add(_build)
     return _build
 
 
