@@ -285,11 +285,10 @@ def clean_epochs_record(bench: dict, args, pid_roles: Dict[int, str], load, log:
            "plugin": run.plugin_revision(), "trace_errors": errors, "log": log}
     marks = bench.get("epoch_cpu_marks") or []
     n = args.clean_epochs
-    if len(marks) > n:
+    if len(marks) > n + 1:
         steps = n * args.warmup_steps
         examples = steps * args.global_batch
-        cpu = {role: marks[n][role] - marks[0][role] for role in marks[n]}
-        cpu["chief"] = cpu.pop("self", 0.0)
+        cpu = profile_stats.cpu_between_epochs(marks, 0, n)
         rec["clean_steps"] = steps
         rec["clean_examples_per_sec"] = [round(x, 1) for x in
                                          bench.get("epoch_examples_per_sec", [])[:n]]

@@ -251,6 +251,30 @@ def bytes_by_peer(before: Sequence[Mapping[str, int]], after: Sequence[Mapping[s
     return out
 
 
+def cpu_between_epochs(marks: Sequence[Mapping[str, float]], first: int, last: int
+                       ) -> Dict[str, float]:
+    """CPU-seconds per role from the end of epoch `first` to the end of epoch `last`.
+
+    Args:
+        marks: `benchmarks.child.EpochTimer`'s CPU marks: ``marks[0]`` at the
+            start of training, ``marks[k + 1]`` at the end of epoch ``k``;
+            each ``{role: cpu_seconds}``, the chief's own as ``"self"``.
+        first: The epoch whose end starts the window (0: after the warm-up).
+        last: The epoch whose end closes it.
+
+    Returns:
+        ``{role: seconds}``, the chief as ``"chief"``.
+    """
+    if not 0 <= first < last < len(marks) - 1:
+        raise ValueError(f"epochs {first}..{last} are not within the {len(marks) - 1} "
+                         "epochs marked")
+    start, end = marks[first + 1], marks[last + 1]
+    out = {role: end[role] - start[role] for role in end if role in start}
+    if "self" in out:
+        out["chief"] = out.pop("self")
+    return out
+
+
 def per_unit(values: Mapping[str, float], units: float, digits: int = 3) -> Dict[str, float]:
     """Every value divided by `units` (steps, thousands of examples), rounded."""
     if units <= 0:

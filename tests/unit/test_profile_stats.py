@@ -108,6 +108,15 @@ def test_bytes_by_peer_pairs_both_ends_and_counts_new_connections_from_zero():
     }  # pid 99 (not ours) is left out
 
 
+def test_cpu_between_epochs_starts_after_the_warm_up():
+    # marks[0]: training starts; marks[k + 1]: epoch k ends (epoch 0 = warm-up).
+    marks = [{"self": 0.0, "ps:0": 0.0}, {"self": 9.0, "ps:0": 5.0},
+             {"self": 9.5, "ps:0": 6.0}, {"self": 10.0, "ps:0": 7.5}]
+    assert ps.cpu_between_epochs(marks, 0, 2) == {"chief": 1.0, "ps:0": 2.5}
+    with pytest.raises(ValueError, match="not within"):
+        ps.cpu_between_epochs(marks, 0, 3)
+
+
 def test_per_unit_and_its_error():
     assert ps.per_unit({"a": 10.0, "b": 1.0}, 4) == {"a": 2.5, "b": 0.25}
     with pytest.raises(ValueError, match="units must be positive"):
