@@ -269,6 +269,7 @@ def step_figures(rec: dict, setup: str, role: str, args) -> dict:
     if steps:
         out["category_ms_per_step"] = profile_stats.per_unit(cats, steps)
         out["rpcs_per_step"] = profile_stats.per_unit(out["rpcs"], steps, 2)
+        out["ops_run_per_step"] = round(profile_stats.ops_run(rec["ops"]) / steps, 1)
         out["ops_per_step"] = {k: [round(ms / steps, 3), round(n / steps, 2)]
                                for k, (ms, n) in rec["ops"].items() if n / steps >= 0.5}
     return out

@@ -160,6 +160,20 @@ def aggregate(lines: Iterable[Sequence[Tuple[int, int, str]]]) -> Dict[str, List
     return dict(totals)
 
 
+# Runtime TraceMes that share the op names' shape (no "::"): not ops.
+_NOT_OPS = (r"^(Loop|ParallelFor|FunctionRun|EagerExecute|Enqueue|EagerKernelExecute|"
+            r"EagerCopyToDevice|EagerLocalExecute|ValidateInputTypeAndPlacement|Memory\w*|"
+            r"MemCpyAsync|PrefetchProduce|TFE_\w+|train|train_function|convert_to_tensor|"
+            r"tf\.constant|\d+(_\d+)*|CopyInputToExpectedDevice|ExecutorDoneCallback)$")
+
+
+def ops_run(ops: Mapping[str, Sequence[float]]) -> int:
+    """How many TF ops (kernels) the events record: op types, not runtime TraceMes."""
+    return int(sum(count for key, (_, count) in ops.items()
+                   if "::" not in key and not key.startswith(" ")
+                   and not re.search(_NOT_OPS, key) and not re.search(BLOCKED, key)))
+
+
 def by_category(ops: Mapping[str, Sequence[float]], task: str = "worker") -> Dict[str, float]:
     """Sums self time per category: ``{key: [self_ms, count]}`` -> ``{category: ms}``."""
     out: Dict[str, float] = collections.Counter()

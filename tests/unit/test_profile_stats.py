@@ -90,6 +90,14 @@ def test_by_category_shares_leave_blocked_out_and_rpc_counts():
                                   "collectives": 2}
 
 
+def test_ops_run_counts_kernels_not_runtime_events():
+    ops = {"_MklMatMul": [1.0, 4], "_Send": [1.0, 3], "CollectiveReduceV2": [1.0, 2],
+           "Loop": [9.0, 2], "ParallelFor": [1.0, 50], "ExecutorState::Process": [1.0, 90],
+           "KernelAndDeviceFunc::Run": [50.0, 1], " __inference_train_function_1": [0.1, 1],
+           "MemoryAllocation": [0.0, 70], "0_7450454252568010208_0": [0.1, 2]}
+    assert ps.ops_run(ops) == 4 + 3 + 2
+
+
 def test_parse_ss_reads_ports_pid_and_acked_received_bytes():
     socks = ps.parse_ss(SS_BEFORE)
     assert socks[0] == {"pid": 11, "local_port": 40001, "peer_port": 52000, "sent": 100,
