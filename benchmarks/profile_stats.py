@@ -169,9 +169,10 @@ _NOT_OPS = (r"^(Loop|ParallelFor|FunctionRun|EagerExecute|Enqueue|EagerKernelExe
 
 def ops_run(ops: Mapping[str, Sequence[float]]) -> int:
     """How many TF ops (kernels) the events record: op types, not runtime TraceMes."""
+    # (Eager ops on the chief are recorded as " OpType", with a space.)
     return int(sum(count for key, (_, count) in ops.items()
-                   if "::" not in key and not key.startswith(" ")
-                   and not re.search(_NOT_OPS, key) and not re.search(BLOCKED, key)))
+                   if "::" not in key and not re.search(_NOT_OPS, key.strip())
+                   and not re.search(BLOCKED, key)))
 
 
 def by_category(ops: Mapping[str, Sequence[float]], task: str = "worker") -> Dict[str, float]:

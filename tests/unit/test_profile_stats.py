@@ -96,6 +96,8 @@ def test_ops_run_counts_kernels_not_runtime_events():
            "KernelAndDeviceFunc::Run": [50.0, 1], " __inference_train_function_1": [0.1, 1],
            "MemoryAllocation": [0.0, 70], "0_7450454252568010208_0": [0.1, 2]}
     assert ps.ops_run(ops) == 4 + 3 + 2
+    assert ps.ops_run({" Identity": [0.4, 15], " ReadVariableOp": [0.2, 12],
+                       "EagerExecute": [5000.0, 49]}) == 27  # the chief's eager ops
 
 
 def test_parse_ss_reads_ports_pid_and_acked_received_bytes():
