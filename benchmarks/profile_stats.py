@@ -318,8 +318,16 @@ def stacked_bars(records: Sequence[Mapping], path: str, title: str = "") -> Opti
         return None
     from benchmarks import procs  # pylint: disable=g-import-not-at-top
 
-    rows = [r for r in records if r.get("mode") == "profile" and r.get("category_share")]
-    labels = [f"{r['setup']}\n{r['role']}" for r in rows]
+    runs: Dict[Tuple[str, str], List[Mapping[str, float]]] = {}
+    for r in records:
+        if r.get("mode") == "profile" and r.get("category_share"):
+            runs.setdefault((r["setup"], r["role"]), []).append(r["category_share"])
+    # One bar per (setup, task): the mean share over that task's runs.
+    rows = [{"category_share": {c: sum(x.get(c, 0.0) for x in xs) / len(xs)
+                                for c in set().union(*xs)}}
+            for xs in runs.values()]
+    labels = [f"{setup}\n{role}" + (f"\n({len(xs)} runs)" if len(xs) > 1 else "")
+              for (setup, role), xs in runs.items()]
     cats = [c for c, _ in OP_CATEGORIES] + ["other"]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 5))
     bottom = [0.0] * len(rows)

@@ -152,6 +152,6 @@ def test_stacked_bars_writes_a_png(tmp_path):
     recs = [{"mode": "profile", "setup": s, "role": r,
              "category_share": {"dense_compute": 0.5, "collective": 0.3, "other": 0.2}}
             for s in ("stock_pss", "hybrid_sync") for r in ("worker:0", "ps:0")]
-    path = ps.stacked_bars(recs + [{"mode": "profile_run"}], str(tmp_path / "c.png"))
+    path = ps.stacked_bars(recs + recs + [{"mode": "profile_run"}], str(tmp_path / "c.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
