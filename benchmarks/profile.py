@@ -333,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="also append the JSON lines to this file")
     p.add_argument("--chart", default=None,
                    help="PNG: stacked bars of each task's time per category")
+    p.add_argument("--recompute", default=None,
+                   help="comma-separated results files: recompute their per-step figures "
+                        "from the stored per-name sums (no run)")
     p.add_argument("--chart_from", default=None,
                    help="comma-separated JSON-lines files of earlier runs: only draw --chart")
     p.add_argument("--plugin_path", default=None,
@@ -362,8 +365,37 @@ def _print_summary(rec: dict) -> None:
                          f"{rec.get('bytes_per_step')}\n")
 
 
+def recompute(path: str, args) -> List[dict]:
+    """Recomputes the per-step figures of a results file's task lines from their ``ops``.
+
+    For a file written by an earlier version of this module (categories,
+    step markers): the traces' per-name sums are stored in each line, so
+    nothing is traced again. Writes the file back; returns its lines.
+    """
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    for rec in records:
+        if rec.get("mode") == "profile" and "ops" in rec:
+            run_args = argparse.Namespace(
+                warmup_steps=args.warmup_steps, num_workers=args.num_workers,
+                steps_per_execution=rec.get("steps_per_execution", args.steps_per_execution))
+            for key in ("category_ms_per_step", "rpcs_per_step", "ops_per_step",
+                        "ops_run_per_step"):
+                rec.pop(key, None)
+            rec.update(step_figures(rec, rec["setup"], rec["role"], run_args))
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    return records
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.recompute:
+        for path in args.recompute.split(","):
+            for rec in recompute(path, args):
+                _print_summary(rec)
+        return 0
     if args.chart_from:
         records = []
         for path in args.chart_from.split(","):

@@ -349,21 +349,25 @@ def stacked_bars(records: Sequence[Mapping], path: str, title: str = "") -> Opti
 # `IteratorGetNext` per step of its own; a PS runs one component function
 # per worker execution (``steps_per_execution`` steps of that worker).
 STEP_MARKERS = {
-    "worker": r"^IteratorGetNextOp::DoCompute$",
+    # (Stock PSS's workers read through an optional: IteratorGetNextAsOptional.)
+    "worker": r"^IteratorGetNext(AsOptional)?Op::DoCompute$",
     "ps": r"^\s*__inference_\w+_\d+_\d+_\d+$",
 }
 
 
 def steps_from_markers(ops: Mapping[str, Sequence[float]], setup: str, role: str,
                        num_workers: int, steps_per_execution: int) -> Optional[float]:
-    """Global steps (one global batch each) a worker's or PS's trace holds.
+    """The steps a worker's or PS's trace holds: a worker's own, a PS's global ones.
 
-    A hybrid global step is one step on every worker; a stock PSS step is
-    one worker's (its global batch), so a stock worker's own steps are
-    about 1/num_workers of the setup's. A PS serves every worker.
+    A worker's figures are per step of its own: in the hybrid one global
+    step (its 1/num_workers of the global batch), in stock PSS one whole
+    global batch (its steps are asynchronous and need not alternate evenly
+    between workers). A PS serves every worker, so its figures are per
+    global step (one global batch): a hybrid global step is one step of
+    every worker, a stock PSS step one worker's.
 
     Returns:
-        The number of global steps, or None when the trace has no marker.
+        The number of steps, or None when the trace has no marker.
     """
     task = role.split(":")[0]
     pattern = STEP_MARKERS.get(task)
@@ -373,6 +377,6 @@ def steps_from_markers(ops: Mapping[str, Sequence[float]], setup: str, role: str
     if not found:
         return None
     if task == "worker":
-        return float(found if setup != "stock_pss" else found * num_workers)
+        return float(found)
     worker_steps = found * steps_per_execution  # Every worker's, through this PS.
     return float(worker_steps / num_workers if setup != "stock_pss" else worker_steps)

@@ -3,6 +3,8 @@
 Pure functions on plain values: no TensorFlow, no processes.
 """
 
+import json
+
 import pytest
 
 from benchmarks import profile_stats as ps
@@ -140,8 +142,9 @@ def test_steps_from_markers_per_setup():
     # Hybrid: a global step is one step of every worker; a PS sees both workers'.
     assert ps.steps_from_markers(worker, "hybrid_sync", "worker:0", 2, 8) == 56.0
     assert ps.steps_from_markers(ps_ops, "hybrid_sync", "ps:1", 2, 8) == 56.0
-    # Stock PSS: a global step is one worker's; both workers run alike.
-    assert ps.steps_from_markers(worker, "stock_pss", "worker:0", 2, 8) == 112.0
+    # Stock PSS: a step is one worker's (a global batch); a worker counts its own.
+    stock_worker = {"IteratorGetNextAsOptionalOp::DoCompute": [2.5, 37]}
+    assert ps.steps_from_markers(stock_worker, "stock_pss", "worker:0", 2, 8) == 37.0
     assert ps.steps_from_markers(ps_ops, "stock_pss", "ps:0", 2, 8) == 112.0
     assert ps.steps_from_markers({"_MklMatMul": [1.0, 5]}, "hybrid_sync", "worker:0", 2, 8) is None
     assert ps.steps_from_markers(worker, "hybrid_sync", "chief", 2, 8) is None
@@ -155,3 +158,19 @@ def test_stacked_bars_writes_a_png(tmp_path):
     path = ps.stacked_bars(recs + recs + [{"mode": "profile_run"}], str(tmp_path / "c.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recompute_rewrites_per_step_figures_from_stored_sums(tmp_path):
+    from benchmarks import profile  # pylint: disable=g-import-not-at-top
+
+    line = {"mode": "profile", "setup": "stock_pss", "role": "worker:1",
+            "steps_per_execution": 8, "ops_run_per_step": 8504.0,
+            "ops": {"IteratorGetNextAsOptionalOp::DoCompute": [1.7, 16], "_Send": [9.0, 32],
+                    "_MklMatMul": [8.0, 64]}}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps({"mode": "profile_run"}) + "\n")
+    args = profile.build_parser().parse_args([])
+    recs = profile.recompute(str(path), args)
+    assert recs[0]["steps_in_trace"] == 16.0 and recs[0]["ops_run_per_step"] == 6.0
+    assert recs[0]["rpcs_per_step"] == {"tensors_sent": 2.0}
+    assert [json.loads(x) for x in path.read_text().splitlines()] == recs
