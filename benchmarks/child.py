@@ -56,10 +56,15 @@ class EpochTimer(tf.keras.callbacks.Callback):
             CPU time is read from /proc along with this process's own.
     """
 
-    def __init__(self, pids=None, announce=False):
+    def __init__(self, pids=None, announce=False, profile=None):
         super().__init__()
         self.pids = dict(pids or {})
         self.announce = announce
+        # benchmarks.profile: {"trace_dir": chief's trace of epoch
+        # "trace_epoch" (from its start to its end), "ss_epochs": [a, b]:
+        # `ss` listings at the ends of epochs a and b (exact step counts).
+        self.profile = dict(profile or {})
+        self.ss = {}
         self.marks = []
         self.cpu_marks = []
 
@@ -75,13 +80,32 @@ class EpochTimer(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._mark()
+        self._profile_hooks(epoch)
         if self.announce:  # benchmarks.profile starts its traces on this line.
             sys.stdout.write(f"BENCH_EPOCH_END {epoch}\n")
             sys.stdout.flush()
 
+    def _profile_hooks(self, epoch):
+        """benchmarks.profile's chief trace and `ss` listings at epoch ends (steps joined)."""
+        if not self.profile:
+            return
+        if epoch in self.profile.get("ss_epochs", ()):
+            import subprocess  # pylint: disable=g-import-not-at-top
+
+            self.ss[str(epoch)] = subprocess.run(
+                ["ss", "-tinpH", "state", "established"], capture_output=True, text=True,
+                timeout=30, check=False).stdout
+        trace_epoch = self.profile.get("trace_epoch")
+        if self.profile.get("trace_dir") and trace_epoch is not None:
+            if epoch == trace_epoch - 1:
+                tf.profiler.experimental.start(self.profile["trace_dir"])
+            elif epoch == trace_epoch:
+                tf.profiler.experimental.stop()
+
 
 def _fit_and_time(model, dataset, job, steps_per_step_examples):
-    timer = EpochTimer(job.get("cpu_pids"), announce=job.get("announce_epochs", False))
+    timer = EpochTimer(job.get("cpu_pids"), announce=job.get("announce_epochs", False),
+                       profile=job.get("profile"))
     spe_steps = job["steps_per_epoch"]
     epochs = 1 + job["timed_epochs"]
     history = model.fit(dataset, epochs=epochs, steps_per_epoch=spe_steps, verbose=0,
@@ -102,6 +126,9 @@ def _fit_and_time(model, dataset, job, steps_per_step_examples):
         "timed_cpu_seconds": {role: timer.cpu_marks[-1][role] - timer.cpu_marks[1][role]
                               for role in timer.cpu_marks[-1]},
         "loadavg_end": os.getloadavg()[0],
+        # benchmarks.profile: per epoch end (0 = warm-up's), CPU seconds of
+        # every process, and the `ss` listings.
+        **({"epoch_cpu_marks": timer.cpu_marks, "ss": timer.ss} if timer.profile else {}),
     }
 
 
