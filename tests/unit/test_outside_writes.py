@@ -157,10 +157,14 @@ class WeightsAtLastBatch(tf.keras.callbacks.Callback):
 
 
 def fit_with(model, model_dir, extra, epochs=2, steps=2, validation=False):
+    """Fits with `ChiefCheckpoint` listed after `extra`: without the strategy, its train-end
+    save comes where it is listed (tf-keras 2.16+'s EarlyStopping sets the best weights back
+    in its `on_train_end`; under the strategy `fit` moves the save last itself).
+    """
     checkpoint = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=steps)
     probe = WeightsAtLastBatch()
     model.fit(data(4 * steps * epochs), epochs=epochs, steps_per_epoch=steps, verbose=0,
-              callbacks=[checkpoint, probe] + list(extra),
+              callbacks=list(extra) + [checkpoint, probe],
               validation_data=data(8, offset=5) if validation else None)
     return checkpoint, probe
 

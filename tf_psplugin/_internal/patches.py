@@ -66,7 +66,8 @@ PATCHES: Tuple[Patch, ...] = (
         name="keras_progress_bar",
         replaces=("keras.src.engine.training._get_verbosity",
                   "keras.src.callbacks.CallbackList._add_default_callbacks"),
-        why="fit/evaluate(verbose=1) under the strategy show the plugin's ProgressBar",
+        why=("fit/evaluate(verbose=1) under the strategy show the plugin's ProgressBar, and "
+             "ChiefCheckpoint's train-end save runs after every other callback's"),
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.keras.progress:patch_keras_progress"),
     Patch(

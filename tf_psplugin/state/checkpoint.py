@@ -892,6 +892,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 model_dir_lib.clear_training_done(self.model_dir)
         self._step = 0
         self._done_in_epoch = 0
+        self._train_end_deferred = False  # Set by `train_end_last`.
 
     def _implements_train_batch_hooks(self):
         return self._periodic
@@ -921,6 +922,36 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._save(final=False)
 
     def on_train_end(self, logs=None):
+        if not self._train_end_deferred:
+            self.train_end()
+
+    def train_end_last(self) -> keras.callbacks.Callback:
+        """A callback that runs this one's train end, for the end of the callback list.
+
+        The final save then comes after every other callback's
+        `on_train_end` (tf-keras 2.16+'s `EarlyStopping(restore_best_weights=
+        True)` sets the best weights back there), while this callback's
+        other hooks keep their place (its restore at train begin comes
+        first). Under the strategy `fit` appends it itself
+        (`keras.progress`); this callback's own `on_train_end` then does
+        nothing, until the train end has run.
+        """
+        self._train_end_deferred = True
+        outer = self
+
+        class _TrainEnd(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self._supports_tf_logs = True
+
+            def on_train_end(self, logs=None):
+                outer.train_end()
+
+        return _TrainEnd()
+
+    def train_end(self) -> None:
+        """The final save (and ``TRAINING_DONE``); puts back the wrapped train function."""
+        self._train_end_deferred = False
         try:
             self._save(final=True)
         finally:
