@@ -19,13 +19,13 @@ optimizer, mode and situation adds), run once stacked and once with
 The full product (5 optimizers x 4 modes x 5 situations = 100 cells, each
 stacked and unstacked) does not fit CI's time. CI runs `PAIRWISE` (25 cells:
 every pair of values of two of the three factors in at least one cell, and
-every cell on and off), plus the known-gap cell in `EXTRA`: one cluster,
-two chief processes per stacking (``run``, then ``resume`` for the killed
-jobs); each cell is one test, which reads the results of that one run. The
-``slow`` tests run the whole product, one cluster per optimizer. Cells that
-fail today by a known gap are `xfail(strict=True)` with the gap as reason
-(`gap`), so they fail the suite once they pass. docs/composition.md shows
-the matrix and what each family of cells checks.
+every cell on and off), plus the cell outside the matrix in `EXTRA` (a
+subclassed model and a second one in scope, with Keras's Adam): one
+cluster, two chief processes per stacking (``run``, then ``resume`` for the
+killed jobs); each cell is one test, which reads the results of that one
+run. The ``full_product`` tests run the whole product, one cluster per
+optimizer. docs/composition.md shows the matrix and what each family of
+cells checks.
 """
 
 import itertools
@@ -250,38 +250,14 @@ def assert_cells_hold(results, cells):
     assert not problems, json.dumps(problems, indent=1)[:12000]
 
 
-# Known gaps, each failing its cells today (stacked or not, unless said).
-FINAL_SAVE_GAP = (
-    "known gap: ChiefCheckpoint skips its train-end save when it saved the same step at the "
-    "last batch, though EarlyStopping(restore_best_weights=True) or use_ema's finalize changed "
-    "the weights after it; the final checkpoint, its restore and a ServingModel then hold the "
-    "weights before the change (the skip is in CheckpointManager.save, whatever the "
-    "stacking)")
-SUBCLASSED_GAP = (
-    "known gap (issue 40): a subclassed model's tables are never split per model, so a second "
-    "subclassed model in scope shares their stack and Keras's Adam refuses the apply with a "
-    "StackingError at the first step (stack_tables=False trains)")
+# Outside the matrix: a subclassed model's stacks are split from a second
+# model's at its first traced call, as a functional model's are (else Keras's
+# Adam would refuse the apply of a stack shared with tables it does not train).
 EXTRA = ["adam.fit.subclassed_second"]
 
 
-def gap(cell):
-    """Why `cell` fails today (a known gap), else None."""
-    _, mode, situation = cell.split(".")
-    if situation == "subclassed_second":
-        return SUBCLASSED_GAP
-    if mode in ("export", "full_every") and situation in ("early_stop", "ema") and \
-            refusal(cell) is None:
-        return FINAL_SAVE_GAP
-    return None
-
-
-def params(cells):
-    return [pytest.param(cell, marks=pytest.mark.xfail(strict=True, reason=gap(cell)))
-            if gap(cell) else cell for cell in cells]
-
-
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("cell", params(PAIRWISE + EXTRA))
+@pytest.mark.parametrize("cell", PAIRWISE + EXTRA)
 def test_pairwise_cell_ends_like_unstacked(runs, cell):
     results = runs.get("pairwise", PAIRWISE + EXTRA, timeout=900)
     assert_cells_hold(results, [cell])
@@ -312,7 +288,7 @@ def test_new_optimizer_checkpoint_slots_match_unstacked(runs):
 # deselected by `make test` and run by `make test-composition-full`.
 @pytest.mark.full_product
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("cell", params(FULL))
+@pytest.mark.parametrize("cell", FULL)
 def test_full_product_cell_ends_like_unstacked(runs, cell):
     optimizer = cell.split(".")[0]
     group = [c for c in FULL if c.startswith(optimizer + ".")]

@@ -8,7 +8,9 @@ the tables outside the optimizer between saves:
 * ``reset``: `embeddings.assign(zeros)` and a `scatter_update` of a few rows
   after the full save, then 5 more steps (delta-10);
 * ``early_stop``: `EarlyStopping(restore_best_weights=True)` sets the
-  weights of epoch 1 back after delta-10, then 5 more steps (delta-15);
+  weights of epoch 1 back after delta-10, so the train-end save writes step
+  10 again, in full (ckpt-10: a delta of the same step would not follow its
+  parent), then 5 more steps (delta-15 on ckpt-10);
 * ``mid_chain``: `CheckpointManager.restore` of delta-10 after delta-15
   was written, then 10 more steps (a full ckpt-15, delta-20).
 
@@ -118,6 +120,9 @@ for scenario in scenarios:
                                                 restore_best_weights=True)
         fit(model, 5, 0, [callback, stop], epochs=4)
         report["early_stop_steps"] = int(model.optimizer.iterations.numpy())
+        report["early_stop_saves"] = sorted(
+            [i.name for i in model_dir_lib.list_checkpoints(model_dir)]
+            + [d.name for d in model_dir_lib.list_deltas(model_dir)])
         fit(model, 5, 10, [callback])  # delta-15
         check(scenario, model, model_dir, 15)
     elif scenario == "mid_chain":
@@ -211,7 +216,9 @@ def test_writes_outside_the_optimizer_reach_the_next_delta(tmp_path, make_cluste
     report = run(tmp_path, make_cluster, procs, optimizer, scenarios)
     assert_exact(report["reset"], ["delta-10", 10], ["delta-10"])
     assert report["early_stop_steps"] == 10, report
-    assert_exact(report["early_stop"], ["delta-15", 15], ["delta-10", "delta-15"])
+    # The best weights, set back after delta-10, saved again at train end (in full).
+    assert report["early_stop_saves"] == ["ckpt-10", "ckpt-5", "delta-10"], report
+    assert_exact(report["early_stop"], ["delta-15", 15], ["delta-15"])
     assert report["mid_chain_step"] == 10, report
     assert_exact(report["mid_chain"], ["delta-20", 20], ["delta-20"])
     # A plain process loads the chain's weights exactly like the full save's.

@@ -9,7 +9,8 @@ one apply per stack would move the frozen table's rows (refused with a
 `StackingError`). Both jobs must end with the same weights; with
 ``use_ema`` too, whose averages and overwrites act per table, and with an
 optimizer class stacking does not know (each table then has storage of its
-own, which the placement report names).
+own, which the placement report names), and with both models subclassed
+(split at the trained model's first traced `__call__`, or before its slots).
 """
 
 import os
@@ -40,7 +41,8 @@ def _fresh_then_restart(make_cluster, tmp_path, mode, variant):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("variant", ["adam", "build_slots", "ema", "custom"])
+@pytest.mark.parametrize("variant", ["adam", "build_slots", "ema", "custom", "subclassed",
+                                     "subclassed_build_slots"])
 def test_restart_of_stacked_job_trains_like_unstacked(make_cluster, tmp_path, variant):
     stacked = _fresh_then_restart(make_cluster, tmp_path, "stacked", variant)
     unstacked = _fresh_then_restart(make_cluster, tmp_path, "unstacked", variant)

@@ -44,7 +44,8 @@ TARGETS = {
     "safe_embedding_lookup_v1": _safe_lookup_targets,
     "keras_functional_fusion": lambda: (
         _keras("engine.functional").Functional._run_internal_graph,
-        _keras("engine.node").Node.map_arguments),
+        _keras("engine.node").Node.map_arguments,
+        vars(_keras("engine.training").Model).get("__call__")),
     "keras_stacked_updates": _stacked_update_targets,
     "keras_loss_scaling": lambda: _loss_scaling_targets(),
 }

@@ -253,6 +253,67 @@ def test_models_and_frozen_tables_get_stacks_of_their_own(monkeypatch, read_firs
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _Subclassed(tf.keras.Model):
+    """`_model`'s four tables and head, as a `tf.keras.Model` subclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = [tf.keras.layers.Embedding(VOCAB + 8 if f == 2 else VOCAB,
+                                                 8 if f == 3 else 4, name=f"emb_{f}")
+                       for f in range(FEATURES)]
+        self.hidden = tf.keras.layers.Dense(5, activation="relu", name="hidden")
+        self.out = tf.keras.layers.Dense(1, name="out")
+
+    def call(self, ids):
+        return self.out(self.hidden(tf.concat(
+            [table(ids[:, f]) for f, table in enumerate(self.tables)], axis=1)))
+
+
+def _subclassed_model(stacks, seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    with tf.variable_creator_scope(_table_creator(stacks)):
+        model = _Subclassed()
+        model(tf.zeros([1, FEATURES], tf.int64))  # Built by an eager call.
+    return model
+
+
+@pytest.mark.parametrize("build_slots", [False, True], ids=["traced_call", "build_slots"])
+def test_subclassed_models_get_stacks_of_their_own(monkeypatch, build_slots):
+    """Two subclassed models in one scope and a frozen table, trained with Adam.
+
+    As for functional models: the first model's trainable tables, its
+    frozen one and the other model's are split at its first traced
+    `__call__` (`Model.__call__`, patched with the functional run), or by
+    `separate_before_slots` before its optimizer's slots are made.
+    """
+    monkeypatch.setattr(lookup_fusion, "_stacking", lambda: True)
+    patches.install("keras_functional_fusion")
+    stacks = TableStacks(lambda s: None)
+    first, second = _subclassed_model(stacks), _subclassed_model(stacks, seed=3)
+    narrow = lambda m: [m.tables[f].embeddings for f in range(3)]  # noqa: E731
+    assert len({id(t.stack) for t in narrow(first) + narrow(second)}) == 1
+    first.tables[1].trainable = False
+    plain = _subclassed_model(None)
+    plain.tables[1].trainable = False
+    optimizer = tf.keras.optimizers.Adam(0.05)
+    if build_slots:
+        first.compile(optimizer, "mse")
+        lookup_fusion.separate_before_slots(first)
+        optimizer.build(stacked_updates.substitute(first.trainable_variables))
+    _train(first, optimizer, _batches())
+    _train(plain, tf.keras.optimizers.Adam(0.05), _batches())
+    trained = narrow(first)
+    assert trained[0].stack is trained[2].stack
+    assert trained[1].stack is not trained[0].stack
+    assert all(t.stack is not trained[0].stack and t.stack is not trained[1].stack
+               for t in narrow(second))
+    for a, b in zip(export.logical_weights(second),
+                    export.logical_weights(_subclassed_model(None, seed=3))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(export.logical_weights(first), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_non_row_local_optimizer_refuses_a_partly_trained_stack():
     """Adam on a stack some of whose tables get no gradient: an error naming the fix."""
     stacks = TableStacks(lambda s: None)

@@ -66,7 +66,8 @@ PATCHES: Tuple[Patch, ...] = (
         name="keras_progress_bar",
         replaces=("keras.src.engine.training._get_verbosity",
                   "keras.src.callbacks.CallbackList._add_default_callbacks"),
-        why="fit/evaluate(verbose=1) under the strategy show the plugin's ProgressBar",
+        why=("fit/evaluate(verbose=1) under the strategy show the plugin's ProgressBar, and "
+             "ChiefCheckpoint's train-end save runs after every other callback's"),
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.keras.progress:patch_keras_progress"),
     Patch(
@@ -107,10 +108,12 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(
         name="keras_functional_fusion",
         replaces=("keras.src.engine.functional.Functional._run_internal_graph",
-                  "keras.src.engine.node.Node.map_arguments"),
+                  "keras.src.engine.node.Node.map_arguments",
+                  "keras.src.engine.training.Model.__call__"),
         why=("a functional model's embedding lookups at one depth run as one gather per "
-             "PS (fuse_lookups, stack_tables), and its stacks are split from other "
-             "models' before its first traced call"),
+             "PS (fuse_lookups, stack_tables), and any model's stacks (functional in its "
+             "run, subclassed in its __call__) are split from other models' before its "
+             "first traced call"),
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.tables.fusion:patch_keras_functional"),
     Patch(

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin.state import checkpoint as checkpoint_lib
 
 # Marks a strategy whose fit/evaluate get the ProgressBar (set by the strategy).
 STRATEGY_MARKER = "_tf_psplugin_progress"
@@ -271,7 +272,12 @@ def patch_keras_progress():
       returns 1 instead (2 when Keras logs through absl, as Keras does).
     * ``CallbackList._add_default_callbacks``: adds a `ProgbarLogger` when
       the user passed none; under such a strategy that default one is
-      replaced by a `ProgressBar` (a user-passed logger is kept).
+      replaced by a `ProgressBar` (a user-passed logger is kept), and each
+      `ChiefCheckpoint`'s train end is appended to the list
+      (`ChiefCheckpoint.train_end_last`): its final save comes after every
+      other callback's `on_train_end`, so it holds the weights `fit`
+      returns with (tf-keras 2.16+'s `EarlyStopping(restore_best_weights=
+      True)` sets them back there).
 
     Every other strategy goes through Keras's original functions.
     """
@@ -298,6 +304,9 @@ def patch_keras_progress():
             replacement = ProgressBar()
             self.callbacks[self.callbacks.index(default)] = replacement
             tf_objects.set_callback_list_progbar(self, replacement)
+        if _uses_plugin(tf.distribute.get_strategy()):
+            self.callbacks.extend([cb.train_end_last() for cb in list(self.callbacks)
+                                   if isinstance(cb, checkpoint_lib.ChiefCheckpoint)])
 
     tf_objects.set_keras_get_verbosity(training, _get_verbosity)
     tf_objects.set_add_default_callbacks(callbacks.CallbackList, _add_default_callbacks)

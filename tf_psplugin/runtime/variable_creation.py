@@ -24,6 +24,7 @@ from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.cluster.devices import ps_device
+from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync import replicated
 from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
@@ -142,8 +143,9 @@ class VariableCreation:
             var = stock_create(next_creator, **kwargs)
             kind = "table-slot" if _unwrap(colocate_with) in self._table_shard_owner else "ps"
             if kind == "table-slot":
-                self._table_shard_owner[_unwrap(var)] = self._table_shard_owner[
-                    _unwrap(colocate_with)]
+                self._own(var, self._table_shard_owner[_unwrap(colocate_with)])
+            else:
+                outside_writes.watch_levels(var)
             self._record(var, kind)
             return var
         name = kwargs.get("name")
@@ -165,6 +167,7 @@ class VariableCreation:
             return self._create_replicated(next_creator, kind="dense",
                                            record=not self._creating_internal, **kwargs)
         var = stock_create(next_creator, **kwargs)
+        outside_writes.watch_levels(var)
         self._record(var, "ps")
         return var
 
@@ -220,7 +223,7 @@ class VariableCreation:
         if num_shards < 2:
             var = tf_objects.round_robin_creator(self._extended)(
                 next_creator, **kwargs)
-            self._table_shard_owner[_unwrap(var)] = self._table_shard_owner_of(var)
+            self._own(var, self._table_shard_owner_of(var))
             self._record(var, "table", unstacked=unstacked)
             return var
         self._creating_table = True
@@ -255,7 +258,7 @@ class VariableCreation:
             # (A stack's shards are registered when they get their variables:
             # `_replace_table_shard`.)
             for shard in var.variables:
-                self._table_shard_owner[_unwrap(shard)] = self._table_shard_owner_of(shard)
+                self._own(shard, self._table_shard_owner_of(shard))
         else:
             # Its views: what Keras lists, reduces and (weight decay) updates.
             for view in var.views:
@@ -273,7 +276,14 @@ class VariableCreation:
         if old is not None:
             self._table_shard_owner.pop(old, None)
         if new is not None:  # (None: the stack was split and its variable freed.)
-            self._table_shard_owner[new] = self._table_shard_owner_of(new)
+            self._own(new, self._table_shard_owner_of(new))
+
+    def _own(self, var, owner: int) -> None:
+        """Records `owner` as the worker updating table variable `var` (a shard, a stack's
+        variable or a table slot), and numbers its writes outside a step (`outside_writes`).
+        """
+        self._table_shard_owner[_unwrap(var)] = owner
+        outside_writes.watch_levels(var)
 
     def _table_shard_owner_of(self, var) -> int:
         """The worker that applies sync updates to a table shard: its PS index mod workers.

@@ -58,6 +58,7 @@ from absl import logging
 from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.state import checkpoint_write
 from tf_psplugin.state import incremental
 from tf_psplugin.state import input_state
@@ -66,10 +67,12 @@ from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of t
     CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
     checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
     remove_commit_marker, resolve_checkpoint, verify_checkpoint)
+from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import stacked_updates
+from tf_psplugin.tables import stacking as table_stacking
 
 __all__ = [
     "COMMIT_SUFFIX",
@@ -134,22 +137,76 @@ class _TrainingState(checkpoint_write.FedPythonState):
         self.input_position = data.get("input_position")
 
 
-def _replicated_variables(objects: List[Any]) -> List[Any]:
-    """Every `ReplicatedVariable` reachable from `objects` (slots included)."""
-    found = {}
+def _reachable(objects: List[Any]) -> List[Any]:
+    """What `objects` hold: their trackable descendants and their `variables`/`weights`."""
+    candidates = []
     for obj in objects:
         if obj is None:
             continue
-        candidates = list(tf.train.TrackableView(obj).descendants())
+        candidates.extend(tf.train.TrackableView(obj).descendants())
         for attr in ("variables", "weights"):
             value = getattr(obj, attr, None)
             value = value() if callable(value) else value
             if isinstance(value, (list, tuple)):
                 candidates.extend(value)
-        for candidate in candidates:
-            if isinstance(candidate, ReplicatedVariable):
-                found[id(candidate)] = candidate
+    return candidates
+
+
+def _replicated_variables(objects: List[Any], reachable: Optional[List[Any]] = None
+                          ) -> List[Any]:
+    """Every `ReplicatedVariable` reachable from `objects` (slots included)."""
+    found = {}
+    for candidate in _reachable(objects) if reachable is None else reachable:
+        if isinstance(candidate, ReplicatedVariable):
+            found[id(candidate)] = candidate
     return list(found.values())
+
+
+def _storage_of(var) -> List[Any]:
+    """The variables whose writes `outside_writes` numbers, holding `var`'s values.
+
+    A dense weight is its `ReplicatedVariable`; a table is its shards (a
+    stacked table's views: its stack's shards); a PS variable, a stack's
+    shard or a table slot is itself and each variable inside its wrappers.
+    """
+    var = tf_objects.autocast_inner(var)
+    if isinstance(var, sharded_variable.ShardedVariableMixin):
+        return [s for part in tf_objects.sharded_shards(var) for s in _storage_of(part)]
+    if isinstance(var, table_stacking.TableView):
+        return _storage_of(var.stack_shard)
+    return outside_writes.levels(var) if isinstance(var, tf.Variable) else []
+
+
+def _storage_variables(reachable: List[Any]) -> List[Any]:
+    """The variables holding the values of `reachable` (`_storage_of` each), each once."""
+    found = {}
+    for candidate in reachable:
+        for var in _storage_of(candidate):
+            found[id(var)] = var
+    return list(found.values())
+
+
+def _watch_writes(reachable: List[Any]) -> None:
+    """Numbers every later eager write to the variables of `reachable` (`outside_writes`).
+
+    The strategy watches each table variable and numbers each replicated
+    variable's writes from their creation; this covers the rest (a model
+    without the strategy, a variable made elsewhere). Idempotent.
+    """
+    for var in _storage_variables(reachable):
+        if not isinstance(var, ReplicatedVariable):  # (It numbers its own writes.)
+            outside_writes.watch(var)
+
+
+def _written_outside_steps(objects: List[Any], since: int) -> List[str]:
+    """Names of the variables of `objects` written eagerly after `outside_writes` generation
+    `since` (`set_weights`, use_ema's finalize, EarlyStopping's restore of the best weights).
+    """
+    if outside_writes.generation() <= since:
+        return []  # Nothing written since: no walk (the common case).
+    storage = _storage_variables(_reachable(objects))
+    return sorted({getattr(var, "name", "?")
+                   for var in outside_writes.written_after(storage, since)})
 
 
 def _coordinator(strategy):
@@ -339,6 +396,9 @@ class CheckpointManager:
             self._root, self.model_dir, max_to_keep=max_to_keep, checkpoint_name=CHECKPOINT_NAME)
         self._last_save_step: Optional[int] = None
         self._last_save_time = clock()
+        # `outside_writes` generation when `latest` was saved or restored:
+        # a write after it (at the same step) makes `latest` stale.
+        self._writes_seen = outside_writes.generation()
         self._base_step = 0  # Step and input position at the last restore.
         self._base_position = 0
         self.latest: Optional[CheckpointInfo] = None
@@ -424,9 +484,14 @@ class CheckpointManager:
         primaries, writes ``ckpt-<step>`` (the PS tasks write their shards),
         then the commit marker; only then lets TF's manager delete checkpoints
         beyond `max_to_keep`, and drops markers of deleted checkpoints.
-        If this manager already saved or restored the checkpoint of `step`,
-        nothing is rewritten; any other checkpoint of the same step is
-        replaced (its marker is removed first).
+        If this manager already saved or restored the checkpoint of `step`
+        and no weight, table or optimizer variable it saves was written
+        outside a step since (`use_ema`'s finalize, `EarlyStopping(
+        restore_best_weights=True)`, `set_weights`: see `outside_writes`),
+        nothing is rewritten; otherwise the checkpoint of `step` is written
+        again, in full (also in an incremental chain: a delta of the same
+        step would not be applied after its parent), and replaces any other
+        checkpoint of the same step (its marker is removed first).
 
         Args:
             step: The step number (e.g. `optimizer.iterations`).
@@ -442,19 +507,28 @@ class CheckpointManager:
             return None
         step = int(step)
         latest = self.latest
+        rewrite = False
         if latest is not None and latest.step == step and verify_checkpoint(latest) is None:
-            # Nothing changed since this manager saved or restored it.
-            if final:
-                model_dir_lib.write_training_done(self.model_dir, step, latest.path)
-            return latest
+            written = _written_outside_steps(self._objects, self._writes_seen)
+            if not written:
+                # Nothing changed since this manager saved or restored it.
+                if final:
+                    model_dir_lib.write_training_done(self.model_dir, step, latest.path)
+                return latest
+            logging.info("tf_psplugin: step %d saved again: %d variable(s) written since its "
+                         "checkpoint without a step (e.g. %s)", step, len(written), written[0])
+            rewrite = True
         _join_steps(self._strategy)
-        for var in _replicated_variables(self._objects):
+        reachable = _reachable(self._objects)
+        for var in _replicated_variables(self._objects, reachable):
             var.pull()
+        _watch_writes(reachable)
         self._state.step = step
         self._state.input_position = self.input_position(step)
+        seen = outside_writes.generation()  # Writes from here on are after this checkpoint.
         if self._incremental is not None and self._chain is not None and \
-                self._chain[2] < self._full_every:
-            return self._save_delta(step, final)
+                self._chain[2] < self._full_every and not rewrite:
+            return self._save_delta(step, final, seen)
         if self._incremental is not None:
             self._chain = None
             self._incremental.begin_full()
@@ -490,14 +564,14 @@ class CheckpointManager:
         if self._incremental is not None:
             self._chain = (info.name, info.name, 1)
         self._last_save_step, self._last_save_time = step, self._clock()
-        self.latest = info
+        self.latest, self._writes_seen = info, seen
         self._drop_stale_markers()
         if final:
             model_dir_lib.write_training_done(self.model_dir, step, path)
         logging.info("tf_psplugin: checkpoint %s committed (step %d)", path, step)
         return info
 
-    def _save_delta(self, step: int, final: bool) -> CheckpointInfo:
+    def _save_delta(self, step: int, final: bool, seen: int) -> CheckpointInfo:
         """Writes and commits ``delta-<step>`` on top of the current chain."""
         base, parent, count = self._chain
         self._chain = None  # Until this delta is committed: a failure means "full next".
@@ -529,7 +603,7 @@ class CheckpointManager:
             raise
         self._chain = (base, info.name, count + 1)
         self._last_save_step, self._last_save_time = step, self._clock()
-        self.latest = info
+        self.latest, self._writes_seen = info, seen
         if final:
             model_dir_lib.write_training_done(self.model_dir, step, prefix)
         logging.info("tf_psplugin: delta %s committed (step %d, base %s)", prefix, step, base)
@@ -597,6 +671,8 @@ class CheckpointManager:
             self._base_position = int(self._state.input_position)
         self._last_save_step, self._last_save_time = self._base_step, self._clock()
         self.latest = info
+        _watch_writes(_reachable(self._objects))
+        self._writes_seen = outside_writes.generation()  # The restore's own writes.
         self._chain = None  # The next save is full.
         logging.info("tf_psplugin: restored %s (step %d)", info.path, info.step)
         if self.input_iterator is not None:
@@ -817,6 +893,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                 model_dir_lib.clear_training_done(self.model_dir)
         self._step = 0
         self._done_in_epoch = 0
+        self._train_end_deferred = False  # Set by `train_end_last`.
 
     def _implements_train_batch_hooks(self):
         return self._periodic
@@ -846,6 +923,36 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._save(final=False)
 
     def on_train_end(self, logs=None):
+        if not self._train_end_deferred:
+            self.train_end()
+
+    def train_end_last(self) -> keras.callbacks.Callback:
+        """A callback that runs this one's train end, for the end of the callback list.
+
+        The final save then comes after every other callback's
+        `on_train_end` (tf-keras 2.16+'s `EarlyStopping(restore_best_weights=
+        True)` sets the best weights back there), while this callback's
+        other hooks keep their place (its restore at train begin comes
+        first). Under the strategy `fit` appends it itself
+        (`keras.progress`); this callback's own `on_train_end` then does
+        nothing, until the train end has run.
+        """
+        self._train_end_deferred = True
+        outer = self
+
+        class _TrainEnd(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self._supports_tf_logs = True
+
+            def on_train_end(self, logs=None):
+                outer.train_end()
+
+        return _TrainEnd()
+
+    def train_end(self) -> None:
+        """The final save (and ``TRAINING_DONE``); puts back the wrapped train function."""
+        self._train_end_deferred = False
         try:
             self._save(final=True)
         finally:

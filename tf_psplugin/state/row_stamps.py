@@ -17,15 +17,13 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_psplugin._internal.identity import IdentityMap
+from tf_psplugin.sync import outside_writes
 
 __all__ = ["RowStamps", "row_local_refusal"]
 
 # tf.Variable methods that write a whole value, rows by IndexedSlices, rows by nd indices.
-_WHOLE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update")
-_ROW_WRITES = ("scatter_add", "scatter_sub", "scatter_max", "scatter_min", "scatter_mul",
-               "scatter_div", "scatter_update")
-_ND_WRITES = ("scatter_nd_update", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_max",
-              "scatter_nd_min")
+_ROW_WRITES = outside_writes.ROW_WRITES
+_ND_WRITES = outside_writes.ND_WRITES
 # A variable whose writes stamp rows -> the `RowStamps` they stamp (`RowStamps.watch`).
 _WATCHED: "IdentityMap[RowStamps]" = IdentityMap()
 
@@ -85,21 +83,25 @@ class RowStamps:
         overwrite, a reset) stamps every row, `scatter_*` its rows. Each
         write gets its stamp in the same trace, so a write in a traced
         function is stamped each time it runs. Instance-level and
-        idempotent: the variable's class is untouched. Not seen: writes
+        idempotent: the variable's class is untouched; a method already
+        wrapped on the instance (`outside_writes.watch`) is wrapped once
+        more, so both see the write. Not seen: writes
         through raw ops on the variable's handle (a `tf.train.Checkpoint`
         restore); `CheckpointManager.restore` makes the next save full.
         """
         if _WATCHED.get(var) is self:
             return
-        for method in _WHOLE_WRITES + _ROW_WRITES + _ND_WRITES:
-            original = getattr(type(var), method, None)
-            if original is not None:
-                setattr(var, method, self._watched(var, method, original))
+        for method in outside_writes.WRITE_METHODS:
+            if getattr(type(var), method, None) is not None:
+                # On top of the instance's own wrapper (outside_writes), if any.
+                setattr(var, method, self._watched(var, method, getattr(var, method)))
         _WATCHED[var] = self
 
     def _watched(self, var, method: str, original):
+        del var  # `original` is bound to it.
+
         def write(*args, **kwargs):
-            result = original(var, *args, **kwargs)
+            result = original(*args, **kwargs)
             first = args[0] if args else kwargs.get(
                 "indices" if method in _ND_WRITES else "sparse_delta")
             if method in _ROW_WRITES and isinstance(first, tf.IndexedSlices):

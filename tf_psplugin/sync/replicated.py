@@ -32,6 +32,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import context, coordinator_context, ps_values, save_context
+from tf_psplugin.sync import outside_writes
 
 _GRAPH_USES_ATTR = "_tf_psplugin_replicated_uses"
 _GRAPH_PENDING_ATTR = "_tf_psplugin_pending_table_updates"
@@ -279,6 +280,9 @@ class ReplicatedVariable(ps_values.PerWorkerVariable):
         if tf.executing_eagerly():
             self._on_eager_access()
             self._primary_ahead = True
+            # A write outside a step (set_weights, use_ema's finalize): a
+            # checkpoint of this step saved before it is stale.
+            outside_writes.note(self)
 
     def handle_call_time_value(self):
         """The handle a traced function gets when it is called.

@@ -40,6 +40,7 @@ dictionary), and `_nodes_by_depth`, `_single_positional_tensor_passed` and
 a functional model's layers before they run.
 """
 
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -47,6 +48,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin.tables import host
 from tf_psplugin.tables import prefetched
 from tf_psplugin.tables import stacked_updates
@@ -149,23 +151,27 @@ def _prefetch(run: _Run, node, tensor_dict) -> None:
             run.rows[(id(table), id(ids))] = (table, ids, rows)
 
 
+# Inside a Keras model's `__call__` (patched by `patch_keras_functional`).
+_IN_MODEL_CALL = ThreadScope()
+
+
 def separate_before_slots(model) -> None:
     """Splits `model`'s stacks now, as its first traced call would, before slots seal them.
 
-    A fresh run splits a functional model's stacks per model and per
-    trainability when its first traced call starts (`patch_keras_functional`),
-    before its optimizer makes slots. A restore (`ChiefCheckpoint`,
+    A fresh run splits a model's stacks per model and per trainability when
+    its first traced call starts (`patch_keras_functional`), before its
+    optimizer makes slots. A restore (`ChiefCheckpoint`,
     `CheckpointManager`, `load_into`) and `build_optimizer_slots` make the
     slots before any call is traced, which seals the stacks: they call this
     first, so that the stacks, and so the slots a checkpoint holds, are the
     same in a fresh run, after a restore and after `build_optimizer_slots`.
-    Only functional models (and Sequential), as the traced-call split.
+    Any Keras model: functional, Sequential or subclassed, as the
+    traced-call split.
 
     Args:
         model: A Keras model (anything else: nothing happens).
     """
-    functional = _tf_internal.keras_private_module("engine.functional").Functional
-    if isinstance(model, functional):
+    if isinstance(model, keras.Model):
         _separate(model)
 
 
@@ -176,14 +182,19 @@ def _separate(model) -> None:
 
 
 def patch_keras_functional():
-    """Wraps Keras's functional run and argument mapping; returns the undo.
+    """Wraps Keras's functional run and argument mapping, and `Model.__call__`; returns the undo.
 
     Applied through `tf_psplugin._internal.patches` ("keras_functional_fusion").
+    A functional model's stacks are split in its run (`_run_internal_graph`),
+    any other model's (subclassed: its `call` is the user's) in its
+    `__call__`, the public entry of every call of a model, before its `call`
+    looks anything up.
     """
     functional = _tf_internal.keras_private_module("engine.functional").Functional
     node_cls = _tf_internal.keras_private_module("engine.node").Node
     run_graph = tf_objects.functional_run_internal_graph(functional)
     map_arguments = node_cls.map_arguments
+    model_call = vars(keras.Model)["__call__"]  # Keras 2.15, tf-keras 2.16-2.21: Model's own.
 
     def _run_internal_graph(self, inputs, training=None, mask=None):
         if not (enabled() and tf.inside_function()):
@@ -205,11 +216,24 @@ def patch_keras_functional():
             _prefetch(runs[-1], self, tensor_dict)
         return map_arguments(self, tensor_dict)
 
+    def _model_call(self, *args, **kwargs):
+        if _IN_MODEL_CALL.active():  # A model inside another: split by the outer one.
+            return model_call(self, *args, **kwargs)
+        with _IN_MODEL_CALL.scope():
+            if not isinstance(self, functional) and tf.inside_function() and _stacking():
+                # A subclassed model, before its call reads its stacks: its
+                # tables in stacks of their own, as a functional model's run
+                # does (and as `separate_before_slots` does for this model).
+                _separate(self)
+            return model_call(self, *args, **kwargs)
+
     tf_objects.set_functional_run_internal_graph(functional, _run_internal_graph)
     node_cls.map_arguments = _map_arguments
+    keras.Model.__call__ = functools.wraps(model_call)(_model_call)
 
     def undo():
         tf_objects.set_functional_run_internal_graph(functional, run_graph)
         node_cls.map_arguments = map_arguments
+        keras.Model.__call__ = model_call
 
     return undo

@@ -81,6 +81,7 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import (
     ps_values, resource_variable_ops, save_context, sharded_variable, tf_dispatch)
+from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import stack_rows
 from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
@@ -688,6 +689,10 @@ class _Stack:
         self.rows = [0] * num_shards
         self.pending: List[list] = [[] for _ in range(num_shards)]
         self.shards = [_StackShard(self, s, device_of(s)) for s in range(num_shards)]
+        for shard in self.shards:
+            # A view's write scatters through its shard's own methods (into
+            # the inner handle): numbered there, as a write outside a step.
+            outside_writes.watch(shard)
         self._creator = creator
         self._on_replace = on_replace
         self.sealed = False

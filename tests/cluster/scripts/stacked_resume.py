@@ -18,6 +18,11 @@ trains on. Variants:
 * ``custom``: a subclass of Adam (an optimizer stacking does not know: each
   of the model's tables gets storage of its own, and the placement report,
   written to ``<out_dir>/placement.txt``, says why).
+* ``subclassed``: both models are `tf.keras.Model` subclasses (`Tower`,
+  the same layers), built by a first eager call; their stacks are split
+  at the trained model's first traced `__call__` (fresh run) or before its
+  slots (restart).
+* ``subclassed_build_slots``: ``subclassed`` and ``build_slots``.
 
 It writes every table and dense weight of both models to
 ``<out_dir>/weights.npz`` and prints ``DONE``.
@@ -38,7 +43,26 @@ class MyAdam(tf.keras.optimizers.Adam):
     """A user's own optimizer class (here changing nothing)."""
 
 
-def build_model(prefix):
+class Tower(tf.keras.Model):
+    """`build_model`'s layers as a subclassed model."""
+
+    def __init__(self, prefix):
+        super().__init__(name=f"{prefix}_tower")
+        self.item = tf.keras.layers.Embedding(V, DIM, name=f"{prefix}_item")
+        self.frozen = tf.keras.layers.Embedding(V, DIM, trainable=False, name=f"{prefix}_frozen")
+        self.user = tf.keras.layers.Embedding(V, DIM, name=f"{prefix}_user")
+        self.dense = tf.keras.layers.Dense(1, name=f"{prefix}_dense")
+
+    def call(self, ids):
+        return self.dense(tf.concat(
+            [self.item(ids[:, 0]), self.frozen(ids[:, 1]), self.user(ids[:, 2])], axis=1))
+
+
+def build_model(prefix, subclassed=False):
+    if subclassed:
+        model = Tower(prefix)
+        model(tf.zeros([1, 3], tf.int64))  # Built eagerly, as `Input` builds a functional one.
+        return model
     ids = tf.keras.Input((3,), dtype="int64", name=f"{prefix}_ids")
     item = tf.keras.layers.Embedding(V, DIM, name=f"{prefix}_item")(ids[:, 0])
     frozen = tf.keras.layers.Embedding(V, DIM, trainable=False,
@@ -74,13 +98,14 @@ def main():
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=(mode == "stacked"))
     tf.keras.utils.set_random_seed(0)
+    subclassed = variant.startswith("subclassed")
     with strategy.scope():
-        model = build_model("m")
-        target = build_model("t")  # A second model in scope (a target network).
+        model = build_model("m", subclassed)
+        target = build_model("t", subclassed)  # A second model in scope (a target network).
         ema = {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 4}
         adam = MyAdam if variant == "custom" else tf.keras.optimizers.Adam
         model.compile(adam(0.05, **(ema if variant == "ema" else {})), loss="mse")
-    if variant == "build_slots":
+    if variant.endswith("build_slots"):
         tf_psplugin.build_optimizer_slots(model)
     # Each run sees its own data (the restart is not the first run again).
     seed = 1 + len(tf.io.gfile.glob(os.path.join(model_dir, "*.index")))
