@@ -14,7 +14,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def test_arguments():
     args = incremental.parse_args(["--quick"])
-    assert (args.rows, args.dim, args.fraction_list) == (10_000_000, 16, [0.01, 0.1])
+    assert (args.rows, args.dim, args.fraction_list) == (10_000_000, 16, [0.01, 0.1, 0.01])
     assert args.serving_poll_seconds == 0.5
     with pytest.raises(SystemExit):
         incremental.parse_args(["--serving_poll_seconds", "0"])
@@ -31,7 +31,7 @@ def test_optimizer_option_and_recorded_options():
         options = incremental.run_options(args)
         assert options["optimizer"] == name and name in options["optimizer_class"]
         assert options["stack_tables"] is False and options["full_every"] == 2
-        assert options["fractions"] == [0.01, 0.1]
+        assert options["fractions"] == [0.01, 0.1, 0.01]
     assert incremental.run_options(incremental.parse_args([]))["stack_tables"] is True
     with pytest.raises(SystemExit):
         incremental.parse_args(["--optimizer", "Adam"])  # Not row-local: refused by name.
