@@ -316,6 +316,24 @@ def test_non_chief_never_writes(tmp_path, monkeypatch):
     assert not (tmp_path / "m").exists()
 
 
+
+def test_load_into_refuses_new_optimizer_table_slots_and_loads_the_tables(tmp_path):
+    # A committed checkpoint may come from a cluster job, where Keras's new
+    # optimizers save a table's slots per shard or in shard order: never
+    # loaded into a plain table's rows (the legacy optimizers' are, above).
+    model = tiny_model()
+    model.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
+    train(model, 2)
+    ckpt_lib.CheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer).save(2)
+    plain = tiny_model(seed=5)
+    plain.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"cannot restore Adagrad's slots.*"
+                       r"Fix: include_optimizer=False"):
+        ckpt_lib.load_into(plain, tmp_path / "m", include_optimizer=True)
+    assert ckpt_lib.load_into(plain, tmp_path / "m").step == 2
+    for got, want in zip(plain.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
 def test_load_into_plain_model_and_save_weights_format(saved, tmp_path):
     model_dir, refs = saved
     model = tiny_model(seed=5)

@@ -69,6 +69,7 @@ from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of t
     remove_commit_marker, resolve_checkpoint, verify_checkpoint)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
+from tf_psplugin.tables import dynamic as dynamic_lib
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import stacked_updates
@@ -718,6 +719,29 @@ class CheckpointManager:
 # --- Single-process restore ---------------------------------------------------
 
 
+def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> bool:
+    """Whether `optimizer` would restore table slots a cluster job saved out of row order.
+
+    Keras's new optimizers list a sharded table's slots as the strategy made
+    them: one per table shard on Keras 2.15, one `ShardedVariable` per table
+    saved shard after shard on tf-keras 2.16+ (rows ``i % n == s`` of an
+    interleaved table are not a contiguous slice). A plain model's table
+    slot is one variable in row order: on Keras 2.15 the shapes differ; on
+    tf-keras 2.16+ they match and the rows would be silently permuted
+    (measured on tf-keras 2.21; docs/composition.md, "Known gaps"). Legacy
+    optimizers' table slots are saved per table in row order
+    (`sharded.install_interleaved_slot_lookup`). Only checkpoints a
+    `CheckpointManager` committed are asked about (``model.save_weights``
+    of a single process holds row-ordered slots).
+    """
+    if tf_objects.create_all_weights_of(optimizer) is not None:
+        return False  # A legacy optimizer.
+    if not tf.io.gfile.exists(info.path + model_dir_lib.COMMIT_SUFFIX):
+        return False
+    return any(isinstance(m, (keras.layers.Embedding, dynamic_lib.DynamicEmbedding))
+               and m.trainable_weights for m in [model] + list(model.submodules))
+
+
 def load_into(model, source: str, include_optimizer: bool = False) -> CheckpointInfo:
     """Loads a checkpoint into a plain, single-process Keras model (no cluster).
 
@@ -755,6 +779,16 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
     names = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
     wrapped = any(name.startswith("model/") for name in names)
     optimizer = getattr(model, "optimizer", None) if include_optimizer else None
+    if optimizer is not None and _table_slots_out_of_row_order(model, optimizer, info):
+        raise CheckpointError(
+            f"load_into({source!r}, include_optimizer=True) cannot restore "
+            f"{type(optimizer).__name__}'s slots of the embedding tables: Keras's new "
+            "optimizers save a sharded table's slots per table shard (TF 2.15) or in the "
+            "shards' row order (tf-keras 2.16+), not in the row order of a single-process "
+            "table, so they would not load, or would load into the wrong rows. Fix: "
+            "include_optimizer=False (the tables, dense weights and the optimizer's step "
+            "load; the slots start afresh), or train with a tf.keras.optimizers.legacy "
+            "optimizer, whose table slots are saved per table in row order.")
     if optimizer is not None:
         sharding.install_interleaved_slot_lookup(optimizer)
         _build_optimizer_slots(model, optimizer, None)

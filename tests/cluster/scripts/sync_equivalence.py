@@ -332,9 +332,9 @@ def stacked_checkpoint(model, got):
 
     A plain model (one variable per table, no cluster) loads the tables and,
     with a legacy optimizer, their Adagrad accumulators. Keras's new
-    optimizers save one slot per shard variable, by position, which a plain
-    model's per-table slots do not take, stacked or not (the known gap of
-    docs/composition.md, "New optimizers' slots in a checkpoint"): with one,
+    optimizers save a sharded table's slots per shard (Keras 2.15) or in
+    the shards' row order (tf-keras 2.16+), stacked or not (the known gap of
+    docs/composition.md): `load_into(include_optimizer=True)` refuses them;
     the refusal is recorded and the tables are loaded alone.
     """
     import os  # pylint: disable=g-import-not-at-top
