@@ -399,7 +399,8 @@ class IncrementalSaver:
         for key, var in candidates:
             # A stacked table's slot view (tables/stacked_slots.py) of a table
             # alone in its stack is that stack shard's slot: matched as it.
-            storage = getattr(var, "storage", None) or var
+            storage = getattr(var, "storage", None)
+            storage = var if storage is None else storage  # Never `or`: a variable has no truth value.
             name = storage.name or ""
             found = [(len(shard.name), table, s) for table in self.tables
                      for s, shard in enumerate(table.shards)

@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import compat
 from tf_psplugin._internal import tf_objects
-from tf_psplugin._internal.tf_internal import trackable_base
+from tf_psplugin._internal.tf_internal import ps_values, trackable_base
 from tf_psplugin.tables.stacking import TableView
 
 __all__ = ["SlotView", "build_per_table", "add_slot"]
@@ -335,7 +335,17 @@ def add_slot(optimizer, model_variable, variable_name: str, shape=None,
             # shard, already listed, so it adds nothing.
             tf_objects.set_sharded_container(slot, whole)
         if initial_value is not None:  # The optimizer's initial value of the whole stack shard.
-            slot.assign(tf.cast(tf.convert_to_tensor(initial_value), slot.dtype))
+            # Once, eagerly and in cross-replica context, as Keras makes the
+            # variable itself: `build` may run while `apply_gradients` is
+            # traced in a replica context (the first step), where the
+            # assign would be traced into every step, and where an
+            # `AggregatingVariable` refuses an assign without aggregation.
+            # The variable inside the slot's PS wrappers takes it there.
+            target = slot
+            while isinstance(target, ps_values.AggregatingVariable):
+                target = target.get()
+            with tf.init_scope():
+                target.assign(tf.cast(tf.convert_to_tensor(initial_value), slot.dtype))
         return tf_objects.no_dependency(slot)
     return None
 
