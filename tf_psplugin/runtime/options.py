@@ -1,19 +1,30 @@
 """`HybridOptions`: the strategy's tuning knobs in one validated value.
 
-`HybridParameterServerStrategy`'s constructor keeps stock's arguments first
-(`cluster_resolver`, `variable_partitioner`) and the facts about the cluster
-(`config`, `placement`, `failover`) as its own arguments; how the plugin
-trains and communicates (table and dense modes, timeouts, exchange, lookup
-fusion, stacking, ...) is one `HybridOptions`, as TF's collectives take a
-`tf.distribute.experimental.CommunicationOptions`. Each knob is also
-accepted as a keyword of the strategy (``stack_tables=True``), which is
-what existing programs pass; `resolve` merges the two and refuses a knob
-given both ways with different values.
+`HybridParameterServerStrategy`'s constructor is stock's
+(`cluster_resolver`, `variable_partitioner`) plus keyword-only facts about
+the cluster (`options`, `placement`, `failover`, `config`); how the plugin
+trains and communicates (table and dense modes, timeouts, stacking, table
+dtype, ...) is one `HybridOptions`, as TF's collectives take a
+`tf.distribute.experimental.CommunicationOptions`.
+
+Deprecated, each still working for one release with a `DeprecationWarning`
+naming the replacement (CHANGELOG.md):
+
+* a knob passed as a keyword of the strategy
+  (``HybridParameterServerStrategy(stack_tables=False)``): `resolve` merges
+  it into the options and refuses a knob given both ways with different
+  values;
+* the developer toggles' former names (``sparse_exchange``,
+  ``pack_on_read_updates``, ``fuse_lookups``), now ``experimental_*``;
+* ``HybridOptions(sharding=...)``: sharding's one home is
+  `PlacementPolicy(sharding=...)`.
 """
 
 import dataclasses
-from typing import Mapping, Optional
+import warnings
+from typing import Any, Mapping, Optional
 
+from tf_psplugin._internal import deprecation as deprecation_lib
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
 from tf_psplugin.tables import half_precision
@@ -22,8 +33,15 @@ from tf_psplugin.tables import placement as placement_lib
 EMBEDDING_UPDATES = ("sync", "async")
 DENSE_PLACEMENTS = ("allreduce", "ps")
 
+# The developer toggles' former names -> their names now.
+RENAMED = {
+    "sparse_exchange": "experimental_sparse_exchange",
+    "pack_on_read_updates": "experimental_pack_on_read_updates",
+    "fuse_lookups": "experimental_fuse_lookups",
+}
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, init=False)
 class HybridOptions:
     """The tuning knobs of `HybridParameterServerStrategy`, validated when made.
 
@@ -33,20 +51,32 @@ class HybridOptions:
     options = tf_psplugin.HybridOptions(stack_tables=True,
                                         collective_timeout_seconds=120)
     strategy = tf_psplugin.HybridParameterServerStrategy(options=options)
-    # The same strategy, knobs as keywords (what existing programs pass):
-    strategy = tf_psplugin.HybridParameterServerStrategy(
-        stack_tables=True, collective_timeout_seconds=120)
     ```
+
+    Every argument is a keyword. The ``experimental_*`` knobs are developer
+    toggles kept to compare implementations; they may change or go without
+    a deprecation period. Combinations that cannot mean what they say are
+    refused (``StrategyError`` naming the fields and the fix): the sparse
+    exchange ``"allgather"`` with asynchronous table updates
+    (``embedding_updates="async"``) or with ``dense_placement="ps"`` (no
+    synchronous step, so nothing is exchanged), and
+    ``experimental_pack_on_read_updates=False`` with
+    ``dense_placement="ps"`` (no replicated accumulators to update).
 
     Attributes:
         embedding_updates: ``"sync"`` (global sparse gradient applied once per
             step: exactly single-process training on the global batch) or
             ``"async"`` (each worker pushes its own sparse gradient).
+            With ``dense_placement="ps"`` every update is asynchronous,
+            whatever this says.
         dense_placement: ``"allreduce"`` (replicas on workers, synchronous) or
-            ``"ps"`` (stock asynchronous PSS placement of dense variables).
-        sharding: Shortcut for ``placement.sharding``: ``"interleaved"`` or
-            ``"contiguous"``; None (default) keeps the `PlacementPolicy`'s
-            (interleaved unless it says otherwise).
+            ``"ps"``: the whole strategy becomes stock asynchronous PSS (dense
+            variables on the PS, asynchronous steps, no failover), with the
+            plugin's table sharding; for comparison and fully-async users.
+        sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
+            to the strategy (its one home). ``"interleaved"`` or
+            ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
+            keeps it.
         collective_timeout_seconds: A synchronous step that makes no progress
             on some worker for this long (a peer hung or unreachable) fails
             with `DeadlineExceededError` naming the workers, and goes through
@@ -58,24 +88,28 @@ class HybridOptions:
             which names the missing tasks (tasks may start in any order);
             uncaught, the chief exits with the retryable status 138, so a
             slowly scheduled cluster is retried by the restart policy.
-        log_placement: Log the placement report once, at the first step.
-        sparse_exchange: How ``"sync"`` mode sums embedding gradients:
-            ``"ps"`` (default: each worker sends its own to the PS holding
-            the shard, where one worker's update sums them; a worker's bytes
-            do not grow with the number of workers) or ``"allgather"``
-            (every worker receives every other worker's gradients; kept for
-            comparison, see `benchmarks.run --network`).
-        pack_on_read_updates: Apply a synchronous step's updates of metric
-            accumulators and batch-norm statistics with their deltas packed
-            into the gradient all-reduce, or into one all-reduce when the
-            step next reads them (default). False: one all-reduce per update,
-            where it happens, or after the `tf.cond` whose branch made it
-            (see `on_read_updates.py`).
-        fuse_lookups: Look up the sharded tables of a functional Keras
-            model's `Embedding` layers together, one round trip per PS for
-            all the tables of one width, instead of one per table; the rows
-            and gradients are the same (see `tables/fusion.py`). Off by
+        log_placement: Log the placement summary once, at the first step
+            (False: quiet; `strategy.placement_summary()` still returns it).
+        experimental_sparse_exchange: How ``"sync"`` mode sums embedding
+            gradients: ``"ps"`` (default: each worker sends its own to the PS
+            holding the shard, where one worker's update sums them; a
+            worker's bytes do not grow with the number of workers) or
+            ``"allgather"`` (every worker receives every other worker's
+            gradients; kept for comparison, see `benchmarks.run --network`).
+            Formerly ``sparse_exchange``.
+        experimental_pack_on_read_updates: Apply a synchronous step's updates
+            of metric accumulators and batch-norm statistics with their
+            deltas packed into the gradient all-reduce, or into one
+            all-reduce when the step next reads them (default). False: one
+            all-reduce per update, where it happens, or after the `tf.cond`
+            whose branch made it (see `on_read_updates.py`). Formerly
+            ``pack_on_read_updates``.
+        experimental_fuse_lookups: Look up the sharded tables of a functional
+            Keras model's `Embedding` layers together, one round trip per PS
+            for all the tables of one width, instead of one per table; the
+            rows and gradients are the same (see `tables/fusion.py`). Off by
             default: on loopback it was no faster (benchmarks/README).
+            Formerly ``fuse_lookups``.
         stack_tables: Store the embedding tables of one row width, dtype and
             shard count as one variable per shard (a stack; see
             `tables/stacking.py`): one gather, one optimizer apply and one
@@ -92,8 +126,10 @@ class HybridOptions:
             (`tables/half_precision.py`).
 
     Raises:
-        StrategyError: a knob with a value the strategy does not support
-            (ValueError for ``sharding``, as `PlacementPolicy` raises it).
+        StrategyError: a knob with a value the strategy does not support, or
+            a combination of knobs that is refused (ValueError for
+            ``sharding``, as `PlacementPolicy` raises it).
+        TypeError: an argument that is no knob.
     """
 
     embedding_updates: str = "sync"
@@ -102,15 +138,52 @@ class HybridOptions:
     collective_timeout_seconds: float = 60.0
     connect_timeout_seconds: float = 300.0
     log_placement: bool = True
-    sparse_exchange: str = "ps"
-    pack_on_read_updates: bool = True
-    fuse_lookups: bool = False
+    experimental_sparse_exchange: str = "ps"
+    experimental_pack_on_read_updates: bool = True
+    experimental_fuse_lookups: bool = False
     stack_tables: bool = True
     table_dtype: Optional[str] = None
 
-    def __post_init__(self):
+    def __init__(self, *, embedding_updates: str = "sync", dense_placement: str = "allreduce",
+                 sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
+                 connect_timeout_seconds: float = 300.0, log_placement: bool = True,
+                 experimental_sparse_exchange: str = "ps",
+                 experimental_pack_on_read_updates: bool = True,
+                 experimental_fuse_lookups: bool = False, stack_tables: bool = True,
+                 table_dtype: Optional[str] = None,
+                 sparse_exchange: Any = deprecation_lib.UNSET,
+                 pack_on_read_updates: Any = deprecation_lib.UNSET,
+                 fuse_lookups: Any = deprecation_lib.UNSET):
+        # The developer toggles' former names: deprecated aliases.
+        experimental_sparse_exchange = deprecation_lib.renamed(
+            "HybridOptions", "sparse_exchange", sparse_exchange,
+            "experimental_sparse_exchange", experimental_sparse_exchange, "ps")
+        experimental_pack_on_read_updates = deprecation_lib.renamed(
+            "HybridOptions", "pack_on_read_updates", pack_on_read_updates,
+            "experimental_pack_on_read_updates", experimental_pack_on_read_updates, True)
+        experimental_fuse_lookups = deprecation_lib.renamed(
+            "HybridOptions", "fuse_lookups", fuse_lookups,
+            "experimental_fuse_lookups", experimental_fuse_lookups, False)
+        if sharding is not None:
+            warnings.warn(
+                f"HybridOptions(sharding={sharding!r}) is deprecated: sharding has one home. Fix: "
+                f"HybridParameterServerStrategy(placement=tf_psplugin.PlacementPolicy("
+                f"sharding={sharding!r}))", DeprecationWarning, stacklevel=2)
+        values = dict(
+            embedding_updates=embedding_updates, dense_placement=dense_placement,
+            sharding=sharding, collective_timeout_seconds=collective_timeout_seconds,
+            connect_timeout_seconds=connect_timeout_seconds, log_placement=log_placement,
+            experimental_sparse_exchange=experimental_sparse_exchange,
+            experimental_pack_on_read_updates=experimental_pack_on_read_updates,
+            experimental_fuse_lookups=experimental_fuse_lookups, stack_tables=stack_tables,
+            table_dtype=table_dtype)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self):
         half_precision.check_table_dtype(self.table_dtype)
-        _check_one_of("sparse_exchange", self.sparse_exchange,
+        _check_one_of("experimental_sparse_exchange", self.experimental_sparse_exchange,
                       sparse_exchange_lib.SPARSE_EXCHANGES)
         _check_one_of("embedding_updates", self.embedding_updates, EMBEDDING_UPDATES)
         _check_one_of("dense_placement", self.dense_placement, DENSE_PLACEMENTS)
@@ -120,10 +193,38 @@ class HybridOptions:
             raise StrategyError(
                 f"collective_timeout_seconds={self.collective_timeout_seconds!r} must be >= 0 "
                 "(0 = no limit). Fix: pass a number of seconds above your slowest step.")
+        _check_combinations(self)
 
     def replace(self, **changes) -> "HybridOptions":
-        """A copy with `changes` (knob name -> value), validated again."""
+        """A copy with `changes` (knob name -> value), validated again.
+
+        A toggle's former name (``sparse_exchange``, ...) is taken for its
+        ``experimental_*`` name, with a `DeprecationWarning`.
+        """
+        for old in set(changes) & set(RENAMED):
+            warnings.warn(f"HybridOptions.replace({old}=...) is deprecated: use "
+                          f"{RENAMED[old]}=...", DeprecationWarning, stacklevel=2)
+            changes[RENAMED[old]] = changes.pop(old)
         return dataclasses.replace(self, **changes)
+
+    # The former names, read: deprecated aliases of the experimental_* fields.
+    @property
+    def sparse_exchange(self) -> str:
+        """Deprecated: `experimental_sparse_exchange`."""
+        _warn_read("sparse_exchange")
+        return self.experimental_sparse_exchange
+
+    @property
+    def pack_on_read_updates(self) -> bool:
+        """Deprecated: `experimental_pack_on_read_updates`."""
+        _warn_read("pack_on_read_updates")
+        return self.experimental_pack_on_read_updates
+
+    @property
+    def fuse_lookups(self) -> bool:
+        """Deprecated: `experimental_fuse_lookups`."""
+        _warn_read("fuse_lookups")
+        return self.experimental_fuse_lookups
 
 
 KNOBS = tuple(field.name for field in dataclasses.fields(HybridOptions))
@@ -135,8 +236,10 @@ def resolve(options: Optional[HybridOptions], knobs: Mapping[str, object],
 
     Args:
         options: The ``options=`` argument, or None.
-        knobs: The knobs passed as keywords (name -> value).
-        caller: Named in the errors.
+        knobs: The knobs passed as keywords (name -> value; deprecated, each
+            warns with a `DeprecationWarning` naming its `HybridOptions`
+            field). A toggle's former name counts as its ``experimental_*``
+            name.
 
     Returns:
         A validated `HybridOptions`.
@@ -148,23 +251,56 @@ def resolve(options: Optional[HybridOptions], knobs: Mapping[str, object],
             not supported, or a knob is given both in `options` and as a
             keyword with a different value.
     """
-    unknown = sorted(set(knobs) - set(KNOBS))
+    unknown = sorted(set(knobs) - set(KNOBS) - set(RENAMED))
     if unknown:
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
-    if options is None:
-        return HybridOptions(**knobs)
-    if not isinstance(options, HybridOptions):
+    if options is not None and not isinstance(options, HybridOptions):
         raise StrategyError(
             f"{caller}(options={options!r}): options must be a tf_psplugin.HybridOptions. "
-            "Fix: options=tf_psplugin.HybridOptions(...), or pass the knobs as keywords.")
+            "Fix: options=tf_psplugin.HybridOptions(...).")
+    if knobs:
+        named = {RENAMED.get(name, name): value for name, value in knobs.items()}
+        given = ", ".join(f"{name}={value!r}" for name, value in named.items())
+        warnings.warn(
+            f"{caller}({', '.join(f'{k}=...' for k in knobs)}): tuning knobs as keywords of the "
+            f"strategy are deprecated. Fix: {caller}(options=tf_psplugin.HybridOptions({given}))",
+            DeprecationWarning, stacklevel=3)
+        knobs = named
+    if options is None:
+        return HybridOptions(**knobs)
     for name, value in knobs.items():
         if getattr(options, name) != value:
             raise StrategyError(
                 f"{caller}(options=HybridOptions({name}={getattr(options, name)!r}), "
                 f"{name}={value!r}): {name} is given twice, with different values. Fix: give "
-                f"it once, in options (options.replace({name}={value!r})) or as a keyword "
-                "without options.")
+                f"it once, in options (options.replace({name}={value!r})).")
     return options
+
+
+def _check_combinations(options: HybridOptions) -> None:
+    """Refuses knobs that cannot take effect together (see `HybridOptions`)."""
+    if options.experimental_sparse_exchange == "allgather":
+        if options.embedding_updates == "async":
+            raise StrategyError(
+                "HybridOptions(embedding_updates='async', experimental_sparse_exchange="
+                "'allgather'): asynchronous table updates exchange no gradients. Fix: "
+                "embedding_updates='sync', or drop experimental_sparse_exchange.")
+        if options.dense_placement == "ps":
+            raise StrategyError(
+                "HybridOptions(dense_placement='ps', experimental_sparse_exchange='allgather'): "
+                "with dense variables on the PS no step is synchronous, so no gradient is "
+                "exchanged. Fix: dense_placement='allreduce', or drop "
+                "experimental_sparse_exchange.")
+    if options.dense_placement == "ps" and not options.experimental_pack_on_read_updates:
+        raise StrategyError(
+            "HybridOptions(dense_placement='ps', experimental_pack_on_read_updates=False): with "
+            "dense variables on the PS no accumulator is replicated, so there are no updates to "
+            "pack. Fix: dense_placement='allreduce', or drop experimental_pack_on_read_updates.")
+
+
+def _warn_read(old: str) -> None:
+    warnings.warn(f"HybridOptions.{old} is deprecated: read HybridOptions.{RENAMED[old]}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _check_one_of(name: str, value, allowed) -> None:

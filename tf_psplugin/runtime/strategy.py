@@ -100,11 +100,21 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     model.fit(dataset, epochs=2, steps_per_epoch=100)
     ```
 
-    The first two arguments are stock ParameterServerStrategy's (the same in
-    TF 2.15 and 2.21), so ``HybridParameterServerStrategy(resolver,
+    Tuned:
+
+    ```python
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(stack_tables=False),
+        placement=tf_psplugin.PlacementPolicy(sharding="contiguous"))
+    ```
+
+    The two positional arguments are stock ParameterServerStrategy's (the
+    same in TF 2.15 and 2.21), so ``HybridParameterServerStrategy(resolver,
     variable_partitioner=...)`` is stock code with the class renamed; the rest
-    are keywords of the plugin (docs/coming_from_stock_pss.md lists what
-    behaves differently).
+    are keyword-only arguments of the plugin (docs/coming_from_stock_pss.md
+    lists what behaves differently): how it trains in `options`, which
+    variables are tables in `placement`, what happens on a dead task in
+    `failover`, and `config`, the plugin's own way to name the cluster.
 
     Args:
         cluster_resolver: A cluster resolver for the training cluster. If
@@ -120,40 +130,47 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             apply to dense variables, which are not on the PS (one replica
             per worker; with ``dense_placement="ps"`` they stay whole), nor
             to `layers.DynamicEmbedding`, which keeps one shard per PS.
-        config: A `tf_psplugin.config.ClusterConfig` for this (chief) task.
         options: A `tf_psplugin.HybridOptions`: the tuning knobs
-            (``embedding_updates``, ``dense_placement``, ``sharding``,
+            (``embedding_updates``, ``dense_placement``,
             ``collective_timeout_seconds``, ``connect_timeout_seconds``,
-            ``log_placement``, ``sparse_exchange``, ``pack_on_read_updates``,
-            ``fuse_lookups``, ``stack_tables``; each documented there).
-            None: the defaults, changed by the knobs given as keywords.
-        placement: A `PlacementPolicy` (which variables are tables, sharding).
+            ``log_placement``, ``stack_tables``, ``table_dtype`` and the
+            ``experimental_*`` toggles; each documented there). None: the
+            defaults.
+        placement: A `PlacementPolicy`: which variables are tables and how
+            they are sharded (``sharding``'s one home).
         failover: A `FailoverPolicy` (default: enabled). On a dead worker or
             PS the chief saves what survives and raises `TaskFailedError`;
             uncaught, it exits with status 138 so that the launcher's
             `--restart-failed` or the scheduler restarts it to resume from the
             checkpoint (see `failover.py`; `tf_psplugin.elastic.run` recovers
-            in-process instead).
-        **knobs: Any knob of `HybridOptions` as a keyword
-            (``HybridParameterServerStrategy(stack_tables=False)``), as without
-            `options`; with `options`, a knob given with another value than
-            `options` has is an error.
+            in-process instead). With ``dense_placement="ps"`` there is no
+            failover, and an enabled policy given here is refused.
+        config: A `tf_psplugin.config.ClusterConfig` for this (chief) task,
+            used when `cluster_resolver` is None.
+        **knobs: Deprecated: a knob of `HybridOptions` as a keyword
+            (``HybridParameterServerStrategy(stack_tables=False)``) still
+            works for one release, with a `DeprecationWarning` naming the
+            `HybridOptions` field; with `options`, a knob given with another
+            value than `options` has is an error.
 
     Raises:
         StrategyError: for a cluster it cannot train on, a process that is
-            not the chief, an unsupported knob, or a knob given in `options`
-            and as a keyword with different values.
+            not the chief, an unsupported knob or combination of knobs
+            (`HybridOptions` lists them), `options` contradicting `placement`
+            or `failover`, or a knob given in `options` and as a keyword with
+            different values.
         TypeError: a keyword that is no knob of `HybridOptions`.
     """
 
-    def __init__(self, cluster_resolver=None, variable_partitioner=None,
-                 config: Optional[config_lib.ClusterConfig] = None, *,
+    def __init__(self, cluster_resolver=None, variable_partitioner=None, *,
                  options: Optional[options_lib.HybridOptions] = None,
                  placement: Optional[placement_lib.PlacementPolicy] = None,
-                 failover: Optional[failover_lib.FailoverPolicy] = None, **knobs):
+                 failover: Optional[failover_lib.FailoverPolicy] = None,
+                 config: Optional[config_lib.ClusterConfig] = None, **knobs):
         _check_partitioner(variable_partitioner)
         options = options_lib.resolve(options, knobs)
         self._hybrid_options = options
+        _check_options_with(options, placement, failover)
         placement = placement or placement_lib.PlacementPolicy()
         if options.sharding is not None:
             placement = placement_lib.PlacementPolicy(
@@ -191,8 +208,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
                 self, resolver, embedding_updates=options.embedding_updates,
                 dense_allreduce=self._dense_allreduce, placement=placement,
                 collective_timeout_seconds=self._collective_timeout,
-                log_placement=options.log_placement, sparse_exchange=options.sparse_exchange,
-                pack_on_read_updates=options.pack_on_read_updates,
+                log_placement=options.log_placement,
+                sparse_exchange=options.experimental_sparse_exchange,
+                pack_on_read_updates=options.experimental_pack_on_read_updates,
                 table_partitioner=variable_partitioner)
             super(parameter_server_strategy_v2.ParameterServerStrategyV2, self).__init__(
                 self._extended)
@@ -214,10 +232,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
             # mixed_float16: Keras's loss scaling, its finite check agreed.
             patches.install("keras_loss_scaling")
         # A functional model's table lookups: one round trip per PS.
-        self._extended.fuse_lookups = bool(options.fuse_lookups)
+        self._extended.fuse_lookups = bool(options.experimental_fuse_lookups)
         # Float32 tables stored in half precision (None: as asked for).
         self._extended.table_dtype = options.table_dtype
-        if options.fuse_lookups:
+        if options.experimental_fuse_lookups:
             patches.install("keras_functional_fusion")
         if options.stack_tables:
             # A stack's tables are looked up together: one gather per PS.
@@ -490,6 +508,33 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
 
     def _update(self, var, fn, args, kwargs, group):
         return self.updates.update(var, fn, args, kwargs, group, super()._update)
+
+
+def _check_options_with(options: options_lib.HybridOptions,
+                        placement: Optional[placement_lib.PlacementPolicy],
+                        failover: Optional[failover_lib.FailoverPolicy]) -> None:
+    """Refuses `options` with a `placement` or `failover` they contradict.
+
+    Raises:
+        StrategyError: the deprecated ``HybridOptions(sharding=...)`` and a
+            `placement` with another sharding (which one would win is not
+            obvious), or an enabled `failover` given with
+            ``dense_placement="ps"`` (asynchronous steps have no failover: it
+            would be ignored).
+    """
+    if (options.sharding is not None and placement is not None
+            and placement.sharding != options.sharding):
+        raise StrategyError(
+            f"HybridParameterServerStrategy(options=HybridOptions(sharding={options.sharding!r}), "
+            f"placement=PlacementPolicy(sharding={placement.sharding!r})): sharding is given "
+            "twice, with different values. Fix: give it once, as "
+            f"placement=PlacementPolicy(sharding=...), its one home.")
+    if failover is not None and failover.enabled and options.dense_placement == "ps":
+        raise StrategyError(
+            "HybridParameterServerStrategy(options=HybridOptions(dense_placement='ps'), "
+            "failover=FailoverPolicy(enabled=True)): with dense variables on the PS the steps "
+            "are asynchronous, as in stock PSS, and have no failover. Fix: drop failover= (or "
+            "pass FailoverPolicy(enabled=False)), or use dense_placement='allreduce'.")
 
 
 def _check_partitioner(variable_partitioner) -> None:
