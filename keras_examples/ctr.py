@@ -323,9 +323,11 @@ def train(config):
         print(f"ctr: resuming from {latest.path} (step {start_step})")
 
     strategy = tf_psplugin.HybridParameterServerStrategy(  # tf_psplugin: chief = coordinator.
-        embedding_updates=FLAGS.embedding_updates, sharding=FLAGS.sharding,
-        # tf_psplugin: None keeps the table in the dtype its layer asks for (float32).
-        table_dtype=None if FLAGS.table_dtype == "float32" else FLAGS.table_dtype)
+        options=tf_psplugin.HybridOptions(
+            embedding_updates=FLAGS.embedding_updates,
+            # tf_psplugin: None keeps the table in the dtype its layer asks for (float32).
+            table_dtype=None if FLAGS.table_dtype == "float32" else FLAGS.table_dtype),
+        placement=tf_psplugin.PlacementPolicy(sharding=FLAGS.sharding))
     with strategy.scope():  # tf_psplugin: tables go to the PS tasks, the rest to every worker.
         # tf_psplugin: Keras 2's *legacy* Adagrad by default: PSS supports the legacy
         # optimizers (their slots live next to each table shard / replica); a table in

@@ -24,7 +24,7 @@ import dataclasses
 import warnings
 from typing import Any, Mapping, Optional
 
-from tf_psplugin._internal import deprecation as deprecation_lib
+from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
 from tf_psplugin.tables import half_precision
@@ -145,25 +145,28 @@ class HybridOptions:
     table_dtype: Optional[str] = None
 
     def __init__(self, *, embedding_updates: str = "sync", dense_placement: str = "allreduce",
-                 sharding: Optional[str] = None, collective_timeout_seconds: float = 60.0,
+                 collective_timeout_seconds: float = 60.0,
                  connect_timeout_seconds: float = 300.0, log_placement: bool = True,
                  experimental_sparse_exchange: str = "ps",
                  experimental_pack_on_read_updates: bool = True,
                  experimental_fuse_lookups: bool = False, stack_tables: bool = True,
                  table_dtype: Optional[str] = None,
-                 sparse_exchange: Any = deprecation_lib.UNSET,
-                 pack_on_read_updates: Any = deprecation_lib.UNSET,
-                 fuse_lookups: Any = deprecation_lib.UNSET):
+                 sharding: Any = _deprecation.UNSET,
+                 sparse_exchange: Any = _deprecation.UNSET,
+                 pack_on_read_updates: Any = _deprecation.UNSET,
+                 fuse_lookups: Any = _deprecation.UNSET):
         # The developer toggles' former names: deprecated aliases.
-        experimental_sparse_exchange = deprecation_lib.renamed(
+        experimental_sparse_exchange = _deprecation.renamed(
             "HybridOptions", "sparse_exchange", sparse_exchange,
             "experimental_sparse_exchange", experimental_sparse_exchange, "ps")
-        experimental_pack_on_read_updates = deprecation_lib.renamed(
+        experimental_pack_on_read_updates = _deprecation.renamed(
             "HybridOptions", "pack_on_read_updates", pack_on_read_updates,
             "experimental_pack_on_read_updates", experimental_pack_on_read_updates, True)
-        experimental_fuse_lookups = deprecation_lib.renamed(
+        experimental_fuse_lookups = _deprecation.renamed(
             "HybridOptions", "fuse_lookups", fuse_lookups,
             "experimental_fuse_lookups", experimental_fuse_lookups, False)
+        if sharding is _deprecation.UNSET:
+            sharding = None
         if sharding is not None:
             warnings.warn(
                 f"HybridOptions(sharding={sharding!r}) is deprecated: sharding has one home. Fix: "

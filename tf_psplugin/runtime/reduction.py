@@ -5,7 +5,7 @@ While a synchronous step is traced, `HybridExtended._reduce_to` and
 here: dense values are summed across workers with one packed collective
 all-reduce (metric and batch-norm deltas riding along), embedding gradients
 are handed in to the PS that holds their shard and summed there (or
-all-gathered, `sparse_exchange="allgather"`). Every reduction is counted
+all-gathered, `experimental_sparse_exchange="allgather"`). Every reduction is counted
 (`reduced_steps`, for failover) before any update may run.
 """
 

@@ -103,9 +103,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
     Tuned:
 
     ```python
-    strategy = tf_psplugin.HybridParameterServerStrategy(
-        options=tf_psplugin.HybridOptions(stack_tables=False),
-        placement=tf_psplugin.PlacementPolicy(sharding="contiguous"))
+    options = tf_psplugin.HybridOptions(stack_tables=False)
+    placement = tf_psplugin.PlacementPolicy(sharding="contiguous")
+    strategy = tf_psplugin.HybridParameterServerStrategy(options=options,
+                                                         placement=placement)
     ```
 
     The two positional arguments are stock ParameterServerStrategy's (the

@@ -3,7 +3,7 @@
 Dense gradients are summed across workers with one packed all-reduce per step
 (one collective launch instead of one per variable). Embedding gradients in
 ``"sync"`` mode are summed on their PS (`sparse_exchange.py`) after a
-barrier from here; with ``sparse_exchange="allgather"`` they are
+barrier from here; with ``experimental_sparse_exchange="allgather"`` they are
 all-gathered, also packed, so every worker sees the global sparse gradient
 and exactly one worker applies it to each PS shard.
 

@@ -409,8 +409,8 @@ class OnReadUpdates:
         return StrategyError(
             f"the traced step updated {', '.join(map(repr, names))} (ON_READ: metric "
             f"accumulators or batch-norm statistics) and never used them again, and {why}, "
-            "or pass pack_on_read_updates=False to HybridParameterServerStrategy (one "
-            "all-reduce per update, where it happens).")
+            "or pass options=HybridOptions(experimental_pack_on_read_updates=False) to "
+            "HybridParameterServerStrategy (one all-reduce per update, where it happens).")
 
     def discard(self) -> None:
         """Forgets pending updates (a trace that failed)."""

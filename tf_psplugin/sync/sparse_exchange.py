@@ -17,7 +17,7 @@ with its PS-side accumulators.
 (The alternative, an all-gather of every worker's sparse gradients among the
 workers, makes each worker receive W-1 workers' gradients per step: its
 bytes grow linearly with the number of workers. `benchmarks.run --network`
-measures both; ``sparse_exchange="allgather"`` keeps it for comparison.)
+measures both; ``experimental_sparse_exchange="allgather"`` keeps it for comparison.)
 
 Exactness: every worker's element carries its worker index and the updating
 worker sorts the W elements by it before concatenating, so the global

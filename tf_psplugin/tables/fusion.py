@@ -26,7 +26,7 @@ to the transfers; stacking the tables into one variable removes those, and
 this module is the lookup half of that (issue 14).
 
 Scope: functional (and Sequential-in-functional) Keras models under a
-`HybridParameterServerStrategy` with ``fuse_lookups=True`` (every table; off
+`HybridParameterServerStrategy` with ``experimental_fuse_lookups=True`` (every table; off
 by default) or ``stack_tables=True`` (the tables of one stack only:
 `tables/stacking.py`), in a traced function, dense int32/int64 ids, `Embedding` layers
 whose table is sharded over the PS tasks. Anything else (subclassed models, ragged or sparse

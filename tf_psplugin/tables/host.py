@@ -21,7 +21,8 @@ class TableHost(abc.ABC):
     """The strategy side of tables on PS tasks (implemented by `HybridExtended`)."""
 
     # The strategy's table options the tables read, with their defaults.
-    fuse_lookups: bool = False  # `HybridOptions.fuse_lookups`: fused lookups of every table.
+    # `HybridOptions.experimental_fuse_lookups`: fused lookups of every table.
+    fuse_lookups: bool = False
 
     @property
     def table_stacks(self):
