@@ -354,7 +354,7 @@ def train(config):
           f"{FLAGS.batch_size} examples, {config.num_ps} PS task(s)")
     throughput = Throughput(examples_per_step)
     # tf_psplugin: training curves in <model_dir>/train, beside the evaluator's eval/.
-    curves = tf_psplugin.TrainingSummaries(model_dir, every_n_steps=FLAGS.log_every_steps,
+    curves = tf_psplugin.TrainingSummaries(model_dir, write_every_steps=FLAGS.log_every_steps,
                                            examples_per_step=examples_per_step)
     # tf_psplugin: the default verbose="auto" shows the plugin's progress bar (lines when
     # stdout is not a terminal, e.g. under the launcher).

@@ -75,7 +75,7 @@ class FakeTime:
 
 
 def run(model_dir, fake, **kwargs):
-    kwargs.setdefault("poll_interval_seconds", 1.0)
+    kwargs.setdefault("poll_seconds", 1.0)
     kwargs.setdefault("idle_timeout_seconds", 30.0)
     kwargs.setdefault("stale_done_grace_seconds", 3.0)
     return ev.run_evaluator(lambda: build(), dataset, str(model_dir), clock=fake.clock,
@@ -145,6 +145,25 @@ def test_former_secs_names_still_work_with_a_warning_and_clash_with_the_new_ones
     with pytest.raises(ValueError, match="are the same option"):
         ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
                          idle_timeout_secs=4.0, idle_timeout_seconds=5.0)
+
+
+def test_poll_interval_seconds_is_the_former_name_of_poll_seconds(tmp_path):
+    """One name for every polling interval (FailoverPolicy, elastic.run, ServingModel.start)."""
+    fake = FakeTime()
+    with pytest.warns(DeprecationWarning, match=r"run_evaluator\(poll_interval_seconds=...\) is "
+                      r"deprecated: use poll_seconds=..."):
+        assert ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
+                                clock=fake.clock, sleep=fake.sleep, poll_interval_seconds=2.0,
+                                idle_timeout_seconds=4.0) == []
+    assert fake.sleeps == [2.0, 2.0]
+    with pytest.warns(DeprecationWarning, match=r"wait_for_evaluation\(poll_interval_seconds="):
+        assert ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=3,
+                                      poll_interval_seconds=1.5, clock=fake.clock,
+                                      sleep=fake.sleep) is None
+    assert fake.sleeps[2:] == [1.5, 1.5]
+    with pytest.raises(ValueError, match="are the same option"):
+        ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
+                         poll_interval_seconds=4.0, poll_seconds=6.0)
 
 
 def test_idle_timeout_when_no_checkpoint_ever_comes(tmp_path):
@@ -265,7 +284,7 @@ def test_chief_waits_until_the_evaluator_scored_the_final_step(tmp_path):
     evaluated = []
     # The chief polls; the evaluator scores step 4 during the chief's second sleep.
     chief_time = FakeTime([lambda: None, lambda: evaluated.extend(run(tmp_path, FakeTime()))])
-    record = ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=60, poll_interval_seconds=1.0,
+    record = ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=60, poll_seconds=1.0,
                                     clock=chief_time.clock, sleep=chief_time.sleep)
     assert [r["step"] for r in evaluated] == [4]
     assert record["step"] == 4 and record["auc"] == evaluated[0]["auc"]
@@ -277,7 +296,7 @@ def test_wait_for_evaluation_times_out_and_skips_torn_lines(tmp_path):
     with open(tmp_path / "eval" / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"step": 3, "loss": 0.5}) + "\n" + '{"step": 9, "lo')  # torn
     fake = FakeTime()
-    assert ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=5, poll_interval_seconds=2.0,
+    assert ev.wait_for_evaluation(str(tmp_path), 4, timeout_seconds=5, poll_seconds=2.0,
                                   clock=fake.clock, sleep=fake.sleep) is None
     assert fake.sleeps == [2.0, 2.0, 2.0]  # Looked at t=0, 2, 4, 6 (past 5): gave up.
     assert ev.wait_for_evaluation(str(tmp_path), 3, timeout_seconds=0)["loss"] == 0.5
@@ -313,7 +332,7 @@ def test_follows_incremental_checkpoints_through_their_deltas(tmp_path):
 
     fake = FakeTime([write_deltas])
     records = ev.run_evaluator(tiny_compiled, tiny_data, model_dir, evaluate_all=True,
-                               poll_interval_seconds=1.0, idle_timeout_seconds=30.0,
+                               poll_seconds=1.0, idle_timeout_seconds=30.0,
                                clock=fake.clock, sleep=fake.sleep)
     # delta-4 was read with its chain (already at delta-6): scored once, at step 6.
     assert [(r["step"], os.path.basename(r["checkpoint"])) for r in records] == [

@@ -31,11 +31,11 @@ def _fit(model_dir, steps, spe=1, every=2, epochs=1, model=None):
     x, y = np.random.rand(64, 3).astype("float32"), np.random.rand(64, 1).astype("float32")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
     model.fit(ds, steps_per_epoch=steps, epochs=epochs, verbose=0, callbacks=[
-        tf_psplugin.TrainingSummaries(model_dir, every_n_steps=every, examples_per_step=4)])
+        tf_psplugin.TrainingSummaries(model_dir, write_every_steps=every, examples_per_step=4)])
     return model
 
 
-def test_loss_metrics_and_throughput_every_n_steps(tmp_path):
+def test_loss_metrics_and_throughput_every_write_every_steps(tmp_path):
     _fit(str(tmp_path), steps=6, every=2)
     events = _events(str(tmp_path / "train"))
     assert {"loss", "mae", "steps_per_sec", "examples_per_sec"} <= set(events), events.keys()
@@ -52,9 +52,20 @@ def test_steps_continue_across_epochs_resumes_and_steps_per_execution(tmp_path):
     assert steps == [4, 8, 12]
 
 
-def test_every_n_steps_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="every_n_steps=0"):
-        tf_psplugin.TrainingSummaries(str(tmp_path), every_n_steps=0)
+def test_write_every_steps_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="write_every_steps=0 must be >= 1. Fix:"):
+        tf_psplugin.TrainingSummaries(str(tmp_path), write_every_steps=0)
+
+
+def test_every_n_steps_is_the_former_name_of_write_every_steps(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"TrainingSummaries\(every_n_steps=...\) is "
+                                                r"deprecated: use write_every_steps="):
+        callback = tf_psplugin.TrainingSummaries(str(tmp_path), every_n_steps=7)
+    assert callback.write_every_steps == 7
+    with pytest.warns(DeprecationWarning, match="read write_every_steps"):
+        assert callback.every_n_steps == 7
+    with pytest.raises(ValueError, match="are the same option"):
+        tf_psplugin.TrainingSummaries(str(tmp_path), every_n_steps=7, write_every_steps=8)
 
 
 def test_only_the_chief_writes(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ Why this module exists: under any ParameterServerStrategy, Keras's own
 evaluator writes its curves to ``<model_dir>/eval``; nothing wrote the
 training side. `TrainingSummaries` runs on the chief (the only process
 that runs Keras callbacks under a coordinator), fetches one step's logs
-every `every_n_steps` steps -- worker 0's outputs, which describe the
+every `write_every_steps` steps -- worker 0's outputs, which describe the
 global batch in synchronous mode -- and writes them under
 ``<model_dir>/train``, so one ``tensorboard --logdir <model_dir>`` shows
 training and evaluation side by side. Throughput is written too
@@ -18,10 +18,12 @@ fetch per 100 steps the cost is negligible.
 
 import os
 import time
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.numbers import to_float
@@ -37,7 +39,7 @@ class TrainingSummaries(keras.callbacks.Callback):
 
     ```python
     model.fit(dataset, steps_per_epoch=1000, epochs=10, callbacks=[
-        tf_psplugin.TrainingSummaries(model_dir, every_n_steps=100,
+        tf_psplugin.TrainingSummaries(model_dir, write_every_steps=100,
                                       examples_per_step=global_batch_size)])
     ```
 
@@ -47,28 +49,43 @@ class TrainingSummaries(keras.callbacks.Callback):
 
     Args:
         model_dir: The job's model directory (the evaluator's too).
-        every_n_steps: Write one point every this many steps.
+        write_every_steps: Write one point every this many steps (as
+            `ChiefCheckpoint`'s `save_every_steps`).
         examples_per_step: The global batch size; enables ``examples_per_sec``.
             Default: what the strategy's coordinator read from the training
             dataset's static batch dimension, if anything.
+        every_n_steps: Deprecated name of `write_every_steps` (it works, with
+            a DeprecationWarning).
     """
 
-    def __init__(self, model_dir: str, every_n_steps: int = 100,
-                 examples_per_step: Optional[int] = None):
+    def __init__(self, model_dir: str, write_every_steps: int = 100,
+                 examples_per_step: Optional[int] = None,
+                 every_n_steps: Any = _deprecation.UNSET):
         super().__init__()
-        if int(every_n_steps) < 1:
-            raise ValueError(f"every_n_steps={every_n_steps!r} must be >= 1")
+        write_every_steps = _deprecation.renamed(
+            "TrainingSummaries", "every_n_steps", every_n_steps, "write_every_steps",
+            write_every_steps, 100)
+        if int(write_every_steps) < 1:
+            raise ValueError(f"write_every_steps={write_every_steps!r} must be >= 1. Fix: pass "
+                             "a number of steps, 1 or more.")
         # Keras may hand us RemoteValues under a coordinator; we fetch them.
         self._supports_tf_logs = True
         self.model_dir = model_dir_lib.resolve(model_dir)
         self.train_dir = os.path.join(self.model_dir, TRAIN_DIR)
-        self.every_n_steps = int(every_n_steps)
+        self.write_every_steps = int(write_every_steps)
         self.examples_per_step = self._examples_per_step_arg = examples_per_step
         self._writer = None
         self._step = 0
         self._done_in_epoch = 0
         self._last_step = 0
         self._last_time = 0.0
+
+    @property
+    def every_n_steps(self) -> int:
+        """Deprecated: `write_every_steps`."""
+        warnings.warn("TrainingSummaries.every_n_steps is deprecated: read write_every_steps",
+                      DeprecationWarning, stacklevel=2)
+        return self.write_every_steps
 
     def _implements_train_batch_hooks(self):
         return True
@@ -95,7 +112,7 @@ class TrainingSummaries(keras.callbacks.Callback):
         # With steps_per_execution > 1 Keras reports every k-th batch.
         self._step += batch + 1 - self._done_in_epoch
         self._done_in_epoch = batch + 1
-        if self._step - self._last_step < self.every_n_steps:
+        if self._step - self._last_step < self.write_every_steps:
             return
         values = logs.fetch() if hasattr(logs, "fetch") else (logs or {})
         now = time.monotonic()

@@ -126,12 +126,13 @@ class _Recorder:
 
 def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                   dataset_fn: Callable[[], tf.data.Dataset], model_dir: str,
-                  eval_steps: Optional[int] = None, poll_interval_seconds: float = 5.0,
+                  eval_steps: Optional[int] = None, poll_seconds: float = 5.0,
                   idle_timeout_seconds: Optional[float] = 3600.0, evaluate_all: bool = False,
                   stale_done_grace_seconds: float = 120.0,
                   max_read_retries: int = 3, retry_delay_seconds: float = 2.0,
                   clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep,
+                  poll_interval_seconds: Any = _deprecation.UNSET,
                   poll_interval_secs: Any = _deprecation.UNSET,
                   idle_timeout_secs: Any = _deprecation.UNSET,
                   stale_done_grace_secs: Any = _deprecation.UNSET,
@@ -156,7 +157,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         dataset_fn: Returns the evaluation dataset; called per evaluation.
         model_dir: The chief's model directory.
         eval_steps: Batches per evaluation (None: the whole dataset).
-        poll_interval_seconds: Seconds between looks at `model_dir`.
+        poll_seconds: Seconds between looks at `model_dir`.
         idle_timeout_seconds: Stop after this long without a new checkpoint
             (None: wait forever, until ``TRAINING_DONE``).
         evaluate_all: Evaluate every new checkpoint, not just the newest one
@@ -172,9 +173,10 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         retry_delay_seconds: Seconds between those retries.
         clock: Seconds clock (injectable for tests).
         sleep: Sleep function (injectable for tests).
-        poll_interval_secs, idle_timeout_secs, stale_done_grace_secs,
-        retry_delay_secs: Deprecated names of the ``*_seconds`` arguments
-            (they work, with a DeprecationWarning).
+        poll_interval_seconds, poll_interval_secs: Deprecated names of
+            `poll_seconds` (they work, with a DeprecationWarning).
+        idle_timeout_secs, stale_done_grace_secs, retry_delay_secs:
+            Deprecated names of the ``*_seconds`` arguments (the same).
 
     Returns:
         The records written, one per evaluated checkpoint.
@@ -183,9 +185,12 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
         EvaluatorError: when called in a training task or strategy scope, or
             if `model_fn` returns an uncompiled model.
     """
-    poll_interval_seconds = _deprecation.renamed(
-        "run_evaluator", "poll_interval_secs", poll_interval_secs, "poll_interval_seconds",
-        poll_interval_seconds, 5.0)
+    poll_seconds = _deprecation.renamed(
+        "run_evaluator", "poll_interval_seconds", poll_interval_seconds, "poll_seconds",
+        poll_seconds, 5.0)
+    poll_seconds = _deprecation.renamed(
+        "run_evaluator", "poll_interval_secs", poll_interval_secs, "poll_seconds",
+        poll_seconds, 5.0)
     idle_timeout_seconds = _deprecation.renamed(
         "run_evaluator", "idle_timeout_secs", idle_timeout_secs, "idle_timeout_seconds",
         idle_timeout_seconds, 3600.0)
@@ -244,7 +249,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
                                 "" if done is None else f" (TRAINING_DONE at step {done['step']}"
                                 " but that checkpoint never became readable)")
                 return results
-            sleep(poll_interval_seconds)
+            sleep(poll_seconds)
     finally:
         recorder.close()
 
@@ -292,9 +297,11 @@ def _evaluate_checkpoint(model, dataset_fn, info: checkpoint_lib.CheckpointInfo,
 
 
 def wait_for_evaluation(model_dir: str, step: int, timeout_seconds: float,
-                        poll_interval_seconds: float = 2.0,
+                        poll_seconds: float = 2.0,
                         clock: Callable[[], float] = time.monotonic,
-                        sleep: Callable[[float], None] = time.sleep) -> Optional[Dict[str, Any]]:
+                        sleep: Callable[[float], None] = time.sleep,
+                        poll_interval_seconds: Any = _deprecation.UNSET
+                        ) -> Optional[Dict[str, Any]]:
     """Waits (on the chief) until the evaluator has recorded its result for `step`.
 
     Why: a scheduler may stop the evaluator as soon as the chief exits. A
@@ -318,14 +325,19 @@ def wait_for_evaluation(model_dir: str, step: int, timeout_seconds: float,
         step: The final training step (the step of the final checkpoint).
         timeout_seconds: Give up after this many seconds (the evaluator may
             have crashed or been removed); a warning is logged.
-        poll_interval_seconds: Seconds between looks at the metrics file.
+        poll_seconds: Seconds between looks at the metrics file.
         clock: Seconds clock (injectable for tests).
         sleep: Sleep function (injectable for tests).
+        poll_interval_seconds: Deprecated name of `poll_seconds` (it works,
+            with a DeprecationWarning).
 
     Returns:
         The evaluator's record (``{"step", "loss", <metrics>...}``) of the
         first evaluated step >= `step`, or None on timeout.
     """
+    poll_seconds = _deprecation.renamed(
+        "wait_for_evaluation", "poll_interval_seconds", poll_interval_seconds, "poll_seconds",
+        poll_seconds, 2.0)
     metrics_path = model_dir_lib.join(model_dir_lib.resolve(model_dir),
                                       model_dir_lib.EVAL_SUBDIR, METRICS_FILE)
     deadline = clock() + timeout_seconds
@@ -344,4 +356,4 @@ def wait_for_evaluation(model_dir: str, step: int, timeout_seconds: float,
                             "not waiting any longer (is the evaluator running?)",
                             step, timeout_seconds)
             return None
-        sleep(poll_interval_seconds)
+        sleep(poll_seconds)
