@@ -317,7 +317,7 @@ def run_evaluator():
 def train(config):
     model_dir = FLAGS.model_dir
     # tf_psplugin: where a restarted chief resumes.
-    latest = tf_psplugin.latest_checkpoint(model_dir)
+    latest = tf_psplugin.latest_checkpoint_info(model_dir)
     start_step = latest.step if latest else 0
     if latest:
         print(f"ctr: resuming from {latest.path} (step {start_step})")
@@ -346,7 +346,7 @@ def train(config):
     examples_per_step = FLAGS.batch_size * workers  # tf_psplugin: one batch per worker per step.
     if remaining <= 0:
         print(f"ctr: already trained to step {start_step} >= --train_steps; nothing to do")
-        manager = tf_psplugin.CheckpointManager(
+        manager = tf_psplugin.ChiefCheckpointManager(
             model_dir, model=model, optimizer=model.optimizer)
         manager.save(manager.restore_or_initialize().step, final=True)
         return

@@ -1,6 +1,13 @@
 """tf_psplugin: embedding tables on parameter servers, dense variables in AllReduce.
 
-The public API is listed here and only here (see `__all__`). The command-line
+The public API is listed here and only here (see `__all__`: what users call).
+Also importable from here, for compatibility, but not in `__all__`: the
+types a program meets without constructing them (`HybridClusterCoordinator`,
+which `tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)`
+returns; `ReplicatedVariable`, the type of dense variables) and the
+deprecated names `CheckpointManager` (now `ChiefCheckpointManager`) and
+`latest_checkpoint` (now `latest_checkpoint_info`), which shadowed
+`tf.train`'s names with other contracts (CHANGELOG.md). The command-line
 modules `tf_psplugin.config`, `tf_psplugin.server`, `tf_psplugin.launch`,
 the opt-in in-process recovery `tf_psplugin.elastic`, the Keras layers in
 `tf_psplugin.layers` (`DynamicEmbedding`), every public exception in
@@ -34,7 +41,8 @@ from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
 from tf_psplugin.runtime.options import HybridOptions
 from tf_psplugin.runtime.strategy import HybridParameterServerStrategy
 from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager, ChiefCheckpoint,
-                                          build_optimizer_slots, latest_checkpoint,
+                                          ChiefCheckpointManager, build_optimizer_slots,
+                                          latest_checkpoint, latest_checkpoint_info,
                                           list_checkpoints, load_into)
 from tf_psplugin.state.evaluator import run_evaluator, wait_for_evaluation
 from tf_psplugin.state.export import export_from_checkpoint, export_saved_model
@@ -63,15 +71,14 @@ def start_server(config=None, argv=None):
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
-    "CheckpointManager",
     "ChiefCheckpoint",
+    "ChiefCheckpointManager",
     "ClusterConfig",
     "ConfigError",
     "EvaluatorError",
     "ExportError",
     "FailoverError",
     "FailoverPolicy",
-    "HybridClusterCoordinator",
     "HybridOptions",
     "HybridParameterServerStrategy",
     "LazyAdam",
@@ -79,7 +86,6 @@ __all__ = [
     "PlacementPolicy",
     "ProgressBar",
     "RESTART_EXIT_CODE",
-    "ReplicatedVariable",
     "ServingError",
     "ServingModel",
     "StackingError",
@@ -95,7 +101,7 @@ __all__ = [
     "layers",
     "export_from_checkpoint",
     "export_saved_model",
-    "latest_checkpoint",
+    "latest_checkpoint_info",
     "list_checkpoints",
     "load_into",
     "resolve_cluster",

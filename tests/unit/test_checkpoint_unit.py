@@ -64,7 +64,7 @@ def no_tf_config(monkeypatch):
 def saved(tmp_path):
     """A model dir with committed checkpoints at steps 2 and 4; values at each."""
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
     refs = {}
     for step in (2, 4):
         train(model, 2, offset=step)
@@ -75,7 +75,7 @@ def saved(tmp_path):
 
 def restore_new(model_dir):
     model = tiny_model(seed=7)
-    info = ckpt_lib.CheckpointManager(model_dir, model=model,
+    info = ckpt_lib.ChiefCheckpointManager(model_dir, model=model,
                                       optimizer=model.optimizer).restore_or_initialize()
     return info, model
 
@@ -170,7 +170,7 @@ def test_save_names_commits_and_restores_exactly(saved):
     assert info.step == 4 and info.path == str(model_dir / "ckpt-4")
     assert_same(values(model), refs[4])
     model = tiny_model(seed=7)
-    ckpt_lib.CheckpointManager(model_dir, model=model, optimizer=model.optimizer).restore(
+    ckpt_lib.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer).restore(
         str(model_dir / "ckpt-2"))
     assert_same(values(model), refs[2])
 
@@ -199,7 +199,7 @@ def test_torn_newest_checkpoint_falls_back_to_last_complete(saved, tear):
         data.write_bytes(b"x" * 3)
     if tear != "delete_index":  # TF's own choice would be the torn one.
         assert tf.train.latest_checkpoint(str(model_dir)).endswith("ckpt-4")
-    assert ckpt_lib.latest_checkpoint(model_dir).step == 2
+    assert ckpt_lib.latest_checkpoint_info(model_dir).step == 2
     info, model = restore_new(model_dir)
     assert info.step == 2
     assert_same(values(model), refs[2])
@@ -218,9 +218,9 @@ def test_nothing_complete_fails_clearly(saved, tmp_path):
     model_dir, _ = saved
     for name in ("ckpt-2.index", "ckpt-4.commit"):
         os.remove(model_dir / name)
-    assert ckpt_lib.latest_checkpoint(model_dir) is None
+    assert ckpt_lib.latest_checkpoint_info(model_dir) is None
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(model_dir, model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer)
     assert manager.restore_or_initialize() is None
     with pytest.raises(ckpt_lib.CheckpointError, match="no committed checkpoint"):
         manager.restore()
@@ -230,13 +230,13 @@ def test_nothing_complete_fails_clearly(saved, tmp_path):
         ckpt_lib.load_into(tiny_model(), model_dir)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert ckpt_lib.latest_checkpoint(empty) is None
+    assert ckpt_lib.latest_checkpoint_info(empty) is None
 
 
 def test_overwriting_a_step_drops_its_marker_first(saved, monkeypatch):
     model_dir, _ = saved
     model = tiny_model(seed=3)
-    manager = ckpt_lib.CheckpointManager(model_dir, model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer)
 
     def crash(*args, **kwargs):
         raise tf.errors.NotFoundError(None, None, "simulated crash while writing")
@@ -245,12 +245,12 @@ def test_overwriting_a_step_drops_its_marker_first(saved, monkeypatch):
     with pytest.raises(ckpt_lib.CheckpointError, match="shared filesystem"):
         manager.save(4)
     assert not (model_dir / "ckpt-4.commit").exists()
-    assert ckpt_lib.latest_checkpoint(model_dir).step == 2
+    assert ckpt_lib.latest_checkpoint_info(model_dir).step == 2
 
 
 def test_max_to_keep_removes_files_and_markers(tmp_path):
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
                                          max_to_keep=2)
     for step in (1, 2, 3):
         train(model, 1, offset=step)
@@ -264,7 +264,7 @@ def test_failure_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monke
                                                                  max_to_keep):
     """TF's manager deletes old checkpoints inside `save`: only after our commit."""
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
                                          max_to_keep=max_to_keep)
     for step in range(1, max_to_keep + 1):
         train(model, 1, offset=step)
@@ -290,7 +290,7 @@ def test_failure_before_the_commit_keeps_the_previous_checkpoint(tmp_path, monke
 def test_save_schedule_by_steps_and_seconds(tmp_path):
     now = [0.0]
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path, model=model, optimizer=model.optimizer,
                                          save_every_steps=3, save_every_seconds=60,
                                          clock=lambda: now[0])
     assert [manager.should_save(s) for s in (1, 2, 3)] == [False, False, True]
@@ -310,7 +310,7 @@ def test_non_chief_never_writes(tmp_path, monkeypatch):
         "cluster": {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]},
         "task": {"type": "worker", "index": 0}}))
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
     train(model, 1)
     assert manager.save(1, final=True) is None
     assert not (tmp_path / "m").exists()
@@ -324,7 +324,7 @@ def test_load_into_refuses_new_optimizer_table_slots_and_loads_the_tables(tmp_pa
     model = tiny_model()
     model.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
     train(model, 2)
-    ckpt_lib.CheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer).save(2)
+    ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer).save(2)
     plain = tiny_model(seed=5)
     plain.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
     with pytest.raises(ckpt_lib.CheckpointError, match=r"cannot restore Adagrad's slots.*"
@@ -382,7 +382,7 @@ def test_keras_callback_saves_restores_and_marks_done(tmp_path):
     assert_same(seen, at5)
     assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)][-2:] == [7, 8]
     assert md.read_training_done(str(tmp_path))["step"] == 8
-    assert ckpt_lib.latest_checkpoint(tmp_path).input_position == 8
+    assert ckpt_lib.latest_checkpoint_info(tmp_path).input_position == 8
 
 
 def test_keras_callback_saves_every_600_s_by_default(tmp_path):

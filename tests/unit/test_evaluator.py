@@ -46,7 +46,7 @@ class Training:
 
     def __init__(self, model_dir):
         self.model = build(seed=3)
-        self.manager = ckpt_lib.CheckpointManager(model_dir, model=self.model,
+        self.manager = ckpt_lib.ChiefCheckpointManager(model_dir, model=self.model,
                                                   optimizer=self.model.optimizer)
         self.step = 0
 

@@ -79,7 +79,7 @@ def test_deltas_have_their_own_names_and_markers(tmp_path):
     assert md.verify_checkpoint(delta) is None
     # Tools that read full checkpoints never see a delta.
     assert [i.name for i in md.list_checkpoints(str(tmp_path))] == ["ckpt-2"]
-    assert md.latest_checkpoint(str(tmp_path)).name == "ckpt-2"
+    assert md.latest_checkpoint_info(str(tmp_path)).name == "ckpt-2"
     assert [i.name for i in md.list_deltas(str(tmp_path))] == ["delta-4"]
     data = md.read_json(os.path.join(str(tmp_path), "delta-4.commit"))
     assert data["kind"] == "delta" and data["manifest"]["row_files"] == ["delta-4/ps-0"]
@@ -322,13 +322,13 @@ def test_a_delta_commits_only_once_every_file_is_visible(tmp_path, monkeypatch):
 def test_full_every_needs_the_hybrid_strategy(tmp_path):
     model = tiny_model()
     with pytest.raises(ckpt_lib.CheckpointError, match="HybridParameterServerStrategy"):
-        ckpt_lib.CheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
+        ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
                                    full_every=3)
     with pytest.raises(ValueError, match="full_every"):
-        ckpt_lib.CheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
+        ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
                                    full_every=0)
     # full_every=1 (or None): every save is full, no tracking needed.
-    manager = ckpt_lib.CheckpointManager(str(tmp_path), model=model,
+    manager = ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model,
                                          optimizer=model.optimizer, full_every=1)
     assert manager.save(1).kind == "full"
 

@@ -1,5 +1,5 @@
 """Eager writes outside a step are numbered (`sync.outside_writes`), and the manager's
-same-step save decision follows them (`CheckpointManager.save`).
+same-step save decision follows them (`ChiefCheckpointManager.save`).
 
 Single process, no cluster: the variables are watched by the manager itself
 (`checkpoint._watch_writes`), as they are for a model without the strategy;
@@ -108,7 +108,7 @@ def assert_weights_equal(a, b):
 
 def test_a_write_after_a_save_of_the_same_step_saves_it_again(tmp_path, written):
     model = tiny_model()
-    manager = ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path, model=model, optimizer=model.optimizer)
     train(model, 2)
     first = manager.save(2)
     assert manager.save(2, final=True) is first  # Nothing written since: not rewritten.
@@ -128,9 +128,9 @@ def test_a_write_after_a_save_of_the_same_step_saves_it_again(tmp_path, written)
 def test_a_restore_then_a_save_of_its_step_writes_nothing(tmp_path, written):
     model = tiny_model()
     train(model, 2)
-    ckpt_lib.CheckpointManager(tmp_path, model=model, optimizer=model.optimizer).save(2)
+    ckpt_lib.ChiefCheckpointManager(tmp_path, model=model, optimizer=model.optimizer).save(2)
     fresh = tiny_model(seed=5)
-    manager = ckpt_lib.CheckpointManager(tmp_path, model=fresh, optimizer=fresh.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path, model=fresh, optimizer=fresh.optimizer)
     manager.restore()
     assert manager.save(2, final=True).step == 2
     assert written == [2]  # The first manager's save only: the restore's writes are no change.

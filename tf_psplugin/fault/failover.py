@@ -190,7 +190,7 @@ def _latest_checkpoint() -> Optional[str]:
     for checkpointer in reversed(checkpoint_lib.live_checkpointers()):
         model_dir = getattr(checkpointer, "model_dir", None)
         try:
-            info = model_dir_lib.latest_checkpoint(model_dir) if model_dir else None
+            info = model_dir_lib.latest_checkpoint_info(model_dir) if model_dir else None
         except Exception:  # noqa: BLE001 - only used to word an error message.
             info = None
         if info is not None:

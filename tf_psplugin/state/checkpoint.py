@@ -49,6 +49,7 @@ import copy
 import os
 import json
 import time
+import warnings
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Union
 
@@ -65,7 +66,7 @@ from tf_psplugin.state import input_state
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
-    checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint, list_checkpoints,
+    checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint_info, list_checkpoints,
     remove_commit_marker, resolve_checkpoint, verify_checkpoint)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
@@ -81,8 +82,10 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "ChiefCheckpoint",
+    "ChiefCheckpointManager",
     "build_optimizer_slots",
     "latest_checkpoint",
+    "latest_checkpoint_info",
     "list_checkpoints",
     "load_into",
     "verify_checkpoint",
@@ -109,7 +112,7 @@ def register_checkpointer(checkpointer) -> None:
     Args:
         checkpointer: An object with `save_emergency() -> Optional[str]`
             (saves now; returns the path) — the plugin's checkpoint callback
-            and `CheckpointManager` register themselves.
+            and `ChiefCheckpointManager` register themselves.
     """
     if checkpointer not in live_checkpointers():
         _checkpointers.append(weakref.ref(checkpointer))
@@ -262,7 +265,7 @@ def _build_optimizer_slots(model, optimizer, strategy) -> None:
 def build_optimizer_slots(model) -> None:
     """Creates `model.optimizer`'s slots now; call before stock Keras restores.
 
-    `ChiefCheckpoint`, `CheckpointManager` and `load_into` do this
+    `ChiefCheckpoint`, `ChiefCheckpointManager` and `load_into` do this
     themselves. Call it once after `compile` (inside or outside
     `strategy.scope()`) when you use stock `ModelCheckpoint`,
     `BackupAndRestore` or `model.load_weights` with sharded tables: Keras
@@ -283,8 +286,13 @@ def build_optimizer_slots(model) -> None:
 # --- The manager --------------------------------------------------------------
 
 
-class CheckpointManager:
+class ChiefCheckpointManager:
     """Saves and restores a distributed model from the chief, for custom loops.
+
+    Not a `tf.train.CheckpointManager`: its `save(step)` and `restore`
+    return a `CheckpointInfo`, not a path, and it commits every checkpoint
+    it writes. Its former name, `CheckpointManager`, which shadowed TF's,
+    is a deprecated alias.
 
     Wraps `tf.train.Checkpoint` + `tf.train.CheckpointManager` (checkpoints
     are ``<model_dir>/ckpt-<step>``, the ``checkpoint`` state file is kept
@@ -296,7 +304,7 @@ class CheckpointManager:
     Example:
 
     ```python
-    manager = tf_psplugin.CheckpointManager(
+    manager = tf_psplugin.ChiefCheckpointManager(
         "/shared/run1", model=model, optimizer=optimizer, save_every_steps=1000)
     info = manager.restore_or_initialize()          # None on a fresh start
     step = info.step if info else 0
@@ -354,7 +362,7 @@ class CheckpointManager:
                  input_iterator=None, _root: Optional[tf.train.Checkpoint] = None,
                  save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
         save_every_seconds = _deprecation.renamed(
-            "CheckpointManager", "save_every_secs", save_every_secs, "save_every_seconds",
+            type(self).__name__, "save_every_secs", save_every_secs, "save_every_seconds",
             save_every_seconds, None)
         for name, value in (("save_every_steps", save_every_steps),
                             ("save_every_seconds", save_every_seconds),
@@ -682,7 +690,7 @@ class CheckpointManager:
 
     def restore_or_initialize(self) -> Optional[CheckpointInfo]:
         """Restores the latest committed checkpoint (and its deltas); None if there is none."""
-        if latest_checkpoint(self.model_dir) is None:
+        if latest_checkpoint_info(self.model_dir) is None:
             return None
         return self.restore(None)  # The latest full checkpoint and its deltas.
 
@@ -707,7 +715,7 @@ class CheckpointManager:
         if isinstance(checkpoint, CheckpointInfo):
             return checkpoint
         if checkpoint is None:
-            info = latest_checkpoint(self.model_dir)
+            info = latest_checkpoint_info(self.model_dir)
             if info is None:
                 raise CheckpointError(
                     f"no committed checkpoint in {self.model_dir}. Fix: train first, or point "
@@ -717,6 +725,35 @@ class CheckpointManager:
 
 
 # --- Single-process restore ---------------------------------------------------
+
+
+class CheckpointManager(ChiefCheckpointManager):
+    """Deprecated name of `ChiefCheckpointManager` (it shadowed `tf.train.CheckpointManager`).
+
+    The same class under its former name: it works, with a
+    `DeprecationWarning`, for one release.
+    """
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn("tf_psplugin.CheckpointManager is deprecated: use "
+                      "tf_psplugin.ChiefCheckpointManager (the same arguments); the former "
+                      "name shadowed tf.train.CheckpointManager, whose contract it does not have",
+                      DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)
+
+
+def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
+    """Deprecated name of `latest_checkpoint_info` (it shadowed `tf.train.latest_checkpoint`).
+
+    `tf.train.latest_checkpoint` returns a path; this returns a
+    `CheckpointInfo` (``.path``, ``.step``) of a committed checkpoint, or
+    None. It works, with a `DeprecationWarning`, for one release.
+    """
+    warnings.warn("tf_psplugin.latest_checkpoint is deprecated: use "
+                  "tf_psplugin.latest_checkpoint_info (the same call; it returns a "
+                  "CheckpointInfo, not tf.train.latest_checkpoint's path)",
+                  DeprecationWarning, stacklevel=2)
+    return latest_checkpoint_info(model_dir)
 
 
 def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> bool:
@@ -731,7 +768,7 @@ def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> boo
     (measured on tf-keras 2.21; docs/composition.md, "Known gaps"). Legacy
     optimizers' table slots are saved per table in row order
     (`sharded.install_interleaved_slot_lookup`). Only checkpoints a
-    `CheckpointManager` committed are asked about (``model.save_weights``
+    `ChiefCheckpointManager` committed are asked about (``model.save_weights``
     of a single process holds row-ordered slots).
     """
     if tf_objects.create_all_weights_of(optimizer) is not None:
@@ -855,7 +892,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     that offset before `fit`:
 
     ```python
-    info = tf_psplugin.latest_checkpoint(model_dir)
+    info = tf_psplugin.latest_checkpoint_info(model_dir)
     offset = info.input_position if info else 0
     dataset = gen.dataset(batch_size, offset_batches=offset)
     model.fit(dataset, steps_per_epoch=train_steps - (info.step if info else 0),
@@ -864,7 +901,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     ```
 
     Args:
-        model_dir: Directory for checkpoints (see `CheckpointManager`).
+        model_dir: Directory for checkpoints (see `ChiefCheckpointManager`).
         save_every_steps: Save every this many steps (None: not by steps).
         save_every_seconds: Save when this many seconds passed (None: not by
             time, unless `save_every_steps` is None too: then 600). 0 turns
@@ -873,14 +910,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         restore: Restore the latest checkpoint at train begin.
         final_step: ``TRAINING_DONE`` is written at train end when the step
             reached it; None writes it at every train end.
-        batches_per_step: See `CheckpointManager`.
-        write_on_chief: See `CheckpointManager`.
+        batches_per_step: See `ChiefCheckpointManager`.
+        write_on_chief: See `ChiefCheckpointManager`.
         save_input_position: Also save each worker's input position and
             continue from it on resume (see above).
         clock: Seconds clock (injectable for tests).
         save_every_secs: Deprecated name of `save_every_seconds`.
         full_every: Every `full_every`-th save is full, the saves between are
-            deltas (see `CheckpointManager`); None: every save is full.
+            deltas (see `ChiefCheckpointManager`); None: every save is full.
     """
 
     def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
@@ -917,12 +954,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         # save counter is a plain chief variable, not a replicated one.
         self._root = checkpoint_write.TracedWriteCheckpoint()
         _ = self._root.save_counter
-        self.manager: Optional[CheckpointManager] = None
+        self.manager: Optional[ChiefCheckpointManager] = None
         self.restored: Optional[CheckpointInfo] = None
         if restore and final_step is not None and model_dir_lib.is_chief_task():
             # A resumed run is not done: say so as early as possible (the
             # evaluator may already be watching). Checked again at train begin.
-            latest = latest_checkpoint(self.model_dir)
+            latest = latest_checkpoint_info(self.model_dir)
             if latest is not None and latest.step < final_step:
                 model_dir_lib.clear_training_done(self.model_dir)
         self._step = 0
@@ -934,7 +971,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.manager is None or self.manager.model is not self.model:
-            self.manager = CheckpointManager(
+            self.manager = ChiefCheckpointManager(
                 self.model_dir, model=self.model, optimizer=self.model.optimizer,
                 _root=self._root, **self._kwargs)
             if self._restore:  # Once per model: a second fit() continues in memory.

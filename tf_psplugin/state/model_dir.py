@@ -19,7 +19,7 @@ one absolute path on a filesystem they all see, so this module:
   ``ckpt-<step>``; after TF has written one, the chief writes its commit
   marker ``ckpt-<step>.commit`` (step, input position, size of every file).
   Only checkpoints whose marker exists and whose files all have the recorded
-  sizes count (`latest_checkpoint`), so a crash in the middle of a save, or
+  sizes count (`latest_checkpoint_info`), so a crash in the middle of a save, or
   a file truncated later, never yields a checkpoint that restore would pick;
 * decides which incremental checkpoints (deltas) extend the latest complete
   checkpoint: a delta ``delta-<step>`` is a directory whose commit marker
@@ -27,7 +27,7 @@ one absolute path on a filesystem they all see, so this module:
   base or the previous delta). `checkpoint_chain` returns the latest intact
   full checkpoint and its unbroken run of intact deltas; a torn delta ends
   the chain there, as a torn full checkpoint is skipped. Deltas live in their
-  own namespace, so `latest_checkpoint` and every tool that reads full
+  own namespace, so `latest_checkpoint_info` and every tool that reads full
   checkpoints (evaluator, export, stock TF) never see them;
 * writes ``TRAINING_DONE`` (the final step; the evaluator's exit signal).
   Markers are written atomically (temp file + rename) on local filesystems.
@@ -66,7 +66,7 @@ __all__ = [
     "is_chief_task",
     "is_remote",
     "join",
-    "latest_checkpoint",
+    "latest_checkpoint_info",
     "list_checkpoints",
     "read_json",
     "read_training_done",
@@ -448,7 +448,7 @@ def checkpoint_chain(model_dir: str):
     Returns:
         ``(full, deltas)``: a `CheckpointInfo` or None, and a list of them.
     """
-    full = latest_checkpoint(model_dir)
+    full = latest_checkpoint_info(model_dir)
     if full is None:
         return None, []
     chain: List[CheckpointInfo] = []
@@ -572,7 +572,7 @@ def remove_delta(prefix: str) -> None:
         tf.io.gfile.rmtree(prefix)
 
 
-def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
+def latest_checkpoint_info(model_dir: str) -> Optional[CheckpointInfo]:
     """The newest committed checkpoint whose files are all intact, or None.
 
     Torn checkpoints (files missing or truncated after the marker was
@@ -643,7 +643,7 @@ def resolve_checkpoint(source: str) -> CheckpointInfo:
     """
     path = resolve(source)
     if tf.io.gfile.isdir(path):
-        info = latest_checkpoint(path)
+        info = latest_checkpoint_info(path)
         if info is None:
             raise CheckpointError(
                 f"no committed checkpoint in {path} (no intact ckpt-*.commit). Fix: pass the "
