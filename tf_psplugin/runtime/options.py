@@ -73,10 +73,6 @@ class HybridOptions:
             ``"ps"``: the whole strategy becomes stock asynchronous PSS (dense
             variables on the PS, asynchronous steps, no failover), with the
             plugin's table sharding; for comparison and fully-async users.
-        sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
-            to the strategy (its one home). ``"interleaved"`` or
-            ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
-            keeps it.
         collective_timeout_seconds: A synchronous step that makes no progress
             on some worker for this long (a peer hung or unreachable) fails
             with `DeadlineExceededError` naming the workers, and goes through
@@ -124,6 +120,10 @@ class HybridOptions:
             tables in the dtype their layer asks for. See
             docs/mixed_precision.md, "Tables in half precision"
             (`tables/half_precision.py`).
+        sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
+            to the strategy (its one home). ``"interleaved"`` or
+            ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
+            keeps it.
 
     Raises:
         StrategyError: a knob with a value the strategy does not support, or
@@ -134,7 +134,6 @@ class HybridOptions:
 
     embedding_updates: str = "sync"
     dense_placement: str = "allreduce"
-    sharding: Optional[str] = None
     collective_timeout_seconds: float = 60.0
     connect_timeout_seconds: float = 300.0
     log_placement: bool = True
@@ -143,6 +142,7 @@ class HybridOptions:
     experimental_fuse_lookups: bool = False
     stack_tables: bool = True
     table_dtype: Optional[str] = None
+    sharding: Optional[str] = None  # Deprecated: PlacementPolicy's.
 
     def __init__(self, *, embedding_updates: str = "sync", dense_placement: str = "allreduce",
                  collective_timeout_seconds: float = 60.0,
