@@ -64,7 +64,8 @@ def no_tf_config(monkeypatch):
 def saved(tmp_path):
     """A model dir with committed checkpoints at steps 2 and 4; values at each."""
     model = tiny_model()
-    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model,
+                                              optimizer=model.optimizer)
     refs = {}
     for step in (2, 4):
         train(model, 2, offset=step)
@@ -310,7 +311,8 @@ def test_non_chief_never_writes(tmp_path, monkeypatch):
         "cluster": {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]},
         "task": {"type": "worker", "index": 0}}))
     model = tiny_model()
-    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model,
+                                              optimizer=model.optimizer)
     train(model, 1)
     assert manager.save(1, final=True) is None
     assert not (tmp_path / "m").exists()
