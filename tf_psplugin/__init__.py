@@ -35,12 +35,13 @@ from tf_psplugin.errors import (RESTART_EXIT_CODE, CheckpointError, ConfigError,
                                 StackingError, StrategyError, TaskFailedError,
                                 TasksUnreachableError)
 from tf_psplugin.fault.failover import FailoverPolicy
+from tf_psplugin.keras.checkpoint_callback import ChiefCheckpoint
 from tf_psplugin.keras.progress import ProgressBar
 from tf_psplugin.keras.summaries import TrainingSummaries
 from tf_psplugin.runtime.coordinator import HybridClusterCoordinator
 from tf_psplugin.runtime.options import HybridOptions
 from tf_psplugin.runtime.strategy import HybridParameterServerStrategy
-from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager, ChiefCheckpoint,
+from tf_psplugin.state.checkpoint import (CheckpointInfo, CheckpointManager,
                                           ChiefCheckpointManager, build_optimizer_slots,
                                           latest_checkpoint, latest_checkpoint_info,
                                           list_checkpoints, load_into)

@@ -105,7 +105,7 @@ report = {{}}
 # m1 trains 3 steps with the callback (ckpt-3), then keeps going in memory
 # without it: the uninterrupted reference for steps 4..6.
 m1 = new_model(strategy)
-cb1 = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=3, final_step=6)
+cb1 = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=3, final_step=6)
 m1.fit(gen.dataset(B), epochs=1, steps_per_epoch=3, verbose=0, callbacks=[cb1])
 np.savez(os.path.join(out, "ref3.npz"), **state(m1))
 report["done_after_3"] = os.path.exists(os.path.join(model_dir, "TRAINING_DONE"))
@@ -125,7 +125,7 @@ class AfterRestore(tf.keras.callbacks.Callback):
         report["m2_replicas_pushed"] = replicas_match_primaries(self.model)
 
 
-cb2 = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=3, final_step=6)
+cb2 = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=3, final_step=6)
 m2.fit(gen.dataset(B, offset_batches=latest.input_position), epochs=1, steps_per_epoch=3,
        verbose=0, callbacks=[cb2, AfterRestore()])
 report["restored"] = cb2.restored.step

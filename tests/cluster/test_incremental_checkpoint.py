@@ -33,7 +33,7 @@ strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False, shardi
 gen = SyntheticCTR(vocab_size=V, seed=5)
 report = {{}}
 model = new_model(strategy)
-callback = ckpt_lib.ChiefCheckpoint(incr_dir, save_every_steps=2, full_every=3, final_step=6)
+callback = tf_psplugin.ChiefCheckpoint(incr_dir, save_every_steps=2, full_every=3, final_step=6)
 model.fit(gen.dataset(B), epochs=1, steps_per_epoch=6, verbose=0, callbacks=[callback])
 np.savez(os.path.join(out, "live6.npz"), **state(model))
 full = ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer)

@@ -278,7 +278,7 @@ model_dir, out = sys.argv[1], sys.argv[2]
 strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
 with strategy.scope():
     model = make_model()
-callback = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=STEPS_PER_ROUND, full_every=3)
+callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=STEPS_PER_ROUND, full_every=3)
 report = {"kinds": [], "stats": []}
 for k in range(SERVE_ROUNDS):
     model.fit(round_data(k), epochs=1, steps_per_epoch=STEPS_PER_ROUND, verbose=0,

@@ -138,7 +138,7 @@ def delta_ids(model_dir, name):
 
 model_dir = os.path.join(root, "incr")
 model = make()
-callback = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
+callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
 fit = lambda steps, offset: model.fit(dataset(offset), epochs=1, steps_per_epoch=steps,
                                       verbose=0, callbacks=[callback])
 fit(5, 0)  # ckpt-5 (full)

@@ -105,7 +105,7 @@ def check(name, model, model_dir, step):
 for scenario in scenarios:
     model_dir = os.path.join(root, scenario)
     model = make()
-    callback = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
     if scenario == "reset":
         fit(model, 5, 0, [callback])  # ckpt-5 (full)
         table = model.get_layer("embedding").embeddings

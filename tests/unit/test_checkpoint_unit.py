@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_psplugin.keras import checkpoint_callback
 from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin.state import model_dir as md
 
@@ -365,14 +366,14 @@ def test_load_into_other_architecture_fails_clearly(saved):
 
 def test_keras_callback_saves_restores_and_marks_done(tmp_path):
     model = tiny_model()
-    callback = ckpt_lib.ChiefCheckpoint(tmp_path, save_every_steps=2, final_step=8)
+    callback = checkpoint_callback.ChiefCheckpoint(tmp_path, save_every_steps=2, final_step=8)
     train(model, 5, callbacks=[callback])
     assert [i.step for i in ckpt_lib.list_checkpoints(tmp_path)] == [2, 4, 5]
     assert md.read_training_done(str(tmp_path)) is None  # 5 < final_step.
     at5 = values(model)
     # A new process: the callback restores step 5 at train begin, ends at 8.
     fresh = tiny_model(seed=4)
-    callback = ckpt_lib.ChiefCheckpoint(tmp_path, save_every_steps=2, final_step=8)
+    callback = checkpoint_callback.ChiefCheckpoint(tmp_path, save_every_steps=2, final_step=8)
     seen = {}
 
     class Probe(tf.keras.callbacks.Callback):
@@ -395,7 +396,7 @@ def test_keras_callback_saves_every_600_s_by_default(tmp_path):
         def on_train_batch_end(self, batch, logs=None):
             now[0] += 250.0
 
-    callback = ckpt_lib.ChiefCheckpoint(tmp_path, clock=lambda: now[0])
+    callback = checkpoint_callback.ChiefCheckpoint(tmp_path, clock=lambda: now[0])
     assert ckpt_lib.DEFAULT_SAVE_EVERY_SECS == 600.0
     train(model, 6, callbacks=[Clock(), callback])
     # 750 s after step 3, 750 s more after step 6 (also the final save).
@@ -405,8 +406,8 @@ def test_keras_callback_saves_every_600_s_by_default(tmp_path):
                              ({"save_every_steps": 4}, [4, 6])):
         now[0] = 0.0
         model_dir = tmp_path / str(sorted(kwargs))
-        callback = ckpt_lib.ChiefCheckpoint(model_dir, clock=lambda: now[0], **kwargs)
+        callback = checkpoint_callback.ChiefCheckpoint(model_dir, clock=lambda: now[0], **kwargs)
         train(tiny_model(), 6, callbacks=[Clock(), callback])
         assert [i.step for i in ckpt_lib.list_checkpoints(model_dir)] == expected, kwargs
     with pytest.raises(ValueError, match="save_every_seconds"):
-        ckpt_lib.ChiefCheckpoint(tmp_path, save_every_seconds=-1)
+        checkpoint_callback.ChiefCheckpoint(tmp_path, save_every_seconds=-1)

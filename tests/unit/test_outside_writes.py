@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_psplugin.keras import checkpoint_callback
 from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin.state import model_dir as md
 from tf_psplugin.state import row_stamps
@@ -161,7 +162,7 @@ def fit_with(model, model_dir, extra, epochs=2, steps=2, validation=False):
     save comes where it is listed (tf-keras 2.16+'s EarlyStopping sets the best weights back
     in its `on_train_end`; under the strategy `fit` moves the save last itself).
     """
-    checkpoint = ckpt_lib.ChiefCheckpoint(model_dir, save_every_steps=steps)
+    checkpoint = checkpoint_callback.ChiefCheckpoint(model_dir, save_every_steps=steps)
     probe = WeightsAtLastBatch()
     model.fit(data(4 * steps * epochs), epochs=epochs, steps_per_epoch=steps, verbose=0,
               callbacks=list(extra) + [checkpoint, probe],

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
-from tf_psplugin.state import checkpoint as checkpoint_lib
+from tf_psplugin.keras import checkpoint_callback
 
 # Marks a strategy whose fit/evaluate get the ProgressBar (set by the strategy).
 STRATEGY_MARKER = "_tf_psplugin_progress"
@@ -306,7 +306,7 @@ def patch_keras_progress():
             tf_objects.set_callback_list_progbar(self, replacement)
         if _uses_plugin(tf.distribute.get_strategy()):
             self.callbacks.extend([cb.train_end_last() for cb in list(self.callbacks)
-                                   if isinstance(cb, checkpoint_lib.ChiefCheckpoint)])
+                                   if isinstance(cb, checkpoint_callback.ChiefCheckpoint)])
 
     tf_objects.set_keras_get_verbosity(training, _get_verbosity)
     tf_objects.set_add_default_callbacks(callbacks.CallbackList, _add_default_callbacks)

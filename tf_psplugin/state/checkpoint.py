@@ -31,7 +31,7 @@ tools each get a piece of it wrong:
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
-  logical row order (see `sharding.install_interleaved_slot_lookup`), so they reshard.
+  logical row order (see `sharded.install_interleaved_slot_lookup`), so they reshard.
 
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
@@ -58,30 +58,29 @@ from absl import logging
 
 from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin._internal import tf_objects
-from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.tf_internal import sharded_variable
 from tf_psplugin.state import checkpoint_write
 from tf_psplugin.state import incremental
 from tf_psplugin.state import input_state
 from tf_psplugin.state import model_dir as model_dir_lib
+from tf_psplugin.state import optimizer_slots
 from tf_psplugin.state.model_dir import (  # noqa: F401  (re-exported: part of this API)
     CHECKPOINT_NAME, COMMIT_SUFFIX, DELTA_NAME, CheckpointError, CheckpointInfo,
     checkpoint_chain, commit_checkpoint, info_for_prefix, latest_checkpoint_info, list_checkpoints,
     remove_commit_marker, resolve_checkpoint, verify_checkpoint)
+from tf_psplugin.state.optimizer_slots import build_optimizer_slots  # noqa: F401  (re-exported)
+from tf_psplugin.state.plain_model import load_into  # noqa: F401  (re-exported)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
-from tf_psplugin.tables import dynamic as dynamic_lib
-from tf_psplugin.tables import fusion as lookup_fusion
-from tf_psplugin.tables import sharded as sharding
-from tf_psplugin.tables import stacked_updates
-from tf_psplugin.tables import stacking as table_stacking
+from tf_psplugin.tables import fusion
+from tf_psplugin.tables import sharded
+from tf_psplugin.tables import stacking
 
 __all__ = [
     "COMMIT_SUFFIX",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
-    "ChiefCheckpoint",
     "ChiefCheckpointManager",
     "build_optimizer_slots",
     "latest_checkpoint",
@@ -176,7 +175,7 @@ def _storage_of(var) -> List[Any]:
     var = tf_objects.autocast_inner(var)
     if isinstance(var, sharded_variable.ShardedVariableMixin):
         return [s for part in tf_objects.sharded_shards(var) for s in _storage_of(part)]
-    if isinstance(var, table_stacking.TableView):
+    if isinstance(var, stacking.TableView):
         return _storage_of(var.stack_shard)
     return outside_writes.levels(var) if isinstance(var, tf.Variable) else []
 
@@ -221,7 +220,7 @@ def _coordinator(strategy):
     return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 
-def _join_steps(strategy) -> None:
+def join_steps(strategy) -> None:
     """Waits for every scheduled step (and raises its error, if any)."""
     coordinator = _coordinator(strategy)
     if coordinator is not None:
@@ -234,53 +233,6 @@ def _num_sync_workers(strategy) -> int:
     if coordinator is not None and getattr(coordinator, "synchronous", False):
         return int(coordinator.num_workers)
     return 1
-
-
-def _build_optimizer_slots(model, optimizer, strategy) -> None:
-    """Creates the optimizer's slots now, so that a restore fills them at once."""
-    if model is None or optimizer is None or not getattr(model, "trainable_variables", None):
-        return
-    # Slots seal the stacks they are made for: split the model's stacks first,
-    # as its first traced call does in a fresh run (same stacks, same slots).
-    lookup_fusion.separate_before_slots(model)
-    # Keras 2 legacy optimizers have no public "create slots" call (they
-    # create them in the first apply_gradients); `_create_all_weights` is what
-    # that calls (tf.keras 2.15, tf-keras 2.16-2.21). New optimizers: `build`.
-    create = tf_objects.create_all_weights_of(optimizer)
-    # In the strategy's scope, as in `fit` (ChiefCheckpoint restores there): the
-    # strategy makes the slots (a half-precision table's are float32).
-    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
-    if create is None:
-        build = getattr(optimizer, "build", None)
-        if build is not None:
-            with scope:
-                # Idempotent. A stacked table's slots are its stack shards', listed
-                # per table by Keras's known optimizers (tables/stacked_slots.py).
-                build(stacked_updates.slot_build_list(optimizer, model.trainable_variables))
-        return
-    with scope:
-        create(model.trainable_variables)
-
-
-def build_optimizer_slots(model) -> None:
-    """Creates `model.optimizer`'s slots now; call before stock Keras restores.
-
-    `ChiefCheckpoint`, `ChiefCheckpointManager` and `load_into` do this
-    themselves. Call it once after `compile` (inside or outside
-    `strategy.scope()`) when you use stock `ModelCheckpoint`,
-    `BackupAndRestore` or `model.load_weights` with sharded tables: Keras
-    restores the slots of a table that have not been created yet into a
-    variable that training then discards (tensorflow 62215), so without this
-    the embedding accumulators restart from their initial value. It also
-    makes slots of interleaved tables checkpoint in logical row order, so
-    they restore into another number of PS tasks.
-
-    Args:
-        model: A compiled Keras model.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    sharding.install_interleaved_slot_lookup(optimizer)
-    _build_optimizer_slots(model, optimizer, getattr(model, "distribute_strategy", None))
 
 
 # --- The manager --------------------------------------------------------------
@@ -397,7 +349,7 @@ class ChiefCheckpointManager:
         # The model's own optimizer too when none is passed: Keras saves it
         # with the model, and its table slots must save in logical order
         # (for stacked tables: each table's rows of its stack's slots).
-        sharding.install_interleaved_slot_lookup(
+        sharded.install_interleaved_slot_lookup(
             optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._options = tf.train.CheckpointOptions(
             experimental_io_device=_CHIEF_CPU if write_on_chief else None)
@@ -419,7 +371,7 @@ class ChiefCheckpointManager:
             # Rows are stamped per stack shard, and each table's are found
             # by its place in its stack: the model's stacks are split now,
             # as its first traced call would, so they stay where they are.
-            lookup_fusion.separate_before_slots(model)
+            fusion.separate_before_slots(model)
         if self.is_writer and self._full_every > 1:
             self._incremental = incremental.IncrementalSaver(
                 self._root, self._strategy,
@@ -527,7 +479,7 @@ class ChiefCheckpointManager:
             logging.info("tf_psplugin: step %d saved again: %d variable(s) written since its "
                          "checkpoint without a step (e.g. %s)", step, len(written), written[0])
             rewrite = True
-        _join_steps(self._strategy)
+        join_steps(self._strategy)
         reachable = _reachable(self._objects)
         for var in _replicated_variables(self._objects, reachable):
             var.pull()
@@ -654,8 +606,8 @@ class ChiefCheckpointManager:
             CheckpointError: no committed checkpoint, or it does not match.
         """
         info, deltas = self._resolve_chain(checkpoint)
-        _build_optimizer_slots(self._model, self._optimizer, self._strategy)
-        _join_steps(self._strategy)
+        optimizer_slots.build_slots(self._model, self._optimizer, self._strategy)
+        join_steps(self._strategy)
         replicated = _replicated_variables(self._objects)
         for var in replicated:
             var.pull()
@@ -722,11 +674,6 @@ class ChiefCheckpointManager:
                     "model_dir at the directory that holds ckpt-*.commit files.")
             return info
         return info_for_prefix(str(checkpoint))
-
-
-# --- Single-process restore ---------------------------------------------------
-
-
 class CheckpointManager(ChiefCheckpointManager):
     """Deprecated name of `ChiefCheckpointManager` (it shadowed `tf.train.CheckpointManager`).
 
@@ -754,311 +701,3 @@ def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
                   "CheckpointInfo, not tf.train.latest_checkpoint's path)",
                   DeprecationWarning, stacklevel=2)
     return latest_checkpoint_info(model_dir)
-
-
-def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> bool:
-    """Whether `optimizer` would restore table slots a cluster job saved out of row order.
-
-    Keras's new optimizers list a sharded table's slots as the strategy made
-    them: one per table shard on Keras 2.15, one `ShardedVariable` per table
-    saved shard after shard on tf-keras 2.16+ (rows ``i % n == s`` of an
-    interleaved table are not a contiguous slice). A plain model's table
-    slot is one variable in row order: on Keras 2.15 the shapes differ; on
-    tf-keras 2.16+ they match and the rows would be silently permuted
-    (measured on tf-keras 2.21; docs/composition.md, "Known gaps"). Legacy
-    optimizers' table slots are saved per table in row order
-    (`sharded.install_interleaved_slot_lookup`). Only checkpoints a
-    `ChiefCheckpointManager` committed are asked about (``model.save_weights``
-    of a single process holds row-ordered slots).
-    """
-    if tf_objects.create_all_weights_of(optimizer) is not None:
-        return False  # A legacy optimizer.
-    if not tf.io.gfile.exists(info.path + model_dir_lib.COMMIT_SUFFIX):
-        return False
-    return any(isinstance(m, (keras.layers.Embedding, dynamic_lib.DynamicEmbedding))
-               and m.trainable_weights for m in [model] + list(model.submodules))
-
-
-def load_into(model, source: str, include_optimizer: bool = False) -> CheckpointInfo:
-    """Loads a checkpoint into a plain, single-process Keras model (no cluster).
-
-    Builds nothing distributed: tables are read as full ``[V, D]`` tensors
-    into ordinary variables. Use it for serving, debugging and the
-    evaluator. Also reads `model.save_weights` checkpoints (e.g. stock
-    `ModelCheckpoint(save_weights_only=True)`).
-
-    Example:
-
-    ```python
-    model = build_ctr_model(vocab_size=1000)        # same architecture, no strategy
-    info = tf_psplugin.load_into(model, "/shared/run1")
-    print("step", info.step, model.predict(features))
-    ```
-
-    Args:
-        model: A built Keras model of the architecture that was trained.
-        source: A model directory (latest committed checkpoint) or a prefix.
-        include_optimizer: Create `model.optimizer`'s slots first and restore
-            them too (to continue training). Without it, a compiled model's
-            optimizer step and hyperparameters still come along (Keras
-            tracks the optimizer as part of the model), but not its slots.
-
-    Returns:
-        The checkpoint that was loaded.
-
-    Raises:
-        CheckpointError: no usable checkpoint, or one that does not match.
-    """
-    info = resolve_checkpoint(source)
-    deltas = []
-    if tf.io.gfile.isdir(model_dir_lib.resolve(source)):
-        info, deltas = checkpoint_chain(source)
-    names = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
-    wrapped = any(name.startswith("model/") for name in names)
-    optimizer = getattr(model, "optimizer", None) if include_optimizer else None
-    if optimizer is not None and _table_slots_out_of_row_order(model, optimizer, info):
-        raise CheckpointError(
-            f"load_into({source!r}, include_optimizer=True) cannot restore "
-            f"{type(optimizer).__name__}'s slots of the embedding tables: Keras's new "
-            "optimizers save a sharded table's slots per table shard (TF 2.15) or in the "
-            "shards' row order (tf-keras 2.16+), not in the row order of a single-process "
-            "table, so they would not load, or would load into the wrong rows. Fix: "
-            "include_optimizer=False (the tables, dense weights and the optimizer's step "
-            "load; the slots start afresh), or train with a tf.keras.optimizers.legacy "
-            "optimizer, whose table slots are saved per table in row order.")
-    if optimizer is not None:
-        sharding.install_interleaved_slot_lookup(optimizer)
-        _build_optimizer_slots(model, optimizer, None)
-    if wrapped:
-        root = tf.train.Checkpoint(model=model, **({"optimizer": optimizer} if optimizer else {}))
-    else:
-        root = tf.train.Checkpoint(root=model)
-    try:
-        status = root.read(info.path)
-        status.expect_partial()
-        status.assert_existing_objects_matched()
-    except (AssertionError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint {info.path} does not match this model: {str(e).splitlines()[0]} "
-            "Fix: build the model with the same function and sizes as the trained one.") from None
-    if deltas:
-        model_optimizer = getattr(model, "optimizer", None)
-        # Keys as the writer's root names them (model and optimizer at the top).
-        keys_root = tf.train.Checkpoint(
-            model=model, **({"optimizer": model_optimizer} if model_optimizer else {}))
-
-        def skip(key):
-            # Without include_optimizer, optimizer values the model has (its step) are
-            # still applied; those it has not created (a compiled model that never
-            # trained has no hyperparameter variables yet) are skipped.
-            return (key.startswith("save_counter/")
-                    or (optimizer is None and ".OPTIMIZER_SLOT/" in key)
-                    or (optimizer is None and key.startswith("optimizer/")))
-
-        for delta in deltas:
-            incremental.apply_delta(keys_root, delta, skip=skip)
-        info = deltas[-1]
-    return info
-
-
-# --- The Keras callback -------------------------------------------------------
-
-
-class ChiefCheckpoint(keras.callbacks.Callback):
-    """Keras callback: checkpoints from the chief, restores at train begin, final save.
-
-    At train begin it restores the latest committed checkpoint in `model_dir`
-    (if any; optimizer slots included). It saves every `save_every_steps`
-    steps and/or `save_every_seconds` seconds (checked once per
-    `steps_per_execution`); with neither given, every 600 seconds
-    (`DEFAULT_SAVE_EVERY_SECS`, Estimator RunConfig's default),
-    so a PS failure loses at most that much training. At train end it writes
-    a final checkpoint
-    and, once `final_step` is reached, ``TRAINING_DONE`` (the evaluator's
-    signal to stop). Batch hooks never read the step's RemoteValues, so
-    saving does not slow down steps between saves.
-
-    With ``save_input_position=True`` each checkpoint also holds where
-    every worker's input stands (the tf.data iterators' state, written by
-    each worker: `tf_psplugin.state.input_state`), and a resumed `fit` continues
-    the input from there: give `fit` the dataset from its start, and the
-    first step comes as soon after a restart at step 50,000 as at step
-    1,000 (no skipping). Off by default, because a program that already
-    builds its dataset at the recorded offset would skip twice.
-
-    Each checkpoint also records the input position as a number: batches of
-    the dataset given to `fit` consumed so far. Without
-    ``save_input_position``, resume the input by building the dataset at
-    that offset before `fit`:
-
-    ```python
-    info = tf_psplugin.latest_checkpoint_info(model_dir)
-    offset = info.input_position if info else 0
-    dataset = gen.dataset(batch_size, offset_batches=offset)
-    model.fit(dataset, steps_per_epoch=train_steps - (info.step if info else 0),
-              callbacks=[tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=1000,
-                                                     final_step=train_steps)])
-    ```
-
-    Args:
-        model_dir: Directory for checkpoints (see `ChiefCheckpointManager`).
-        save_every_steps: Save every this many steps (None: not by steps).
-        save_every_seconds: Save when this many seconds passed (None: not by
-            time, unless `save_every_steps` is None too: then 600). 0 turns
-            periodic saves off (only the final one at train end).
-        max_to_keep: Checkpoints kept.
-        restore: Restore the latest checkpoint at train begin.
-        final_step: ``TRAINING_DONE`` is written at train end when the step
-            reached it; None writes it at every train end.
-        batches_per_step: See `ChiefCheckpointManager`.
-        write_on_chief: See `ChiefCheckpointManager`.
-        save_input_position: Also save each worker's input position and
-            continue from it on resume (see above).
-        clock: Seconds clock (injectable for tests).
-        save_every_secs: Deprecated name of `save_every_seconds`.
-        full_every: Every `full_every`-th save is full, the saves between are
-            deltas (see `ChiefCheckpointManager`); None: every save is full.
-    """
-
-    def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
-                 save_every_seconds: Optional[float] = None, max_to_keep: Optional[int] = 5,
-                 restore: bool = True, final_step: Optional[int] = None,
-                 batches_per_step: Optional[int] = None, write_on_chief: bool = False,
-                 save_input_position: bool = False,
-                 clock: Callable[[], float] = time.monotonic,
-                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
-        super().__init__()
-        self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
-        save_every_seconds = _deprecation.renamed(
-            "ChiefCheckpoint", "save_every_secs", save_every_secs, "save_every_seconds",
-            save_every_seconds, None)
-        if save_every_seconds is not None and save_every_seconds < 0:
-            raise ValueError(
-                f"save_every_seconds must be >= 0 or None, got {save_every_seconds!r}.")
-        if save_every_steps is None and save_every_seconds is None:
-            save_every_seconds = DEFAULT_SAVE_EVERY_SECS
-        save_every_seconds = save_every_seconds or None  # 0: no periodic saves.
-        self.model_dir = model_dir_lib.resolve(model_dir)
-        self._kwargs = dict(max_to_keep=max_to_keep, save_every_steps=save_every_steps,
-                            save_every_seconds=save_every_seconds,
-                            batches_per_step=batches_per_step,
-                            write_on_chief=write_on_chief, clock=clock,
-                            full_every=full_every)
-        self._restore = restore
-        self.final_step = final_step
-        self.save_input_position = bool(save_input_position)
-        self._original_train_function = None
-        self._input_pending: Optional[CheckpointInfo] = None
-        self._periodic = bool(save_every_steps or save_every_seconds)
-        # Created now, typically outside strategy.scope(), so the checkpoint's
-        # save counter is a plain chief variable, not a replicated one.
-        self._root = checkpoint_write.TracedWriteCheckpoint()
-        _ = self._root.save_counter
-        self.manager: Optional[ChiefCheckpointManager] = None
-        self.restored: Optional[CheckpointInfo] = None
-        if restore and final_step is not None and model_dir_lib.is_chief_task():
-            # A resumed run is not done: say so as early as possible (the
-            # evaluator may already be watching). Checked again at train begin.
-            latest = latest_checkpoint_info(self.model_dir)
-            if latest is not None and latest.step < final_step:
-                model_dir_lib.clear_training_done(self.model_dir)
-        self._step = 0
-        self._done_in_epoch = 0
-        self._train_end_deferred = False  # Set by `train_end_last`.
-
-    def _implements_train_batch_hooks(self):
-        return self._periodic
-
-    def on_train_begin(self, logs=None):
-        if self.manager is None or self.manager.model is not self.model:
-            self.manager = ChiefCheckpointManager(
-                self.model_dir, model=self.model, optimizer=self.model.optimizer,
-                _root=self._root, **self._kwargs)
-            if self._restore:  # Once per model: a second fit() continues in memory.
-                self.restored = self.manager.restore_or_initialize()
-                self._input_pending = self.restored
-        if self.save_input_position:
-            self._watch_input()
-        self._step = int(self.model.optimizer.iterations.numpy())
-        if self.manager.is_writer and (self.final_step is None or self._step < self.final_step):
-            model_dir_lib.clear_training_done(self.model_dir)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._done_in_epoch = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        # `batch` is the index of the last step of this execution in the epoch.
-        self._step += batch + 1 - self._done_in_epoch
-        self._done_in_epoch = batch + 1
-        if self.manager.should_save(self._step):
-            self._save(final=False)
-
-    def on_train_end(self, logs=None):
-        if not self._train_end_deferred:
-            self.train_end()
-
-    def train_end_last(self) -> keras.callbacks.Callback:
-        """A callback that runs this one's train end, for the end of the callback list.
-
-        The final save then comes after every other callback's
-        `on_train_end` (tf-keras 2.16+'s `EarlyStopping(restore_best_weights=
-        True)` sets the best weights back there), while this callback's
-        other hooks keep their place (its restore at train begin comes
-        first). Under the strategy `fit` appends it itself
-        (`keras.progress`); this callback's own `on_train_end` then does
-        nothing, until the train end has run.
-        """
-        self._train_end_deferred = True
-        outer = self
-
-        class _TrainEnd(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self._supports_tf_logs = True
-
-            def on_train_end(self, logs=None):
-                outer.train_end()
-
-        return _TrainEnd()
-
-    def train_end(self) -> None:
-        """The final save (and ``TRAINING_DONE``); puts back the wrapped train function."""
-        self._train_end_deferred = False
-        try:
-            self._save(final=True)
-        finally:
-            if self._original_train_function is not None:
-                self.model.train_function = self._original_train_function
-                self._original_train_function = None
-
-    def _watch_input(self) -> None:
-        """Learns the training iterator from Keras's train function, and restores it.
-
-        Keras builds `model.train_function` before `on_train_begin` and calls
-        it with the epoch's per-worker iterator at every step; there is no
-        callback hook that sees the iterator. The wrapper hands it to the
-        manager (its position is saved with every checkpoint) and, on the
-        first step after a restore, moves it to the restored position. The
-        original function is put back at train end.
-        """
-        original = self.model.train_function
-        if original is None or self._original_train_function is not None:
-            return
-        self._original_train_function = original
-
-        def train_function(iterator):
-            if self.manager.input_iterator is not iterator:
-                self.manager.input_iterator = iterator
-                if self._input_pending is not None:
-                    pending, self._input_pending = self._input_pending, None
-                    _join_steps(self.manager.strategy)
-                    input_state.restore(iterator, pending.path)
-            return original(iterator)
-
-        self.model.train_function = train_function
-
-    def _save(self, final: bool) -> None:
-        _join_steps(self.manager.strategy)
-        self._step = int(self.model.optimizer.iterations.numpy())  # Exact once steps joined.
-        done = final and (self.final_step is None or self._step >= self.final_step)
-        self.manager.save(self._step, final=done)
