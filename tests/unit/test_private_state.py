@@ -42,9 +42,6 @@ ALLOWED = {
            "module that registers TF's dispatchers for it"),
     ("tables/lookups.py", "_shape_only_lookup"): (
         1, "tf.nn.embedding_lookup dispatched to the class: its own shape-only path, as above"),
-    ("tables/sharded.py", "_tf_psplugin_slot_fix"): (
-        2, "a marker on the user's Keras optimizer that its slot lookup is patched once; "
-           "moves with the slot-lookup patching out of sharded.py (issue 45 item 1)"),
     ("tables/half_precision.py", "_FORWARDED"): (
         1, "the class's own constant, named through the class inside its __getattr__"),
 }

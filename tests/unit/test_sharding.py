@@ -17,12 +17,12 @@ from tensorflow.python.framework import ops
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.tables.sharded import (
     InterleavedShardedVariable,
-    install_interleaved_slot_lookup,
     create_interleaved,
     logical_rows_of_shard,
     shard_lookup_counts,
     shard_rows,
 )
+from tf_psplugin.tables.sharded_slots import install_interleaved_slot_lookup
 
 
 def _configure_devices(count=3):

@@ -20,6 +20,7 @@ from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import lookups as table_lookups
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import stack_rows, stacked_updates
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
@@ -414,7 +415,7 @@ def test_safe_lookup_treats_negative_ids_as_missing(stacked):
 
 
 def _checkpointed(model, optimizer):
-    sharding.install_interleaved_slot_lookup(optimizer)
+    sharded_slots.install_interleaved_slot_lookup(optimizer)
     optimizer._create_all_weights(model.trainable_variables)  # pylint: disable=protected-access
     return tf.train.Checkpoint(model=model, optimizer=optimizer)
 
@@ -614,6 +615,7 @@ import tensorflow as tf
 from tf_psplugin._internal import patches
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
+from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables.stacking import TableStacks
 
 patches.install("keras_stacked_updates")  # What a strategy with stack_tables=True installs.

@@ -31,7 +31,7 @@ tools each get a piece of it wrong:
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
-  logical row order (see `sharded.install_interleaved_slot_lookup`), so they reshard.
+  logical row order (see `sharded_slots.install_interleaved_slot_lookup`), so they reshard.
 
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
@@ -73,7 +73,7 @@ from tf_psplugin.state.plain_model import load_into  # noqa: F401  (re-exported)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
 from tf_psplugin.tables import fusion
-from tf_psplugin.tables import sharded
+from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import stacking
 
 __all__ = [
@@ -349,7 +349,7 @@ class ChiefCheckpointManager:
         # The model's own optimizer too when none is passed: Keras saves it
         # with the model, and its table slots must save in logical order
         # (for stacked tables: each table's rows of its stack's slots).
-        sharded.install_interleaved_slot_lookup(
+        sharded_slots.install_interleaved_slot_lookup(
             optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._options = tf.train.CheckpointOptions(
             experimental_io_device=_CHIEF_CPU if write_on_chief else None)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.tables import fusion
-from tf_psplugin.tables import sharded
+from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import stacked_updates
 
 __all__ = ["build_optimizer_slots", "build_slots"]
@@ -63,5 +63,5 @@ def build_optimizer_slots(model) -> None:
         model: A compiled Keras model.
     """
     optimizer = getattr(model, "optimizer", None)
-    sharded.install_interleaved_slot_lookup(optimizer)
+    sharded_slots.install_interleaved_slot_lookup(optimizer)
     build_slots(model, optimizer, getattr(model, "distribute_strategy", None))

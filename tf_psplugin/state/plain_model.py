@@ -20,7 +20,7 @@ from tf_psplugin.state import optimizer_slots
 from tf_psplugin.state.model_dir import (CheckpointError, CheckpointInfo, checkpoint_chain,
                                          resolve_checkpoint)
 from tf_psplugin.tables import dynamic as dynamic_lib
-from tf_psplugin.tables import sharded
+from tf_psplugin.tables import sharded_slots
 
 __all__ = ["load_into"]
 
@@ -36,7 +36,7 @@ def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> boo
     tf-keras 2.16+ they match and the rows would be silently permuted
     (measured on tf-keras 2.21; docs/composition.md, "Known gaps"). Legacy
     optimizers' table slots are saved per table in row order
-    (`sharded.install_interleaved_slot_lookup`). Only checkpoints a
+    (`sharded_slots.install_interleaved_slot_lookup`). Only checkpoints a
     `ChiefCheckpointManager` committed are asked about (``model.save_weights``
     of a single process holds row-ordered slots).
     """
@@ -96,7 +96,7 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
             "load; the slots start afresh), or train with a tf.keras.optimizers.legacy "
             "optimizer, whose table slots are saved per table in row order.")
     if optimizer is not None:
-        sharded.install_interleaved_slot_lookup(optimizer)
+        sharded_slots.install_interleaved_slot_lookup(optimizer)
         optimizer_slots.build_slots(model, optimizer, None)
     if wrapped:
         root = tf.train.Checkpoint(model=model, **({"optimizer": optimizer} if optimizer else {}))
