@@ -675,11 +675,7 @@ class ChiefCheckpointManager:
             return info
         return info_for_prefix(str(checkpoint))
 class CheckpointManager(ChiefCheckpointManager):
-    """Deprecated name of `ChiefCheckpointManager` (it shadowed `tf.train.CheckpointManager`).
-
-    The same class under its former name: it works, with a
-    `DeprecationWarning`, for one release.
-    """
+    """Deprecated name of `ChiefCheckpointManager` (it shadowed `tf.train.CheckpointManager`)."""
 
     def __init__(self, *args, **kwargs):
         warnings.warn("tf_psplugin.CheckpointManager is deprecated: use "
@@ -690,11 +686,8 @@ class CheckpointManager(ChiefCheckpointManager):
 
 
 def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
-    """Deprecated name of `latest_checkpoint_info` (it shadowed `tf.train.latest_checkpoint`).
-
-    `tf.train.latest_checkpoint` returns a path; this returns a
-    `CheckpointInfo` (``.path``, ``.step``) of a committed checkpoint, or
-    None. It works, with a `DeprecationWarning`, for one release.
+    """Deprecated name of `latest_checkpoint_info` (it shadowed `tf.train.latest_checkpoint`,
+    which returns a path; this returns a `CheckpointInfo`, or None).
     """
     warnings.warn("tf_psplugin.latest_checkpoint is deprecated: use "
                   "tf_psplugin.latest_checkpoint_info (the same call; it returns a "
