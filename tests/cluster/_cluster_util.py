@@ -19,6 +19,11 @@ The pieces, from the bottom up:
   timeout; `procs.popen(cmd)` starts in the background.
 * `make_cluster` fixture (conftest.py): builds `tf_psplugin.launch.LocalCluster`
   objects tagged the same way and stops them at teardown.
+* `shared_cluster` fixture (conftest.py): a started cluster of a given shape
+  lent to one test at a time and kept for the test module (`ClusterPool`,
+  `LentCluster` below): for tests that only run chiefs on it (no kills, no
+  restarts, no per-process measurements), it saves the servers' start-up
+  (~8 s on an idle box, more under the suite's load) per test.
 * `pid_alive(pid)`, `tagged_pids(tag)`, `wait_until(predicate, timeout)`:
   assertions about what is still running.
 
@@ -321,3 +326,95 @@ def read_pid_file(path: str) -> Dict:
             return json.load(f)
     except (FileNotFoundError, ValueError):
         return {}
+
+
+class LentCluster:
+    """A started `LocalCluster` lent to one test: its chiefs' runs see this test's log only.
+
+    `run_chief` returns, as `stdout`, the cluster's lines since the lending
+    (what a cluster started for the test would have shown), so an earlier
+    test's `RESULT`, `CHECK` or `DONE` line can never satisfy this test.
+    `start_servers()` is a no-op (the servers run already) and `stop()` is
+    refused: the pool stops the cluster. Anything else is the cluster's.
+    """
+
+    def __init__(self, cluster, mark: int):
+        self._cluster = cluster
+        self._mark = mark
+
+    def start_servers(self) -> None:
+        """The servers are up already."""
+
+    def stop(self) -> None:
+        raise RuntimeError("a shared cluster is stopped by its pool; use make_cluster "
+                           "for a cluster the test stops itself")
+
+    def output(self, role: Optional[str] = None) -> List[str]:
+        """The role-prefixed lines since this test got the cluster."""
+        lines = self._cluster.output()[self._mark:]
+        return lines if role is None else [ln for ln in lines if ln.startswith(f"[{role}] ")]
+
+    def run_chief(self, command: Sequence[str], timeout: Optional[float] = None
+                  ) -> subprocess.CompletedProcess:
+        result = self._cluster.run_chief(command, timeout=timeout)
+        result.stdout = "".join(self.output())
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._cluster, name)
+
+
+class ClusterPool:
+    """Started LocalClusters, one per shape, lent to one test at a time (fixture `shared_cluster`).
+
+    A lent cluster whose ps or worker task died, or that served
+    `max_lends` tests, is stopped and replaced by a fresh one; so is one
+    lent to a test that failed (`discard`), so a broken cluster never fails
+    the next test. At most `max_clusters` clusters are kept (the least
+    recently lent is stopped first): an idle TF server holds ~0.5 GB.
+    """
+
+    def __init__(self, tracker: "ProcessTracker", max_lends: int = 30, max_clusters: int = 2):
+        self._tracker = tracker
+        self._max_lends = max_lends
+        self._max_clusters = max_clusters
+        self._clusters: Dict[tuple, list] = {}  # shape -> [cluster, lends], least recent first
+        self._stopped: List = []
+
+    def lend(self, num_workers: int, num_ps: int) -> LentCluster:
+        from tf_psplugin.launch import LocalCluster
+
+        shape = (num_workers, num_ps)
+        entry = self._clusters.get(shape)
+        if entry is not None and (entry[1] >= self._max_lends or not self._alive(entry[0])):
+            self.discard(shape)
+            entry = None
+        if entry is None:
+            while len(self._clusters) >= self._max_clusters:
+                self.discard(next(iter(self._clusters)))
+            cluster = LocalCluster(num_workers, num_ps, env=self._tracker.env())
+            cluster.start_servers()
+            entry = [cluster, 0]
+        self._clusters.pop(shape, None)
+        self._clusters[shape] = entry  # Now the most recently lent.
+        entry[1] += 1
+        return LentCluster(entry[0], len(entry[0].output()))
+
+    @staticmethod
+    def _alive(cluster) -> bool:
+        return all(pid_alive(pid) for role, pid in cluster.pids().items()
+                   if role.startswith(("ps:", "worker:")))
+
+    def discard(self, shape: tuple) -> None:
+        """Stops the cluster of `shape` (if any); the next lend starts a fresh one."""
+        entry = self._clusters.pop(shape, None)
+        if entry is not None:
+            entry[0].stop()
+            self._stopped.append(entry[0])
+
+    def close(self) -> List[int]:
+        """Stops every cluster; returns the pids still alive after that (should be none)."""
+        for shape in list(self._clusters):
+            self.discard(shape)
+        return [pid for cluster in self._stopped for pid in cluster.all_pids()
+                if pid_alive(pid)]

@@ -8,6 +8,13 @@
                tag: `cluster = make_cluster(num_workers=2, num_ps=1, ...)`.
                Every cluster is stopped at teardown, and teardown fails the
                test if any process it started is still alive after `stop()`.
+`shared_cluster` a started cluster kept for the test module, one per shape:
+               `cluster = shared_cluster(num_workers=2, num_ps=2)`, then
+               `cluster.run_chief(...)` (its stdout is this test's log only).
+               For tests that only run chiefs on the cluster: no kills,
+               restarts, evaluator, env or per-process measurements (use
+               `make_cluster` for those). After a failed test the cluster is
+               replaced, so a broken one never fails the next test.
 
 See tests/cluster/_cluster_util.py for the helpers and a usage example.
 """
@@ -15,6 +22,14 @@ See tests/cluster/_cluster_util.py for the helpers and a usage example.
 import pytest
 
 from tests.cluster import _cluster_util as cu
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the item (`item.rep_setup`, `item.rep_call`)."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, "rep_" + report.when, report)
 
 
 @pytest.fixture
@@ -42,3 +57,28 @@ def make_cluster(procs):
         cluster.stop()
         leaked += [pid for pid in cluster.all_pids() if cu.pid_alive(pid)]
     assert not leaked, f"LocalCluster.stop() left processes alive: {leaked}"
+
+
+@pytest.fixture(scope="module")
+def _cluster_pool():
+    tracker = cu.ProcessTracker()
+    pool = cu.ClusterPool(tracker)
+    yield pool
+    leaked = pool.close()
+    tracker.cleanup()
+    assert not leaked, f"LocalCluster.stop() left processes alive: {leaked}"
+
+
+@pytest.fixture
+def shared_cluster(_cluster_pool, request):
+    shapes = []
+
+    def factory(num_workers=1, num_ps=1):
+        shapes.append((num_workers, num_ps))
+        return _cluster_pool.lend(num_workers, num_ps)
+
+    yield factory
+    reports = [getattr(request.node, "rep_" + when, None) for when in ("setup", "call")]
+    if any(r is None or not r.passed for r in reports):
+        for shape in shapes:
+            _cluster_pool.discard(shape)

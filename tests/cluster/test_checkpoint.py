@@ -299,13 +299,13 @@ def trained(tmp_path_factory):
     yield {"model_dir": model_dir, "out": out, "report": report, "root": root}
 
 
-def _run_restore(make_cluster, tmp_path, workers, ps, dirs):
+def _run_restore(shared_cluster, tmp_path, workers, ps, dirs):
     out = tmp_path / "restore_out"
     out.mkdir()
     args = []
     for name, path in dirs.items():
         args += [name, str(path)]
-    cluster = make_cluster(num_workers=workers, num_ps=ps)
+    cluster = shared_cluster(num_workers=workers, num_ps=ps)
     return out, cu.run_chief_for_report(
         cluster, [cu.PYTHON, cu.script(tmp_path, RESTORE, "restore.py"), str(out)] + args, out,
         timeout=200)
@@ -343,8 +343,8 @@ def test_resume_is_exact_and_only_checkpoint_files_are_written(trained):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_restore_into_three_ps_and_one_worker(trained, make_cluster, tmp_path):
-    out, report = _run_restore(make_cluster, tmp_path, workers=1, ps=3,
+def test_restore_into_three_ps_and_one_worker(trained, shared_cluster, tmp_path):
+    out, report = _run_restore(shared_cluster, tmp_path, workers=1, ps=3,
                                dirs={"three_ps": trained["model_dir"]})
     assert report["three_ps"]["step"] == 6 and report["three_ps"]["shards"] == 3
     assert report["three_ps"]["workers"] == 1
@@ -355,7 +355,7 @@ def test_restore_into_three_ps_and_one_worker(trained, make_cluster, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_restore_into_one_ps_and_from_torn_checkpoints(trained, make_cluster, tmp_path):
+def test_restore_into_one_ps_and_from_torn_checkpoints(trained, shared_cluster, tmp_path):
     src = trained["model_dir"]
     # Torn 1: a PS-written data shard of the newest checkpoint is truncated.
     truncated = tmp_path / "truncated"
@@ -368,7 +368,7 @@ def test_restore_into_one_ps_and_from_torn_checkpoints(trained, make_cluster, tm
     shutil.copytree(src, uncommitted)
     (uncommitted / "ckpt-6.commit").unlink()
     (uncommitted / "ckpt-6.index").unlink()
-    out, report = _run_restore(make_cluster, tmp_path, workers=2, ps=1, dirs={
+    out, report = _run_restore(shared_cluster, tmp_path, workers=2, ps=1, dirs={
         "one_ps": src, "truncated": truncated, "uncommitted": uncommitted})
     assert report["one_ps"]["step"] == 6 and report["one_ps"]["shards"] == 1
     assert report["one_ps"]["replicas"]
@@ -380,9 +380,8 @@ def test_restore_into_one_ps_and_from_torn_checkpoints(trained, make_cluster, tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_stock_keras_checkpoint_callbacks_and_write_on_chief(make_cluster, tmp_path):
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    cluster.start_servers()
+def test_stock_keras_checkpoint_callbacks_and_write_on_chief(shared_cluster, tmp_path):
+    cluster = shared_cluster(num_workers=2, num_ps=2)
     result = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, STOCK, "stock.py"), str(tmp_path)],
                                timeout=240)
     assert result.returncode == 0, result.stdout[-8000:]
@@ -429,10 +428,9 @@ def test_export_serves_without_cluster(trained, procs, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_resumed_jobs_continue_each_workers_input(make_cluster, tmp_path):
+def test_resumed_jobs_continue_each_workers_input(shared_cluster, tmp_path):
     """save_input_position / input_iterator: resumed weights equal an uninterrupted run's."""
-    cluster = make_cluster(num_workers=2, num_ps=1)
-    cluster.start_servers()
+    cluster = shared_cluster(num_workers=2, num_ps=1)
     script = os.path.join(os.path.dirname(__file__), "scripts", "input_resume.py")
     result = cluster.run_chief([cu.PYTHON, script, str(tmp_path)], timeout=300)
     cu.assert_checks_passed(result, (

@@ -78,19 +78,17 @@ pytestmark = [pytest.mark.cluster]
 
 
 @pytest.mark.timeout(420)
-def test_tensorflow_and_keras_programs(make_cluster):
-    cluster = make_cluster(num_workers=2, num_ps=1)
-    cluster.start_servers()
+def test_tensorflow_and_keras_programs(shared_cluster):
+    cluster = shared_cluster(num_workers=2, num_ps=1)
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_tf_programs.py")],
                                timeout=360)
     cu.assert_checks_passed(result, TF_PROGRAM_CHECKS)
 
 
 @pytest.mark.timeout(300)
-def test_tutorial_custom_loop_with_async_tables(make_cluster):
+def test_tutorial_custom_loop_with_async_tables(shared_cluster):
     """The tutorial's metric stays exact when the tables train asynchronously."""
-    cluster = make_cluster(num_workers=2, num_ps=1)
-    cluster.start_servers()
+    cluster = shared_cluster(num_workers=2, num_ps=1)
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_tf_programs.py"),
                                 "async", "tutorial_custom_loop"], timeout=240)
     cu.assert_checks_passed(result, [c for c in TF_PROGRAM_CHECKS if c.startswith("tutorial_")
@@ -98,19 +96,17 @@ def test_tutorial_custom_loop_with_async_tables(make_cluster):
 
 
 @pytest.mark.timeout(420)
-def test_keras_layer_arguments(make_cluster):
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    cluster.start_servers()
+def test_keras_layer_arguments(shared_cluster):
+    cluster = shared_cluster(num_workers=2, num_ps=2)
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_keras_layers.py")],
                                timeout=360)
     cu.assert_checks_passed(result, KERAS_LAYER_CHECKS)
 
 
 @pytest.mark.timeout(420)
-def test_keras_layer_arguments_with_unstacked_tables(make_cluster):
+def test_keras_layer_arguments_with_unstacked_tables(shared_cluster):
     """stack_tables=False: every point holds as with the default's stacking (issue 40)."""
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    cluster.start_servers()
+    cluster = shared_cluster(num_workers=2, num_ps=2)
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, "conformance_keras_layers.py"),
                                 "unstacked"], timeout=360)
     cu.assert_checks_passed(result, KERAS_LAYER_CHECKS)

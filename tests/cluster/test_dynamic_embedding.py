@@ -9,9 +9,9 @@ from tests.cluster.test_strategy import run_chief_script
 @pytest.mark.cluster
 @pytest.mark.timeout(420)
 def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
-        make_cluster, tmp_path):
+        shared_cluster, tmp_path):
     ckpt = str(tmp_path / "ckpt" / "dyn")
-    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_embedding.py",
+    report, _ = run_chief_script(shared_cluster, tmp_path, "dynamic_embedding.py",
                                  ["train", ckpt, "sync"], num_workers=2, num_ps=2)
     # Keys hash to both PS tasks; each holds its own rows.
     assert report["num_shards"] == 2
@@ -36,7 +36,7 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
     for num_ps in (3, 1):
         sub = tmp_path / f"restore{num_ps}"
         sub.mkdir()
-        restored, _ = run_chief_script(make_cluster, sub, "dynamic_embedding.py",
+        restored, _ = run_chief_script(shared_cluster, sub, "dynamic_embedding.py",
                                        ["restore", ckpt, "sync"], num_workers=1, num_ps=num_ps)
         assert restored["num_shards"] == num_ps
         assert restored["size"] == report["size"]
@@ -51,9 +51,9 @@ def test_sync_dynamic_table_matches_one_process_and_restores_into_any_layout(
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_expiring_keys_in_sync_match_one_process(make_cluster, tmp_path):
+def test_expiring_keys_in_sync_match_one_process(shared_cluster, tmp_path):
     """expire_after_steps=3 (checked every step) over 12 steps: rows freed, still exact."""
-    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_embedding.py",
+    report, _ = run_chief_script(shared_cluster, tmp_path, "dynamic_embedding.py",
                                  ["train", str(tmp_path / "ckpt"), "sync", "64", "int", "3"],
                                  num_workers=2, num_ps=2)
     assert sum(s["expired"] for s in report["stats"]) > 0, report["stats"]
@@ -66,9 +66,9 @@ def test_expiring_keys_in_sync_match_one_process(make_cluster, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,keys", [("sync", "string"), ("async", "int")])
-def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, keys):
+def test_a_full_table_evicts_and_stays_consistent(shared_cluster, tmp_path, mode, keys):
     capacity = 16
-    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_embedding.py",
+    report, _ = run_chief_script(shared_cluster, tmp_path, "dynamic_embedding.py",
                                  ["train", str(tmp_path / "ckpt"), mode, str(capacity), keys],
                                  num_workers=2, num_ps=2)
     assert report["size"] <= capacity
@@ -82,7 +82,7 @@ def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, 
         sub = tmp_path / "restore3"
         sub.mkdir()
         restored, _ = run_chief_script(
-            make_cluster, sub, "dynamic_embedding.py",
+            shared_cluster, sub, "dynamic_embedding.py",
             ["restore", str(tmp_path / "ckpt"), mode, str(capacity), keys],
             num_workers=1, num_ps=3)
         assert restored["size"] == report["size"]
@@ -93,8 +93,8 @@ def test_a_full_table_evicts_and_stays_consistent(make_cluster, tmp_path, mode, 
 @pytest.mark.cluster
 @pytest.mark.timeout(420)
 def test_zipf_stream_over_2_40_ids_stays_within_capacity_and_learns_like_no_collisions(
-        make_cluster, tmp_path):
-    report, _ = run_chief_script(make_cluster, tmp_path, "dynamic_zipf.py", [],
+        shared_cluster, tmp_path):
+    report, _ = run_chief_script(shared_cluster, tmp_path, "dynamic_zipf.py", [],
                                  num_workers=2, num_ps=2)
     # Many more distinct ids than rows, spread over the 2^40 id space.
     assert report["distinct_ids"] > 5 * report["capacity"], report

@@ -125,15 +125,14 @@ print("RESULT", json.dumps(result))
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_ps,sharding", [(2, "interleaved"), (1, "interleaved"),
                                              (2, "contiguous")])
-def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, make_cluster, procs, num_ps,
+def test_full_plus_deltas_restore_exactly_like_a_full_save(tmp_path, shared_cluster, procs, num_ps,
                                                            sharding):
     incr_dir, full_dir, out = tmp_path / "incr", tmp_path / "full", tmp_path / "out"
     out.mkdir()
-    cluster = make_cluster(num_workers=2, num_ps=num_ps)
+    cluster = shared_cluster(num_workers=2, num_ps=num_ps)
     report = cu.run_chief_for_report(
         cluster, [cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(incr_dir), str(full_dir),
                   str(out), sharding], out, timeout=200)
-    cluster.stop()
     markers = report["markers"]
     assert {k: (v["kind"], v["step"], v["base"], v["parent"]) for k, v in markers.items()} == {
         "ckpt-2.commit": ("full", 2, None, None),

@@ -34,14 +34,14 @@ PS1 = "/job:ps/replica:0/task:1/device:CPU:0"
     # and the chief does not call tf_psplugin.start_server().
     ("minsize", "interleaved", "stock_servers"),
 ])
-def test_partitioner_decides_shards_and_training_is_exact(make_cluster, tmp_path, partitioner,
-                                                          sharding, variant):
+def test_partitioner_decides_shards_and_training_is_exact(make_cluster, shared_cluster, tmp_path,
+                                                          partitioner, sharding, variant):
     args = [partitioner, sharding] + {"stacked": ["stacked"], "stock_servers": ["stock"]}.get(
         variant, [])
     if variant == "stock_servers":
         report = _run_with_stock_servers(make_cluster, tmp_path, args)
     else:
-        report, _ = run_chief_script(make_cluster, tmp_path, "partitioned_tables.py", args,
+        report, _ = run_chief_script(shared_cluster, tmp_path, "partitioned_tables.py", args,
                                      num_workers=2, num_ps=2)
     assert report["num_workers"] == 2
     for name, table in report["tables"].items():

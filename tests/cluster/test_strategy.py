@@ -16,11 +16,15 @@ from tests.cluster import _cluster_util as cu
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
-def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps=2,
+def run_chief_script(cluster_factory, tmp_path, script, args, num_workers=2, num_ps=2,
                      timeout=240):
+    """Runs `script` as the chief of `cluster_factory(...)`'s cluster; returns (report, log).
+
+    `cluster_factory` is the `shared_cluster` or the `make_cluster` fixture.
+    """
     out = str(tmp_path / "report.json")
-    cluster = make_cluster(num_workers=num_workers, num_ps=num_ps)
-    cluster.start_servers()
+    cluster = cluster_factory(num_workers=num_workers, num_ps=num_ps)
+    cluster.start_servers()  # A no-op on a shared cluster.
     result = cluster.run_chief([cu.PYTHON, os.path.join(SCRIPTS, script), out] + list(args),
                                timeout=timeout)
     assert result.returncode == 0, result.stdout[-6000:]
@@ -58,14 +62,14 @@ def run_chief_script(make_cluster, tmp_path, script, args, num_workers=2, num_ps
         # The same with both tables in one stack (stacking is the default).
         ("adam_new", "interleaved", 1, "mixed_float16+stacked", 2, "ps"),
     ])
-def test_sync_matches_single_process_on_global_batch(make_cluster, tmp_path, optimizer, sharding,
+def test_sync_matches_single_process_on_global_batch(shared_cluster, tmp_path, optimizer, sharding,
                                                      steps_per_execution, variant, num_workers,
                                                      exchange):
     parts = set(variant.split("+"))  # e.g. "mixed_float16+stacked"
     stacked = "stacked" in parts
     mixed = next((p for p in sorted(parts) if p.startswith("mixed_")), None)
     report, log = run_chief_script(
-        make_cluster, tmp_path, "sync_equivalence.py",
+        shared_cluster, tmp_path, "sync_equivalence.py",
         [optimizer, sharding, "sync", str(steps_per_execution), variant, exchange],
         num_workers=num_workers, timeout=480 if mixed == "mixed_float16" else 240)
     assert report["num_replicas_in_sync"] == num_workers
@@ -203,8 +207,8 @@ def check_loss_scaling(report):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(400)
-def test_fit_evaluate_predict_variants(make_cluster, tmp_path):
-    report, log = run_chief_script(make_cluster, tmp_path, "fit_variants.py", [str(tmp_path)],
+def test_fit_evaluate_predict_variants(shared_cluster, tmp_path):
+    report, log = run_chief_script(shared_cluster, tmp_path, "fit_variants.py", [str(tmp_path)],
                                    timeout=360)
     errors = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
     assert not errors, json.dumps(report, indent=1)[-6000:]
@@ -237,14 +241,14 @@ def test_fit_evaluate_predict_variants(make_cluster, tmp_path):
     ("async", "allreduce", "fused"), ("sync", "ps", "fused"),
     # 26 Embedding layers stored in one stack (stack_tables=True), async.
     ("async", "allreduce", "stacked")])
-def test_async_and_ps_modes_learn_the_synthetic_ctr_task(make_cluster, tmp_path, updates, dense,
+def test_async_and_ps_modes_learn_the_synthetic_ctr_task(shared_cluster, tmp_path, updates, dense,
                                                          tables):
     """300 steps of 2 x 256 examples reach the generator's ceiling within 0.08 AUC.
 
     Measured on this 2-core box: sync 0.780, async 0.780, ps 0.743 against a
     ceiling of 0.808 (SyntheticCTR(vocab_size=1000, seed=0).expected_auc()).
     """
-    report, _ = run_chief_script(make_cluster, tmp_path, "ctr_modes.py",
+    report, _ = run_chief_script(shared_cluster, tmp_path, "ctr_modes.py",
                                  [updates, dense, "300", tables], timeout=540)
     assert report["auc"] >= report["expected_auc"] - 0.08, report
     kinds = {r["kind"] for r in report["placement"]}

@@ -25,10 +25,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stacked_resume.py")
 pytestmark = [pytest.mark.cluster]
 
 
-def _fresh_then_restart(make_cluster, tmp_path, mode, variant):
+def _fresh_then_restart(shared_cluster, tmp_path, mode, variant):
     """Runs the job twice on one model_dir; returns the restart's weights."""
-    cluster = make_cluster(num_workers=1, num_ps=2)
-    cluster.start_servers()
+    cluster = shared_cluster(num_workers=1, num_ps=2)
     model_dir = tmp_path / mode / "model"
     for run in ("fresh", "restart"):
         out = tmp_path / mode / run
@@ -43,9 +42,9 @@ def _fresh_then_restart(make_cluster, tmp_path, mode, variant):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("variant", ["adam", "build_slots", "ema", "custom", "subclassed",
                                      "subclassed_build_slots"])
-def test_restart_of_stacked_job_trains_like_unstacked(make_cluster, tmp_path, variant):
-    stacked = _fresh_then_restart(make_cluster, tmp_path, "stacked", variant)
-    unstacked = _fresh_then_restart(make_cluster, tmp_path, "unstacked", variant)
+def test_restart_of_stacked_job_trains_like_unstacked(shared_cluster, tmp_path, variant):
+    stacked = _fresh_then_restart(shared_cluster, tmp_path, "stacked", variant)
+    unstacked = _fresh_then_restart(shared_cluster, tmp_path, "unstacked", variant)
     assert sorted(stacked) == sorted(unstacked)
     for name, value in unstacked.items():
         np.testing.assert_allclose(stacked[name], value, atol=1e-5, rtol=0, err_msg=name)
