@@ -422,7 +422,7 @@ def markdown(run: dict, evals: Sequence[dict], summaries: Sequence[dict]) -> str
 
 
 def write_chart(evals: Sequence[dict], target: float, path: str) -> Optional[str]:
-    """AUC against training seconds, one line per (setup, W); None without matplotlib."""
+    """AUC against training seconds and examples, a line per (setup, W); None without matplotlib."""
     try:
         import matplotlib  # pylint: disable=g-import-not-at-top
 
@@ -431,7 +431,7 @@ def write_chart(evals: Sequence[dict], target: float, path: str) -> Optional[str
     except ImportError:
         sys.stderr.write("[time_to_auc] no chart: pip install -e .[bench] for matplotlib\n")
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     colors = dict(zip(SETUPS, ("tab:green", "tab:orange", "tab:blue")))
     styles = ["-", "--", ":", "-."]
     workers = sorted({r["num_workers"] for r in evals})
@@ -440,15 +440,19 @@ def write_chart(evals: Sequence[dict], target: float, path: str) -> Optional[str
             rows = sorted((r for r in evals if r["setup"] == setup and r["num_workers"] == w),
                           key=lambda r: r["seconds"])
             if rows:
-                ax.plot([r["seconds"] for r in rows], [r["auc"] for r in rows], marker=".",
-                        color=colors[setup], linestyle=styles[i % len(styles)],
-                        label=f"{setup} W={w}")
-    ax.axhline(target, color="gray", linewidth=0.8, linestyle="--", label=f"target {target}")
+                style = dict(marker=".", color=colors[setup], linestyle=styles[i % len(styles)],
+                             label=f"{setup} W={w}")
+                ax.plot([r["seconds"] for r in rows], [r["auc"] for r in rows], **style)
+                ax2.plot([r["examples"] / 1e3 for r in rows], [r["auc"] for r in rows], **style)
+    for a in (ax, ax2):
+        a.axhline(target, color="gray", linewidth=0.8, linestyle="--", label=f"target {target}")
+        a.set_ylabel("held-out AUC")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     ax.set_xlabel("training seconds (evaluations excluded)")
-    ax.set_ylabel("held-out AUC")
     ax.set_title("time to AUC, demo CTR model")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax2.set_xlabel("thousand examples trained")
+    ax2.set_title("the same against examples")
     return procs.save_chart(fig, plt, path)
 
 
@@ -463,11 +467,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks import run as run_lib  # pylint: disable=g-import-not-at-top
 
     machine = dict(run_lib.machine_info(), log_dir=log_dir)
-    records: List[dict] = []
+    lines: List[str] = []
 
     def emit(record: dict) -> None:
-        records.append(record)
-        sys.stdout.write(json.dumps(record) + "\n")
+        lines.append(json.dumps(record))
+        sys.stdout.write(lines[-1] + "\n")
         sys.stdout.flush()
 
     header = {"kind": "time_to_auc_run", "name": args.name, "argv": argv,
@@ -503,7 +507,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                "error": str(e)[-1500:], "reached": False})
                 continue
             header.setdefault("tf_version", result.get("tf_version"))
-            info[(w, setup)] = {"startup_seconds": round(result["startup_seconds"], 2),
+            info[(w, setup)] = {"tf_version": result.get("tf_version"),"startup_seconds": round(result["startup_seconds"], 2),
                                 "loadavg_start": round(load_start, 2),
                                 "loadavg_end": round(os.getloadavg()[0], 2),
                                 "chief_peak_rss_mb": round(result["peak_rss_mb"], 1),
@@ -523,8 +527,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.makedirs(args.results_dir, exist_ok=True)
         stem = os.path.join(args.results_dir, args.name)
         with open(stem + ".jsonl", "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
+            for line in lines:
+                f.write(line + "\n")
         with open(stem + ".md", "w", encoding="utf-8") as f:
             f.write(markdown(header, evals, list(summaries) + failed))
         if evals:
