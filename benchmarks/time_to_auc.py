@@ -105,7 +105,7 @@ def first_crossing(evals: Sequence[dict], target: float) -> Optional[dict]:
 
 
 def summarize(evals: Sequence[dict], target: float, max_seconds: float,
-              baseline: str = BASELINE) -> List[dict]:
+              baseline: str = BASELINE, milestones: Sequence[float] = ()) -> List[dict]:
     """One summary per (setup, workers): time to target and ratios to the baseline's.
 
     Args:
@@ -114,6 +114,9 @@ def summarize(evals: Sequence[dict], target: float, max_seconds: float,
         target: The AUC to reach.
         max_seconds: The clock cap each setup ran with.
         baseline: The setup the ratios divide by.
+        milestones: Lower AUCs whose first crossing is recorded too
+            (``seconds_to`` and ``examples_to``, keyed by the AUC as text):
+            setups that all miss the target still compare there.
 
     Returns:
         Records with ``seconds_to_target`` (None: not reached),
@@ -145,6 +148,12 @@ def summarize(evals: Sequence[dict], target: float, max_seconds: float,
             "train_seconds": rows[-1]["seconds"], "examples_trained": rows[-1]["examples"],
             "evaluations": len(rows),
         }
+        if milestones:
+            hits = {f"{m:g}": first_crossing(rows, m) for m in milestones}
+            out[(w, setup)]["seconds_to"] = {k: h["seconds"] if h else None
+                                             for k, h in hits.items()}
+            out[(w, setup)]["examples_to"] = {k: h["examples"] if h else None
+                                              for k, h in hits.items()}
     for (w, setup), record in out.items():
         base = out.get((w, baseline))
         record.update(ratio_to_stock_pss=None, ratio_to_stock_pss_at_most=None,
@@ -188,6 +197,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval_examples", type=int, default=20480,
                    help="held-out examples (the demo evaluator's 20 x 1024)")
     p.add_argument("--target_auc", type=float, default=0.77)
+    p.add_argument("--milestones", default="0.74,0.75,0.76",
+                   help="lower AUCs whose first crossing the summary records too")
+    p.add_argument("--resummarize", default=None, metavar="JSONL",
+                   help="no run: recompute the summaries of an earlier run's lines and "
+                        "rewrite its files (the run's own options are used)")
     p.add_argument("--max_seconds", type=float, default=240.0,
                    help="training-clock cap per setup; not reached by then: 'not reached'")
     p.add_argument("--vocab_size", type=int, default=10_000)
@@ -227,6 +241,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.link_mbit < 0:
         p.error(f"--link_mbit must be >= 0 (0: unlimited), got {args.link_mbit}")
+    try:
+        args.milestone_list = [float(m) for m in args.milestones.split(",") if m]
+    except ValueError:
+        p.error(f"--milestones must be comma-separated AUCs, got {args.milestones!r}")
+    if any(not 0.5 < m < 1.0 for m in args.milestone_list):
+        p.error(f"--milestones must lie in (0.5, 1), got {args.milestones!r}")
     if args.timeout is None:
         args.timeout = 2 * args.max_seconds + 600
     if args.name is None:
@@ -236,7 +256,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def options(args: argparse.Namespace) -> dict:
     """Every option the run used (the ``time_to_auc_run`` line)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in ("setup_list", "worker_list")}
+    return {k: v for k, v in sorted(vars(args).items())
+            if k not in ("setup_list", "worker_list", "milestone_list")}
 
 
 def job_for(setup: str, num_workers: int, args: argparse.Namespace) -> dict:
@@ -417,6 +438,16 @@ def markdown(run: dict, evals: Sequence[dict], summaries: Sequence[dict]) -> str
             f"{s['examples_to_target'] if s['reached'] else '-'} | "
             f"{ratio(s, 'ratio_to_stock_pss')} | {ratio(s, 'examples_ratio_to_stock_pss')} | "
             f"{s['max_auc']:.4f} | {s['train_seconds']:.1f} | {s['evaluations']} |")
+    marks = sorted({k for s in summaries for k in s.get("seconds_to", {})}, key=float)
+    if marks:
+        lines += ["", "Seconds (and thousand examples) to lower AUCs, the same runs:", "",
+                  "| W | setup | " + " | ".join(f"AUC {m}" for m in marks) + " |",
+                  "|---:|---|" + "---:|" * len(marks)]
+        for s in summaries:
+            if s.get("seconds_to"):
+                cells = [f"{s['seconds_to'][m]:.1f} ({s['examples_to'][m] / 1e3:.0f}k)"
+                         if s["seconds_to"][m] is not None else "-" for m in marks]
+                lines.append(f"| {s['num_workers']} | {s['setup']} | " + " | ".join(cells) + " |")
     lines += ["", f"Lines: `{run['name']}.jsonl`; chart: `{run['name']}.png`.", ""]
     return "\n".join(lines)
 
@@ -459,9 +490,53 @@ def write_chart(evals: Sequence[dict], target: float, path: str) -> Optional[str
 # -- Main --------------------------------------------------------------------------
 
 
+def write_files(results_dir: str, name: str, lines: Sequence[str], header: dict,
+                evals: Sequence[dict], summaries: Sequence[dict], target: float) -> str:
+    """Writes <results_dir>/<name>.jsonl (the lines as printed), .md and .png; returns the stem."""
+    os.makedirs(results_dir, exist_ok=True)
+    stem = os.path.join(results_dir, name)
+    with open(stem + ".jsonl", "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(header, evals, summaries))
+    if evals:
+        write_chart(evals, target, stem + ".png")
+    sys.stderr.write(f"[time_to_auc] wrote {stem}.jsonl/.md/.png\n")
+    return stem
+
+
+def resummarize(path: str, milestones: Sequence[float], results_dir: str) -> int:
+    """Recomputes an earlier run's summaries from its lines; rewrites its files.
+
+    The evaluation lines and the run line are kept as they were; each new
+    summary keeps what the run recorded beside the arithmetic (start-up,
+    load, options).
+    """
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    header = next(r for r in records if r["kind"] == "time_to_auc_run")
+    evals = [r for r in records if r["kind"] == "time_to_auc_eval"]
+    old = {(r["num_workers"], r["setup"]): r for r in records
+           if r["kind"] == "time_to_auc_summary" and "error" not in r}
+    failed = [r for r in records if r["kind"] == "time_to_auc_summary" and "error" in r]
+    o = header["options"]
+    summaries = [dict(old.get((s["num_workers"], s["setup"]), {}), **s)
+                 for s in summarize(evals, o["target_auc"], o["max_seconds"],
+                                    milestones=milestones)]
+    lines = [json.dumps(r) for r in [header] + evals + summaries + failed]
+    for line in lines[1 + len(evals):]:
+        sys.stdout.write(line + "\n")
+    write_files(results_dir or os.path.dirname(os.path.abspath(path)), header["name"], lines,
+                header, evals, summaries + failed, o["target_auc"])
+    return 1 if failed else 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.resummarize, args.milestone_list, args.results_dir)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="tf_psplugin_time_to_auc_")
     os.makedirs(log_dir, exist_ok=True)
     from benchmarks import run as run_lib  # pylint: disable=g-import-not-at-top
@@ -513,7 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "chief_peak_rss_mb": round(result["peak_rss_mb"], 1),
                                 "examples_per_step": result["examples_per_step"],
                                 "steps_per_epoch": result["steps_per_epoch"]}
-    summaries = summarize(evals, args.target_auc, args.max_seconds) if evals else []
+    summaries = (summarize(evals, args.target_auc, args.max_seconds,
+                           milestones=args.milestone_list) if evals else [])
     for s in summaries:
         s.update(info.get((s["num_workers"], s["setup"]), {}))
         s["strategy_options"] = strategy_record(s["setup"])
@@ -524,16 +600,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for e in failed:
         emit(e)
     if args.results_dir:
-        os.makedirs(args.results_dir, exist_ok=True)
-        stem = os.path.join(args.results_dir, args.name)
-        with open(stem + ".jsonl", "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
-        with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(markdown(header, evals, list(summaries) + failed))
-        if evals:
-            write_chart(evals, args.target_auc, stem + ".png")
-        sys.stderr.write(f"[time_to_auc] wrote {stem}.jsonl/.md/.png\n")
+        write_files(args.results_dir, args.name, lines, header, evals, list(summaries) + failed,
+                    args.target_auc)
     return 1 if failed else 0
 
 

@@ -172,3 +172,45 @@ def test_main_reports_a_failed_setup_and_exits_1(monkeypatch, capsys, tmp_path):
     lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert lines[-1]["kind"] == "time_to_auc_summary" and "boom" in lines[-1]["error"]
     assert "failed: chief exited 1" in (tmp_path / "t.md").read_text(encoding="utf-8")
+
+
+def test_summary_records_lower_milestones():
+    evals = (_evals("hybrid_sync", 2, [(10, 0.745), (20, 0.761), (30, 0.765)])
+             + _evals("stock_pss", 2, [(15, 0.75), (40, 0.758)]))
+    by = {s["setup"]: s for s in tta.summarize(evals, 0.77, 30, milestones=(0.74, 0.76))}
+    assert by["hybrid_sync"]["seconds_to"] == {"0.74": 10, "0.76": 20}
+    assert by["hybrid_sync"]["examples_to"]["0.76"] == 2 * 50 * 256 * 2
+    assert by["stock_pss"]["seconds_to"] == {"0.74": 15, "0.76": None}
+    assert not any(s["reached"] for s in by.values())
+
+
+@pytest.mark.parametrize("milestones", ["0.7,x", "0.4"])
+def test_bad_milestones_exit_2(milestones, capsys):
+    with pytest.raises(SystemExit):
+        tta.parse_args(["--milestones", milestones])
+    assert "--milestones" in capsys.readouterr().err
+
+
+def test_resummarize_rewrites_the_summaries_from_the_lines(monkeypatch, capsys, tmp_path):
+    def fake_runner(job, args, log_dir, on_eval):
+        for i, value in enumerate((0.745, 0.752, 0.761)):
+            on_eval({"seconds": 10.0 * (i + 1), "steps": 10 * (i + 1),
+                     "examples": 5120 * (i + 1), "auc": value, "loadavg": 3.0})
+        return {"startup_seconds": 4.0, "peak_rss_mb": 900.0, "tf_version": "2.15.1",
+                "examples_per_step": 512, "steps_per_epoch": 10}
+
+    monkeypatch.setattr(tta, "run_loopback", fake_runner)
+    assert tta.main(["--hosts", "loopback", "--setups", "hybrid_sync,stock_pss",
+                     "--milestones", "", "--results_dir", str(tmp_path), "--name", "r",
+                     "--log_dir", str(tmp_path / "logs")]) == 0
+    first = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert "seconds_to" not in first[-1]
+    assert tta.main(["--resummarize", str(tmp_path / "r.jsonl"), "--results_dir",
+                     str(tmp_path)]) == 0
+    again = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [r["setup"] for r in again] == ["hybrid_sync", "stock_pss"]
+    assert again[0]["seconds_to"]["0.75"] == 20.0 and again[0]["startup_seconds"] == 4.0
+    with open(tmp_path / "r.jsonl", encoding="utf-8") as f:
+        rewritten = [json.loads(ln) for ln in f]
+    assert rewritten[:7] == first[:7] and rewritten[7:] == again  # Run and evals kept.
+    assert "AUC 0.76" in (tmp_path / "r.md").read_text(encoding="utf-8")
