@@ -3,9 +3,9 @@
 Not a timing check (the seconds depend on the box): the default sync setup
 and stock PSS (the baseline of every ratio) each train about a second on a
 2-worker, 2-PS loopback cluster (hybrid_async differs from hybrid_sync by
-one strategy argument; a third cluster would add ~80 s on a loaded box), is scored on a small
-held-out set, and the lines it prints must carry every field a reader of the
-results needs. The arithmetic is tested fast in tests/unit/test_time_to_auc.py.
+one strategy argument; a third cluster would add ~80 s on a loaded box);
+both are scored on a small held-out set, and the lines the run prints must
+carry every field a reader of the results needs. The arithmetic is tested fast in tests/unit/test_time_to_auc.py.
 """
 
 import json
