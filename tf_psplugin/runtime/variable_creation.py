@@ -137,6 +137,10 @@ class VariableCreation:
                     and self.is_table_var(colocate_with)):
                 # A half-precision table's slots are float32 (half_precision).
                 kwargs = half_precision.slot_kwargs(kwargs)
+            if self.is_table_var(colocate_with):
+                # A constant slot (Adagrad's accumulator, Adam's moments) is
+                # filled on its PS, not shipped from the chief (shard_init).
+                kwargs = shard_init.constant_fill_on_device(kwargs)
             if self.table_stacks is not None:
                 # An optimizer slot of a stack: no table joins that stack now.
                 self.table_stacks.seal(_unwrap(colocate_with))

@@ -28,6 +28,7 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
@@ -101,6 +102,51 @@ def _strategy_agrees() -> bool:
     return bool(getattr(getattr(strategy, "extended", None), "agrees_loss_scaling", False))
 
 
+_FLOAT16_CPU_WARNED = []  # Non-empty once the warning below was logged in this process.
+
+FLOAT16_ON_CPU_WARNING = (
+    "tf_psplugin: mixed_float16 with workers that have no GPU: float16 matmuls on a CPU are "
+    "emulated and about 50x slower than float32 (measured: 0.02x float32's examples per "
+    "CPU-second on the benchmark model; see docs/mixed_precision.md). Training is correct, "
+    "only slow. Fix: on CPUs use tf.keras.mixed_precision.set_global_policy("
+    "\"mixed_bfloat16\") (no loss scaling needed), or float32.")
+
+
+def float16_on_cpu_warning(devices) -> Optional[str]:
+    """The warning for `mixed_float16` when the cluster's workers have no GPU, or None.
+
+    Args:
+        devices: The cluster's logical devices (`tf.config.list_logical_devices()`
+            on the chief once connected: every task's devices). No worker
+            device at all (not connected) gives None.
+    """
+    workers = [d for d in devices if "/job:worker/" in d.name]
+    if not workers or any(d.device_type == "GPU" for d in workers):
+        return None
+    return FLOAT16_ON_CPU_WARNING
+
+
+def warn_float16_on_cpu_once(devices=None) -> bool:
+    """Logs `FLOAT16_ON_CPU_WARNING` once per process if no worker has a GPU.
+
+    Called when Keras makes a `LossScaleOptimizer` under this strategy (what
+    `compile` does under `mixed_float16`). A warning, not a refusal: the
+    training is correct, only slow.
+
+    Returns:
+        Whether it logged the warning now.
+    """
+    if _FLOAT16_CPU_WARNED:
+        return False
+    message = float16_on_cpu_warning(
+        tf.config.list_logical_devices() if devices is None else devices)
+    if message is None:
+        return False
+    _FLOAT16_CPU_WARNED.append(True)
+    logging.warning(message)
+    return True
+
+
 def patch_keras_loss_scaling() -> Callable[[], None]:
     """Lets Keras's loss scaling run under this strategy, its check agreed by all workers.
 
@@ -110,7 +156,8 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
 
     * `strategy_supports_loss_scaling`: also True under a strategy whose
       Extended says `agrees_loss_scaling` (the synchronous modes); Keras's
-      `mixed_float16` policy and `LossScaleOptimizer` ask it.
+      `mixed_float16` policy and `LossScaleOptimizer` ask it. There it also
+      warns once if no worker has a GPU (`warn_float16_on_cpu_once`).
     * `_is_all_finite`: in a step whose reduction recorded the agreed
       answer (`record_agreed`), returns it; otherwise Keras's own.
     * `LossScaleOptimizerV3.apply_gradients` (Keras's new optimizers): runs
@@ -133,7 +180,10 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
     v3_apply = module.LossScaleOptimizerV3.apply_gradients
 
     def strategy_supports_loss_scaling():
-        return _strategy_agrees() or supports()
+        if _strategy_agrees():
+            warn_float16_on_cpu_once()  # Keras asks when it makes a LossScaleOptimizer.
+            return True
+        return supports()
 
     def _is_all_finite(grads):
         agreed = _agreed_for_current_graph() if not tf.executing_eagerly() else None

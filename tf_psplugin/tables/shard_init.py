@@ -7,6 +7,9 @@ for `RandomUniform`, its intermediates) as separate remote tensors before
 the variable adopts one: measured on TF 2.15.1, a PS peaks at 3x the shard
 for Keras's RandomUniform. `create_shard` fills large shards in place with a
 tf.function on the PS instead (peak 1x); small ones are created as usual.
+The same holds for what a table's variables start from elsewhere: a
+stack's initial rows (`compute_rows`) and an optimizer slot's constant
+initial value, which Keras makes on the chief (`constant_fill_on_device`).
 """
 
 import tensorflow as tf
@@ -54,6 +57,54 @@ def _create_filled_in_place(init, shape, dtype, kwargs):
     with tf.device(var.device):
         fill()
     return var
+
+
+def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
+    """``fn()`` as a `dtype` tensor on the current device, in one tf.function if it is large.
+
+    Eagerly, each op of an initializer (a random draw, its scaling, the cast
+    of a half-precision table) is a separate remote op whose input stays
+    alive while its output is allocated: a PS peaks at twice the float32
+    rows even for a bfloat16 table. In one function the executor frees (or
+    reuses in place) each intermediate, so the PS peaks at the float32 draw
+    plus the rows in `dtype`. Keras's initializers draw the same numbers
+    either way (stateless ops seeded from Python); small values stay eager,
+    as `create_shard` does.
+    """
+    shape = tf.TensorShape(shape)
+    if not (shape.is_fully_defined() and shape.num_elements() * dtype.size
+            >= _FILL_IN_PLACE_MIN_BYTES):
+        return tf.convert_to_tensor(fn(), dtype=dtype)
+
+    @tf.function(autograph=False)
+    def rows():
+        return tf.convert_to_tensor(fn(), dtype=dtype)
+
+    return rows()
+
+
+def constant_fill_on_device(kwargs: dict) -> dict:
+    """Variable-creator `kwargs` whose large constant initial value is made where it lives.
+
+    Keras's optimizers compute a slot's initial value eagerly on the chief
+    (``Constant(0.1)(shape)`` for Adagrad, zeros for Adam): a tensor of the
+    table's full shape, which the PS would receive whole and then copy into
+    the slot (measured: the PS peaked at twice the slot, the chief held it
+    too). A value of at least `_FILL_IN_PLACE_MIN_BYTES` whose elements are
+    all equal becomes ``tf.fill`` on the variable's device: the same value,
+    made once on the PS. Any other value is left as it is.
+    """
+    value = kwargs.get("initial_value")
+    if not isinstance(value, tf.Tensor) or not tf.executing_eagerly() \
+            or not value.shape.is_fully_defined() or value.shape.rank < 1 \
+            or value.shape.num_elements() * value.dtype.size < _FILL_IN_PLACE_MIN_BYTES:
+        return kwargs
+    flat = tf.reshape(value, [-1])
+    first = flat[0]
+    if not bool(tf.reduce_all(tf.equal(flat, first))):
+        return kwargs
+    shape, dtype = value.shape, value.dtype
+    return dict(kwargs, initial_value=lambda: tf.fill(shape, first), dtype=dtype)
 
 
 def shape_and_dtype(kwargs):

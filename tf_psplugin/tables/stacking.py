@@ -83,6 +83,7 @@ from tf_psplugin._internal.tf_internal import (
     ps_values, resource_variable_ops, save_context, sharded_variable, tf_dispatch)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import shard_init
 from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
@@ -719,7 +720,8 @@ class _Stack:
         offsets = list(self.rows)
         for s, count in enumerate(counts):
             with tf.device(self.shards[s].device or None):
-                rows = tf.convert_to_tensor(shard_values(s)(), dtype=self.dtype)
+                rows = shard_init.compute_rows(shard_values(s), [count, self.width],
+                                               self.dtype)
             self.pending[s].append(rows)
             self.rows[s] += int(count)
         return offsets
