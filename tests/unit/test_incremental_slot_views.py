@@ -4,7 +4,7 @@ In one process, with the stand-in strategy of test_table_stacking.py (four
 tables, three of them in one 4-wide stack, two shards): Keras's (new)
 Adagrad lists each table's slot as its rows of the stack shards' slot
 (`stacked_slots.SlotView`: one view per shard on Keras 2.15, the table's
-whole slot of one piece per shard on tf-keras 2.16+). `IncrementalSaver`'s
+whole slot of one piece per shard on tf-keras 2.16+). `incremental_slots`'
 slot matching lists each view as its table's per-shard (or sharded) slot,
 so a delta saves it by the table's own changed rows; a write through a view
 stamps exactly the rows it writes, in the stack shard's stamps, and no
@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tests.unit.test_table_stacking import _batches, _model, _stacked_updates, _train  # noqa: F401
 from tf_psplugin._internal.compat import TF_VERSION
-from tf_psplugin.state import incremental
+from tf_psplugin.state import incremental, incremental_slots
 from tf_psplugin.state.row_stamps import RowStamps
 from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables.stacking import StackedTable, TableStacks
@@ -39,7 +39,7 @@ def _saver_of(model, optimizer):
                 stamps_of[id(shard)] = RowStamps(
                     shard, generation, tf.Variable(tf.zeros([int(shard.shape[0])], tf.int32)))
             table.stamps.append(stamps_of[id(shard)])
-    saver._find_slots(variables, slots)  # pylint: disable=protected-access
+    incremental_slots.find_slots(saver.tables, variables, slots)
     return saver, variables, generation
 
 

@@ -98,7 +98,7 @@ stamped rows of its own range of the shard (`_Table.dirty_rows`), written
 by logical id under its own key as above. Keras's new optimizers' slots of
 a stacked table are `stacked_slots.SlotView`s (one per table shard, or one
 per table with tf-keras 2.16+), matched to the table by their pieces (the
-table's rows of the stack shard's slot, `_find_slots`): each is saved by
+table's rows of the stack shard's slot, `incremental_slots`): each is saved by
 the table's changed rows, by the table's local ids, as an unstacked
 table's per-shard slot, and a write through a view stamps the rows it
 writes (the stack shard's slot is watched). A per-shard slot that is one
@@ -133,7 +133,7 @@ from absl import logging
 
 from tf_psplugin._internal.tf_internal import checkpoint_util, graph_view, sharded_variable
 from tf_psplugin._internal.tf_internal import trackable_base, trackable_utils
-from tf_psplugin.state import incremental_dynamic
+from tf_psplugin.state import incremental_dynamic, incremental_slots
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
 from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
@@ -378,118 +378,6 @@ class IncrementalSaver:
                 tables.append(_Table(key, var, [var]))  # A one-shard table.
         return tables
 
-    def _find_slots(self, variables: Mapping[str, Any],
-                    slots: Mapping[str, Tuple[str, str]]) -> None:
-        """Finds each table's optimizer slots, and stamps the rows any write to them touches.
-
-        Legacy optimizers' slots are checkpoint slot variables (one logical
-        slot per table). Keras's new optimizers make one plain variable per
-        table shard, named ``[<optimizer>/]<slot name>/<shard name>``, on
-        the shard's device (`add_variable_from_reference`); a variable whose
-        name ends with one shard's name (the longest match), with its shape
-        and device, is that shard's slot. Ambiguous ones are saved whole
-        with the dense state (correct, only larger). tf-keras (TF 2.16+)
-        wraps a sharded table's per-shard slots in one `ShardedVariable`:
-        one whose parts are, in order, slots of one table's shards is that
-        table's sharded slot.
-
-        A stacked table's slots (`stacked_slots.SlotView`) are matched by
-        their pieces, not by name: a piece ``(slot, start, count)`` of the
-        slot of stack shard ``s`` (`stacked_slots.stack_shard_of`) with
-        ``start, count`` = the table's offset and row count in that shard is
-        the table's shard-``s`` slot. One piece: a per-shard slot (Keras
-        2.15); one piece per shard, in shard order: the table's whole slot
-        (tf-keras 2.16+), saved part by part. Either is saved by the table's
-        own changed rows of the shard, by ids local to the piece (the
-        table's local rows). The piece's variable (the stack shard's slot)
-        is watched with the shard's `RowStamps`: a write through the view
-        (`SlotView.assign`, ``scatter_*``) writes it, and stamps the rows it
-        writes.
-        """
-        slots_of: Dict[str, List[Tuple[str, str]]] = {}
-        for slot_key, (owner, slot_name) in sorted(slots.items()):
-            slots_of.setdefault(owner, []).append((slot_key, slot_name))
-        slot_ids = {id(variables[k]) for k in slots if k in variables}
-        table_ids = {id(s) for t in self.tables for s in t.shards}
-        table_ids.update(id(t.container) for t in self.tables)
-        for table in self.tables:
-            table.slot_keys = slots_of.get(table.key, [])
-            table.shard_slot_keys = [[] for _ in table.shards]
-            table.sharded_slot_keys = []
-            table.view_slots = {}
-            for slot_key, _ in table.slot_keys:
-                slot = variables[slot_key]
-                parts = list(slot.variables) if len(table.shards) > 1 else [slot]
-                for s, part in enumerate(parts):
-                    table.stamps[s].watch(part)
-        candidates = []
-        for key, var in sorted(variables.items()):
-            if isinstance(var, stacked_slots.SlotView):
-                self._match_view(key, var)
-            elif isinstance(var, tf.Variable) and id(var) not in slot_ids | table_ids:
-                candidates.append((key, var))
-        owners: Dict[str, List[Tuple[_Table, int]]] = {}
-        for key, var in candidates:
-            name = var.name or ""
-            found = [(len(shard.name), table, s) for table in self.tables
-                     for s, shard in enumerate(table.shards)
-                     if name.endswith("/" + shard.name) and var.shape == shard.shape
-                     and var.device == shard.device]
-            longest = max((n for n, _, _ in found), default=0)
-            owners[key] = [(table, s) for n, table, s in found if n == longest]
-        for key, var in sorted(variables.items()):
-            if not isinstance(var, sharded_variable.ShardedVariable) or id(var) in (
-                    slot_ids | table_ids):
-                continue
-            parts = list(var.variables)
-            for table in self.tables:
-                if len(parts) == len(table.shards) and all(
-                        (part.name or "").endswith("/" + shard.name)
-                        and part.shape == shard.shape and part.device == shard.device
-                        for part, shard in zip(parts, table.shards)):
-                    table.sharded_slot_keys.append(key)
-                    for stamps, part in zip(table.stamps, parts):
-                        stamps.watch(part)
-                    break
-        for key, found in sorted(owners.items()):
-            # One shard variable (a stack's shard names several tables: the
-            # first, by key, lists it); else ambiguous: saved whole with the
-            # dense state.
-            if found and all(t.shards[s] is found[0][0].shards[found[0][1]] for t, s in found):
-                table, s = found[0]
-                table.shard_slot_keys[s].append(key)
-                table.stamps[s].watch(variables[key])
-
-    def _match_view(self, key: str, view) -> None:
-        """Lists `view` (a `SlotView`) as the slot of the table whose rows its pieces are.
-
-        Unmatched (not one table's rows of its stack shards' slots): left to
-        the dense state, saved whole.
-        """
-        pieces = view.pieces
-        for table in self.tables:
-            if len(pieces) not in (1, len(table.shards)):
-                continue
-            matched = []  # (shard index, the stack shard's slot variable)
-            for i, (slot, start, count) in enumerate(pieces):
-                shard = stacked_slots.stack_shard_of(slot)
-                shard_index = next((s for s, t_shard in enumerate(table.shards)
-                                    if t_shard is shard), None)
-                if (shard_index is None or (len(pieces) > 1 and shard_index != i)
-                        or start != table.offsets[shard_index]
-                        or count != table.counts[shard_index]):
-                    break
-                matched.append((shard_index, slot))
-            else:
-                for s, slot in matched:
-                    table.stamps[s].watch(slot)  # The view's writes are its writes.
-                    table.view_slots[(key, s)] = slot
-                if len(pieces) == 1:
-                    table.shard_slot_keys[matched[0][0]].append(key)
-                else:
-                    table.sharded_slot_keys.append(key)
-                return
-
     def _generation(self, device: str) -> tf.Variable:
         task = _task_name(device)
         if task not in self._generations:
@@ -516,7 +404,7 @@ class IncrementalSaver:
         """Call right before a full save: rows updated after it go into the next delta."""
         self.check_layout()
         self.advance()
-        self._find_slots(*object_keys(self._root)[:2])
+        incremental_slots.find_slots(self.tables, *object_keys(self._root)[:2])
         for dynamic in self.dynamic:
             dynamic.start_save(full=True)
 
@@ -556,7 +444,7 @@ class IncrementalSaver:
         for dynamic in self.dynamic:
             dynamic.start_save(full=False)
         variables, slots, _ = object_keys(self._root)
-        self._find_slots(variables, slots)
+        incremental_slots.find_slots(self.tables, variables, slots)
         tf.io.gfile.makedirs(prefix)
         by_task: Dict[str, List[Tuple[_Table, int]]] = {}
         manifest_tables = {}
