@@ -8,7 +8,12 @@ table ``b``, a `scatter_update` of two rows of table ``c``), delta-10 and
 delta-15. The tables must stay in one stack (full_every no longer gives each
 its own), and the deltas hold each table's own rows: all of ``b`` after its
 reset, only the changed rows of ``a`` and ``c`` (every row a step changed
-is in the next delta). The chain (full + 2 deltas) is restored
+is in the next delta). With Keras's (new) Adagrad, each table's slots are
+its rows of the stack shards' slot (`stacked_slots.SlotView`): the deltas
+hold them by the table's own changed rows too (local ids, as an unstacked
+table shard's slot), also after writes through the views (an ``assign`` of
+b's, a ``scatter_update`` of two rows of a's), and a delta stays a small
+fraction of a full save. The chain (full + 2 deltas) is restored
 
 * into a fresh stacked model on the cluster: equal to a full save of step
   15 restored the same way, and to the live model (tables, every optimizer
@@ -31,14 +36,16 @@ import pytest
 from tests.cluster import _cluster_util as cu
 from tests.cluster.test_checkpoint import COMMON
 from tests.cluster.test_incremental_writes import OPTIMIZERS
+from tf_psplugin._internal.compat import TF_VERSION
 
 pytestmark = pytest.mark.cluster
 
 MODEL = COMMON + """
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as model_dir_lib
-from tf_psplugin.tables import stacking
-TABLES = {{"a": 1000, "b": 200, "c": 600}}
+from tf_psplugin.tables import stacked_slots, stacking
+# Large enough that a delta (5 steps of 2 x 8 examples) touches a few percent of the rows.
+TABLES = {{"a": 20000, "b": 200, "c": 6000}}
 
 
 def stacked_model(optimizer_src):
@@ -108,6 +115,19 @@ def snapshot(model):
     return values
 
 
+def slot_views(model, name):
+    \"\"\"(SlotView, shard indices) of table `name`'s slots (Keras's new optimizers).\"\"\"
+    t = tables(model)[name]
+    spans = [(s.device, o, c) for s, o, c in zip(t.variables, t.row_offsets, t.shard_counts)]
+    found = []
+    for v in opt_vars(model):
+        if isinstance(v, stacked_slots.SlotView):
+            mine = [(slot.device, start, count) for slot, start, count in v.pieces]
+            if all(p in spans for p in mine):
+                found.append((v, [spans.index(p) for p in mine]))
+    return found
+
+
 def diff(a, b):
     if sorted(a) != sorted(b):
         return f"keys differ: {{sorted(set(a) ^ set(b))}}"
@@ -136,6 +156,26 @@ def delta_ids(model_dir, name):
     return {{n: sorted(ids) for n, ids in found.items()}}
 
 
+def delta_slot_ids_match(model_dir, name):
+    \"\"\"Whether each per-shard slot's ids in a delta are its table's local ids of the shard.\"\"\"
+    marker = model_dir_lib.read_json(os.path.join(model_dir, name + ".commit"))
+    result = []
+    for row_file in marker["manifest"]["row_files"]:
+        reader = tf.train.load_checkpoint(os.path.join(model_dir, row_file))
+        for key, meta in marker["manifest"]["tables"].items():
+            table_ids = reader.get_tensor(key + "/.DELTA/ids")
+            local = sorted(set((table_ids // 2).tolist()))  # Interleaved over 2 PS.
+            slot_names = [k + "/.DELTA/" for k in meta.get("shard_slots", [])]
+            slot_names += [f"{{k}}/.DELTA/part-{{s}}/" for k in meta.get("sharded_slots", {{}})
+                           for s in range(2)]
+            for slot_name in slot_names:
+                if reader.has_tensor(slot_name + "ids"):
+                    slot_ids = reader.get_tensor(slot_name + "ids").tolist()
+                    rows = reader.get_tensor(slot_name + "rows")
+                    result.append(sorted(slot_ids) == local and len(rows) == len(slot_ids))
+    return result
+
+
 model_dir = os.path.join(root, "incr")
 model = make()
 callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
@@ -149,6 +189,19 @@ report["offsets"] = [list(t.row_offsets) for t in live.values()]
 # Writes outside the optimizer to two tables of the shared stack.
 live["b"].assign(tf.zeros(live["b"].shape))
 live["c"].scatter_update(tf.IndexedSlices(tf.ones([2, 4]), tf.constant([3, 17], tf.int64)))
+report["view_rows_a"] = []
+if not legacy:
+    # Writes outside the optimizer to the stack shards' slot, through the
+    # per-table views: all of b's slot rows, two rows of a's (in shard 1).
+    views_b = slot_views(model, "b")
+    report["views_b"] = sum(len(shards) for _, shards in views_b)
+    for view, _ in views_b:
+        view.assign(tf.fill(view.shape, 0.25))
+    for view, shards in slot_views(model, "a"):
+        if shards == [1]:  # Keras 2.15: one view per shard (tf-keras: the table's whole slot).
+            view.scatter_update(tf.IndexedSlices(tf.fill([2, 4], 0.5),
+                                                 tf.constant([5, 9], tf.int64)))
+            report["view_rows_a"] = [5 * 2 + 1, 9 * 2 + 1]  # Logical ids (interleaved).
 fit(5, 5)  # delta-10
 at10 = logical(model, False)
 fit(5, 10)  # delta-15
@@ -164,6 +217,7 @@ markers = {{n: model_dir_lib.read_json(os.path.join(model_dir, n + ".commit"))
            for n in ("ckpt-5", "delta-10", "delta-15")}}
 report["kinds"] = [m["kind"] for m in markers.values()]
 report["bytes"] = {{n: sum(m["files"].values()) for n, m in markers.items()}}
+report["delta_slot_ids_match"] = delta_slot_ids_match(model_dir, "delta-15")
 report["slots"] = {{  # Per table: its slots, per-shard slots (Keras's new optimizers).
     n: [len(t["slots"]), len(t.get("shard_slots", [])), sum(t.get("sharded_slots", {{}}).values())]
     for n, t in markers["delta-15"]["manifest"]["tables"].items()}}
@@ -243,24 +297,34 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
     # Each table's own rows: all of the reset table, a part of the others.
     ids10, ids15 = report["ids10"], report["ids15"]
     assert ids10["b"] == list(range(200)), ids10["b"][:20]
-    for name, rows in (("a", 1000), ("c", 600)):
+    for name, rows in (("a", 20000), ("c", 6000)):
         for ids in (ids10[name], ids15[name]):
             assert 0 < len(ids) < rows // 2 and len(set(ids)) == len(ids), (name, len(ids))
             assert all(0 <= i < rows for i in ids), name
     assert {3, 17} <= set(ids10["c"]), ids10["c"][:20]
+    # A write through a slot view stamps the table's rows of the stack shard
+    # (only those: a and c stay partial above).
+    assert set(report["view_rows_a"]) <= set(ids10["a"]), report["view_rows_a"]
     assert 0 < len(ids15["b"]) < 200, len(ids15["b"])
     assert report["changed15_missing"] == {"a": [], "b": [], "c": []}, report
     assert all(report["changed15"][n] > 0 for n in "abc"), report["changed15"]
-    assert report["bytes"]["delta-15"] < report["bytes"]["ckpt-5"], report["bytes"]
+    ratio = report["bytes"]["delta-15"] / report["bytes"]["ckpt-5"]
+    print(f"delta-15 / ckpt-5 bytes: {ratio:.3f} {report['bytes']}")
+    # Every slot row-tracked: a delta is a few percent of a full save (a
+    # slot saved whole would make it more than half of one).
+    assert ratio < 0.1, report["bytes"]
     slots = sorted(report["slots"].values())
     if legacy == "1":  # The accumulator of each table, under the table's slot key.
         assert slots == [[1, 0, 0]] * 3, report["slots"]
     else:
-        # Known gap (docs/checkpoints.md): Keras's new optimizers list each
-        # table's slots as its rows of the stack shard's slot (stacked_slots),
-        # which row tracking does not follow yet: the delta carries them
-        # whole with the dense state (exact, as asserted below, not small).
-        assert slots == [[0, 0, 0]] * 3, report["slots"]
+        # Keras's new optimizers list each table's slots as its rows of the
+        # stack shards' slot (stacked_slots): one view per shard (Keras 2.15)
+        # or the table's whole slot of 2 parts (tf-keras 2.16+), each saved
+        # by the table's own changed rows, by the table's local ids.
+        assert report["views_b"] == 2, report
+        assert slots == ([[0, 0, 2]] * 3 if TF_VERSION >= (2, 16) else [[0, 2, 0]] * 3), slots
+        assert report["view_rows_a"] or TF_VERSION >= (2, 16), report
+        assert report["delta_slot_ids_match"] and all(report["delta_slot_ids_match"]), report
     # Restored stacked on the cluster: the full save's and the live model's values.
     assert report["restored"] == ["delta-15", 15], report["restored"]
     assert report["chain_stacked"] is True

@@ -29,7 +29,6 @@ import json
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin._internal.compat import TF_VERSION
 from tests.cluster.test_checkpoint import COMMON
 
 pytestmark = pytest.mark.cluster
@@ -246,17 +245,11 @@ def test_a_crash_between_any_two_files_of_a_delta_keeps_the_previous_save(
     assert points[-1]["restored"] == ["delta-15", 15], points[-1]
     assert points[-1]["diff"] == [], points[-1]
     # Keras's Adagrad keeps one accumulator per table shard (tf-keras 2.16+ wraps
-    # them in one ShardedVariable): saved row by row (local ids) like the table,
-    # not whole with the dense state.
+    # them in one ShardedVariable; with the table stacked, both are per-table
+    # views of the stack shards' slots, tables/stacked_slots.py): saved row by
+    # row (local ids) like the table, not whole with the dense state.
     [table] = report["tables"].values()
     per_shard = len(table.get("shard_slots", [])) == 2
     wrapped = list(table.get("sharded_slots", {}).values()) == [2]
-    if TF_VERSION >= (2, 16):
-        # Known gap (docs/checkpoints.md): tf-keras lists the table's slot as
-        # one per-table view of its stack shards' slots (tables/stacked_slots.py),
-        # which row tracking does not follow yet: the delta carries it whole
-        # with the dense state (exact, as asserted above; not small).
-        assert not (per_shard or wrapped) and table["slots"] == [], table
-    else:
-        assert (per_shard or wrapped) and table["slots"] == [], table
+    assert (per_shard or wrapped) and table["slots"] == [], table
     assert report["bytes"]["delta-15"] < report["bytes"]["ckpt-5"], report["bytes"]

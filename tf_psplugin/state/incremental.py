@@ -51,10 +51,12 @@ The delta format, for readers such as the serving loader
   ``S``, in the order of the table's ids. Different ``ps-<k>`` files hold
   disjoint ids. A serving loader applies ``table[ids] = rows`` per table.
   Keras's new optimizers keep one slot variable per table shard (its own
-  key ``S``, the shard's physical rows; for stacked tables, per stack
-  shard): for each, ``S/.DELTA/ids`` (int64 local row ids of that shard
-  variable) and ``S/.DELTA/rows``, applied as ``slot[ids] = rows``. tf-keras 2.16+ wraps those in one
-  `ShardedVariable` per slot (key ``S``): part ``s`` is under
+  key ``S``, the shard's rows; a stacked table's is its rows of the stack
+  shard's slot, a `stacked_slots.SlotView`, under the same key ``S`` as
+  unstacked): for each, ``S/.DELTA/ids`` (int64 local row ids of the
+  table shard) and ``S/.DELTA/rows``, applied as ``slot[ids] = rows``.
+  tf-keras 2.16+ wraps those in one `ShardedVariable` per slot (key ``S``;
+  stacked: one `SlotView` of a piece per shard): part ``s`` is under
   ``S/.DELTA/part-<s>/ids`` and ``S/.DELTA/part-<s>/rows``.
 * ``delta-<step>/dense.*``: every other variable, whole, under its
   full-checkpoint key.
@@ -93,10 +95,17 @@ per stack shard: every row of the shard is stamped (the one optimizer
 apply per stack shard stamps the merged gradient's rows; a write to one
 table scatters into, and stamps, its rows only), and each table takes the
 stamped rows of its own range of the shard (`_Table.dirty_rows`), written
-by logical id under its own key as above. A per-shard slot of Keras's new
-optimizers (one per stack shard) is listed under the first table of the
-stack (by key) and saved by the shard's changed rows (local ids of the
-shard variable: every table's rows). The manager splits a model's stacks
+by logical id under its own key as above. Keras's new optimizers' slots of
+a stacked table are `stacked_slots.SlotView`s (one per table shard, or one
+per table with tf-keras 2.16+), matched to the table by their pieces (the
+table's rows of the stack shard's slot, `incremental_slots`): each is saved by
+the table's changed rows, by the table's local ids, as an unstacked
+table's per-shard slot, and a write through a view stamps the rows it
+writes (the stack shard's slot is watched). A per-shard slot that is one
+plain variable per stack shard (an optimizer whose slots are not listed
+per table; `stacked_updates` gives each of its tables a stack of its own)
+is listed under the first table of the stack (by key) and saved by the
+shard's changed rows (local ids of the shard variable). The manager splits a model's stacks
 before it tracks them (`fusion.separate_before_slots`); a table moved to
 another stack afterwards fails the next save.
 
@@ -124,11 +133,11 @@ from absl import logging
 
 from tf_psplugin._internal.tf_internal import checkpoint_util, graph_view, sharded_variable
 from tf_psplugin._internal.tf_internal import trackable_base, trackable_utils
-from tf_psplugin.state import incremental_dynamic
+from tf_psplugin.state import incremental_dynamic, incremental_slots
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
 from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
-from tf_psplugin.tables import half_precision
+from tf_psplugin.tables import half_precision, stacked_slots
 
 __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "object_keys"]
 
@@ -220,6 +229,10 @@ class _Table:
         self.shard_slot_keys: List[List[str]] = [[] for _ in shards]
         # tf-keras 2.16+: the same, wrapped in one ShardedVariable per slot (its key).
         self.sharded_slot_keys: List[str] = []
+        # Per-table views of a stack shard's slot (stacked_slots.SlotView), in
+        # the two lists above: (key, shard index) -> the stack shard's slot.
+        # Saved by this table's own rows of it, by local ids.
+        self.view_slots: Dict[Tuple[str, int], Any] = {}
         # The DynamicEmbedding whose rows these are (None: a plain table).
         self.dynamic: Optional[incremental_dynamic.DynamicTable] = None
 
@@ -365,75 +378,6 @@ class IncrementalSaver:
                 tables.append(_Table(key, var, [var]))  # A one-shard table.
         return tables
 
-    def _find_slots(self, variables: Mapping[str, Any],
-                    slots: Mapping[str, Tuple[str, str]]) -> None:
-        """Finds each table's optimizer slots, and stamps the rows any write to them touches.
-
-        Legacy optimizers' slots are checkpoint slot variables (one logical
-        slot per table). Keras's new optimizers make one plain variable per
-        table shard, named ``[<optimizer>/]<slot name>/<shard name>``, on
-        the shard's device (`add_variable_from_reference`); a variable whose
-        name ends with one shard's name (the longest match), with its shape
-        and device, is that shard's slot. Ambiguous ones are saved whole
-        with the dense state (correct, only larger). tf-keras (TF 2.16+)
-        wraps a sharded table's per-shard slots in one `ShardedVariable`:
-        one whose parts are, in order, slots of one table's shards is that
-        table's sharded slot.
-        """
-        slots_of: Dict[str, List[Tuple[str, str]]] = {}
-        for slot_key, (owner, slot_name) in sorted(slots.items()):
-            slots_of.setdefault(owner, []).append((slot_key, slot_name))
-        slot_ids = {id(variables[k]) for k in slots if k in variables}
-        table_ids = {id(s) for t in self.tables for s in t.shards}
-        table_ids.update(id(t.container) for t in self.tables)
-        candidates = [(key, var) for key, var in sorted(variables.items())
-                      if isinstance(var, tf.Variable) and id(var) not in slot_ids | table_ids]
-        for table in self.tables:
-            table.slot_keys = slots_of.get(table.key, [])
-            for slot_key, _ in table.slot_keys:
-                slot = variables[slot_key]
-                parts = list(slot.variables) if len(table.shards) > 1 else [slot]
-                for s, part in enumerate(parts):
-                    table.stamps[s].watch(part)
-        owners: Dict[str, List[Tuple[_Table, int]]] = {}
-        for key, var in candidates:
-            # A stacked table's slot view (tables/stacked_slots.py) of a table
-            # alone in its stack is that stack shard's slot: matched as it.
-            storage = getattr(var, "storage", None)
-            storage = var if storage is None else storage  # Never `or`: a variable has no truth value.
-            name = storage.name or ""
-            found = [(len(shard.name), table, s) for table in self.tables
-                     for s, shard in enumerate(table.shards)
-                     if name.endswith("/" + shard.name) and var.shape == shard.shape
-                     and storage.device == shard.device]
-            longest = max((n for n, _, _ in found), default=0)
-            owners[key] = [(table, s) for n, table, s in found if n == longest]
-        for table in self.tables:
-            table.shard_slot_keys = [[] for _ in table.shards]
-            table.sharded_slot_keys = []
-        for key, var in sorted(variables.items()):
-            if not isinstance(var, sharded_variable.ShardedVariable) or id(var) in (
-                    slot_ids | table_ids):
-                continue
-            parts = list(var.variables)
-            for table in self.tables:
-                if len(parts) == len(table.shards) and all(
-                        (part.name or "").endswith("/" + shard.name)
-                        and part.shape == shard.shape and part.device == shard.device
-                        for part, shard in zip(parts, table.shards)):
-                    table.sharded_slot_keys.append(key)
-                    for stamps, part in zip(table.stamps, parts):
-                        stamps.watch(part)
-                    break
-        for key, found in sorted(owners.items()):
-            # One shard variable (a stack's shard names several tables: the
-            # first, by key, lists it); else ambiguous: saved whole with the
-            # dense state.
-            if found and all(t.shards[s] is found[0][0].shards[found[0][1]] for t, s in found):
-                table, s = found[0]
-                table.shard_slot_keys[s].append(key)
-                table.stamps[s].watch(variables[key])
-
     def _generation(self, device: str) -> tf.Variable:
         task = _task_name(device)
         if task not in self._generations:
@@ -460,7 +404,7 @@ class IncrementalSaver:
         """Call right before a full save: rows updated after it go into the next delta."""
         self.check_layout()
         self.advance()
-        self._find_slots(*object_keys(self._root)[:2])
+        incremental_slots.find_slots(self.tables, *object_keys(self._root)[:2])
         for dynamic in self.dynamic:
             dynamic.start_save(full=True)
 
@@ -500,7 +444,7 @@ class IncrementalSaver:
         for dynamic in self.dynamic:
             dynamic.start_save(full=False)
         variables, slots, _ = object_keys(self._root)
-        self._find_slots(variables, slots)
+        incremental_slots.find_slots(self.tables, variables, slots)
         tf.io.gfile.makedirs(prefix)
         by_task: Dict[str, List[Tuple[_Table, int]]] = {}
         manifest_tables = {}
@@ -546,16 +490,21 @@ class IncrementalSaver:
                     # table of a stack): saved by the shard's own changed rows.
                     slot_ids = (table.stamps[s].dirty_rows(since[task])
                                 if table.shares_shards() else local)
-                    for slot_key in table.shard_slot_keys[s]:
-                        # One variable per shard (Keras's new optimizers): local ids.
-                        add(slot_key + DELTA_SUFFIX + "ids", slot_ids)
-                        add(slot_key + DELTA_SUFFIX + "rows",
-                            tf.gather(variables[slot_key], slot_ids))
-                    for slot_key in table.sharded_slot_keys:
-                        # Its part `s`, by local ids (tf-keras wraps per-shard slots).
-                        part = f"{slot_key}{DELTA_SUFFIX}part-{s}/"
-                        add(part + "ids", slot_ids)
-                        add(part + "rows", tf.gather(variables[slot_key].variables[s], slot_ids))
+                    # One variable per shard (Keras's new optimizers), or its part
+                    # `s` (tf-keras wraps per-shard slots): local ids.
+                    shard_slots = [(k + DELTA_SUFFIX, k, None) for k in table.shard_slot_keys[s]]
+                    shard_slots += [(f"{k}{DELTA_SUFFIX}part-{s}/", k, s)
+                                    for k in table.sharded_slot_keys]
+                    for name, slot_key, part in shard_slots:
+                        view_storage = table.view_slots.get((slot_key, s))
+                        if view_storage is not None:  # The table's rows of the stack's slot.
+                            add(name + "ids", local)
+                            add(name + "rows", tf.gather(view_storage, physical))
+                        else:
+                            var = variables[slot_key]
+                            var = var if part is None else var.variables[part]
+                            add(name + "ids", slot_ids)
+                            add(name + "rows", tf.gather(var, slot_ids))
                     if table.dynamic is not None:
                         table.dynamic.add_row_pieces(s, local, ids, add)
                 for dynamic in self.dynamic:
@@ -675,12 +624,16 @@ def apply_delta(root, info: model_dir_lib.CheckpointInfo,
             target = find(key)
             if target is None:
                 continue
-            if len(target.variables) != count:
+            # A ShardedVariable, or (a stacked model) a table's whole SlotView.
+            target_parts = ([target.part(i) for i in range(len(target.pieces))]
+                            if isinstance(target, stacked_slots.SlotView)
+                            else list(target.variables))
+            if len(target_parts) != count:
                 raise CheckpointError(
                     f"delta {info.path} holds {key} as {count} shard(s), the model has "
-                    f"{len(target.variables)}. Fix: restore into as many PS tasks as wrote it "
+                    f"{len(target_parts)}. Fix: restore into as many PS tasks as wrote it "
                     "(Keras's new optimizers save a table's slots per shard).")
-            for s, part in enumerate(target.variables):
+            for s, part in enumerate(target_parts):
                 local = parts.get(f"{key}{DELTA_SUFFIX}part-{s}/ids")
                 if local:
                     rows = np.concatenate(parts[f"{key}{DELTA_SUFFIX}part-{s}/rows"])

@@ -43,10 +43,11 @@ import tensorflow as tf
 
 from tf_psplugin._internal import compat
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import ps_values, trackable_base
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["SlotView", "build_per_table", "add_slot"]
+__all__ = ["SlotView", "build_per_table", "add_slot", "stack_shard_of"]
 
 _IDS = itertools.count()
 # tf-keras 2.16+ lists a sharded variable's shard slots as one `ShardedVariable`
@@ -54,6 +55,17 @@ _IDS = itertools.count()
 _LISTS_SHARDED_SLOTS_PER_TABLE = compat.KERAS_PACKAGE == "tf_keras"
 # id(optimizer) -> _Building, while its `build` runs with views (`build_per_table`).
 _BUILDING: Dict[int, "_Building"] = {}
+# A stack shard's slot variable -> that stack shard (`stack_shard_of`).
+_STACK_SHARD_OF: "IdentityMap[tf.Variable]" = IdentityMap()
+
+
+def stack_shard_of(slot) -> Optional[tf.Variable]:
+    """The stack shard whose slot `slot` (a `SlotView` piece's variable) is; None if none.
+
+    What incremental checkpoints (`state.incremental`) follow to stamp and
+    save a view's rows with its stack shard's.
+    """
+    return _STACK_SHARD_OF.get(slot)
 
 
 class SlotView(tf.Variable):
@@ -225,14 +237,14 @@ class SlotView(tf.Variable):
         with tf.device(slot.device):
             return slot.sparse_read(tf.cast(indices, tf.int64) + start)
 
-    @property
-    def storage(self) -> Optional[tf.Variable]:
-        """The one slot variable this view is the whole of (a table alone in its stack), or None."""
-        if len(self._pieces) == 1:
-            slot, start, count = self._pieces[0]
-            if start == 0 and count == int(slot.shape[0]):
-                return slot
-        return None
+    def part(self, index: int) -> "SlotView":
+        """Piece `index` alone, as a view of its own (rows ``0..count`` of it), not tracked.
+
+        A table's whole slot (tf-keras 2.16+) is written shard by shard
+        through its parts, as a `ShardedVariable`'s ``variables[index]``.
+        """
+        slot, start, count = self._pieces[index]
+        return SlotView([(slot, start, count)], f"{self._slot_name}/part_{index}")
 
     # -- checkpoints -----------------------------------------------------------
 
@@ -280,6 +292,7 @@ class _Building:
                     initial_value=tf.zeros(shard.shape, dtype=dtype),
                     name=f"{variable_name}/{shard.name.split(':')[0]}",
                     dtype=dtype, trainable=False)
+            _STACK_SHARD_OF[self.slots[key]] = shard
         return self.slots[key]
 
 
