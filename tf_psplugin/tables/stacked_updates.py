@@ -41,8 +41,12 @@ nothing for a variable list without views.
   frozen layer's, another model's, one the loss does not use) must not
   move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
   only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
-  another (Adam's moment decay moves every row) the merge refuses with a
-  `StackingError` naming the tables and the fix. An optimizer of another
+  another (Adam's moment decay moves every row) the stack falls back
+  (`keep_rows`, logged once per stack): the one apply is made, and then
+  the rows of the tables without a gradient, in the stack shard and in each
+  of its slots, are written back as they were before it -- per table what
+  Keras does unstacked, where a variable without a gradient is not
+  touched, bit for bit. An optimizer of another
   class (a subclass, a custom optimizer) gets each table of its model
   alone in a stack before the model's first traced call or its slots
   (`why_apart`, `stacking.separate_by_model`): its one apply is then the
@@ -56,18 +60,22 @@ two moving-average functions are wrapped; there is no public hook between a
 gradient and its apply, nor for the moving average.
 """
 
-from typing import Optional, Sequence
+import weakref
+from typing import List, Optional, Sequence, Tuple
 
+from absl import logging
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
 from tf_psplugin.tables import stacked_slots
+from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["StackingError", "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
+__all__ = ["StackingError", "keep_rows", "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
 
 
 def _legacy(name):
@@ -196,8 +204,12 @@ def merge(optimizer, grads_and_vars) -> list:
             merged.append(item)
             continue
         members = groups[item]
-        _check(optimizer, members)
+        keep = _check(optimizer, members)
         shard = members[0][1].stack_shard
+        if keep:
+            _KEEP_ROWS[id(shard)] = (shard, keep)
+        else:
+            _KEEP_ROWS.pop(id(shard), None)
         merged.append((_merged_slices(shard, members), shard))
     return merged
 
@@ -223,13 +235,25 @@ def _merged_slices(shard, members) -> tf.IndexedSlices:
     return tf.IndexedSlices(tf.concat(values, axis=0), tf.concat(indices, axis=0), dense_shape)
 
 
-def _check(optimizer, members) -> None:
+def _check(optimizer, members) -> List[Tuple[int, int]]:
+    """The rows of the stack shard its one apply must leave as they are (`keep_rows`).
+
+    Returns:
+        (first row, row count) of each table of the stack that gets no
+        gradient here, if the optimizer's one apply would move them (it is
+        not row-local); else nothing.
+
+    Raises:
+        StackingError: the optimizer is not one whose one update of a stack
+            is known to equal its updates of each table, and the stack holds
+            other tables too.
+    """
     view = members[0][1]
     kind = _kind(optimizer)
     name = type(optimizer).__name__
     tables = list(view.stack.tables)
     if kind is None and len(tables) == 1 and tables[0] is view.table:
-        return  # A table alone in its stack: the one apply is its own, for any optimizer.
+        return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
         raise StackingError(
             f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
@@ -237,20 +261,156 @@ def _check(optimizer, members) -> None:
             "updates of each table (known: "
             f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
             "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers.")
+    if kind == "row_local":
+        return []
     present = {id(v) for _, v in members}
-    stack = view.stack
-    absent = sorted(t.display_name for t in list(stack.tables)
-                    if t.views and id(t.views[view.index]) not in present)
-    if absent and kind != "row_local":
-        trained = sorted({v.table.display_name for _, v in members})
-        raise StackingError(
-            f"stack_tables=True: tables {absent} share a stack with tables this "
-            f"apply_gradients updates ({trained}) but get no gradient here (frozen, unused by "
-            f"the loss, or another model's), and {name} changes every row of a variable it "
-            "updates (e.g. a moment decay), so their rows would move. Fix: "
-            "HybridParameterServerStrategy(stack_tables=False); or an optimizer whose sparse "
-            "update touches only the gradient's rows (Adagrad, Ftrl, SGD without momentum; "
-            "legacy SGD, RMSprop, Adadelta); or train every table of the stack together.")
+    absent = [t for t in view.stack.tables
+              if t.views and id(t.views[view.index]) not in present]
+    if not absent:
+        return []
+    _warn_once(view.stack, name, absent, members)
+    return sorted((t.row_offsets[view.index], t.shard_counts[view.index]) for t in absent)
+
+
+# Stacks whose fallback was logged (by name, once per process).
+_WARNED = set()
+
+
+def _warn_once(stack, name, absent, members) -> None:
+    if stack.name in _WARNED:
+        return
+    _WARNED.add(stack.name)
+    trained = sorted({v.table.display_name for _, v in members})
+    logging.warning(
+        "stack_tables=True: tables %s share stack %s with tables this apply_gradients "
+        "updates (%s) but get no gradient here (frozen, unused by the loss, or another "
+        "model's), and %s changes every row of a variable it updates: after its one apply "
+        "to the stack, their rows and slot rows are written back as they were (exact, as "
+        "unstacked; one read and one write of those rows per step). "
+        "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+        sorted(t.display_name for t in absent), stack.name, trained, name)
+
+
+# id(stack shard) -> (the stack shard, [(first row, row count)]): the rows its
+# next optimizer apply must leave as they are (set by `merge`, for the apply
+# of the gradient it merged; `keep_rows` reads it there).
+_KEEP_ROWS = {}
+
+
+def _slot_variable(slot):
+    """The variable of a slot (a `NoDependency` wrapper's value)."""
+    return getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot
+
+
+def _storage(variable):
+    """The plain variable under TF's PS wrappers (`AggregatingVariable`s)."""
+    while isinstance(variable, ps_values.AggregatingVariable):
+        variable = variable.get()
+    return variable
+
+
+# New optimizer -> {id(stack shard): its slots}: recorded as Keras makes them
+# (`add_variable_from_reference`), since a stack shard's slots are not listed.
+_NEW_SLOTS = weakref.WeakKeyDictionary()
+
+
+def _slots_of(optimizer, shard) -> list:
+    """The optimizer's slot variables of stack `shard` (its rows, as the shard's)."""
+    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
+    if legacy is not None and isinstance(optimizer, legacy):
+        slots = []
+        for slot_name in optimizer.get_slot_names():
+            try:
+                slots.append(optimizer.get_slot(shard, slot_name))
+            except KeyError:
+                continue
+    else:
+        slots = _NEW_SLOTS.get(optimizer, {}).get(id(shard), [])
+    rows = shard.shape[:1]
+    return [s for s in slots if s.shape.rank and s.shape[:1] == rows]
+
+
+def keep_rows(optimizer, shard, fn, rows: Sequence[Tuple[int, int]]):
+    """`fn` (an optimizer's update of stack `shard`) that leaves `rows` as they were.
+
+    The fallback of a stack some of whose tables get no gradient, for an
+    optimizer whose apply moves every row (Adam): the rows of those tables
+    in the stack shard and in each of its slots are read before the update
+    and written back after it, on the shard's PS, in the update's own trace.
+
+    Args:
+        optimizer: The optimizer applying (its slots of `shard`).
+        shard: The stack shard.
+        fn: The update, called as ``fn(var, *args, **kwargs)``.
+        rows: (first row, row count) ranges of the stack shard to keep.
+
+    Returns:
+        The update function to give the strategy's `update` instead.
+    """
+    targets = [shard] + _slots_of(optimizer, shard)
+
+    def update(var, *args, **kwargs):
+        indices = tf.concat([tf.range(start, start + count, dtype=tf.int64)
+                             for start, count in rows], axis=0)
+        variables = [_storage(t) for t in targets]
+        saved = [v.sparse_read(indices) for v in variables]
+        eager = tf.executing_eagerly()
+        graph = None if eager else tf.compat.v1.get_default_graph()
+        first = 0 if eager else len(graph.get_operations())
+        with tf.control_dependencies(saved):
+            result = fn(var, *args, **kwargs)
+        # After every write of the update (ops without outputs: assigns,
+        # scatters, resource applies) and its result.
+        writes = [] if eager else [op for op in graph.get_operations()[first:]
+                                   if not op.outputs]
+        done = [r for r in tf.nest.flatten(result) if r is not None]
+        with tf.control_dependencies(writes + done):
+            restored = [v.scatter_update(tf.IndexedSlices(s, indices))
+                        for v, s in zip(variables, saved)]
+        if result is None or eager:
+            return result
+        with tf.control_dependencies(
+                [r.op if hasattr(r, "op") else r for r in restored if r is not None]):
+            return tf.group(*done)
+
+    return update
+
+
+class _KeepingExtended:
+    """A strategy's `extended` whose `update` of a stack shard keeps the rows `merge` recorded."""
+
+    def __init__(self, extended, optimizer):
+        self._extended = extended
+        self._optimizer = optimizer
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        entry = _KEEP_ROWS.get(id(var))
+        if entry is not None and entry[0] is var:
+            fn = keep_rows(self._optimizer, var, fn, entry[1])
+        return self._extended.update(var, fn, args=args, kwargs=kwargs, group=group)
+
+    def __getattr__(self, name):
+        return getattr(self._extended, name)
+
+
+class _KeepingStrategy:
+    """A strategy as the optimizer's distributed apply sees it, with `_KeepingExtended`."""
+
+    def __init__(self, distribution, optimizer):
+        self._distribution = distribution
+        self.extended = _KeepingExtended(distribution.extended, optimizer)
+
+    def __getattr__(self, name):
+        return getattr(self._distribution, name)
+
+
+def _keeping(distribution, optimizer, grads_and_vars):
+    """`distribution`, or its `_KeepingStrategy` if a variable's apply must keep rows."""
+    for _, var in grads_and_vars:
+        entry = _KEEP_ROWS.get(id(var))
+        if entry is not None and entry[0] is var:
+            return _KeepingStrategy(distribution, optimizer)
+    return distribution
 
 
 def _late(optimizer) -> bool:
@@ -339,7 +499,9 @@ def _install_new(cls):
                 _APPLYING_VIEWS[id(self)] = previous
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
-        return distributed_apply(self, distribution, merge(self, grads_and_vars), **kwargs)
+        grads_and_vars = merge(self, grads_and_vars)
+        return distributed_apply(self, _keeping(distribution, self, grads_and_vars),
+                                 grads_and_vars, **kwargs)
 
     def _update_model_variables_moving_average(self, var_list):
         others, views = _ema_targets(self, var_list)
@@ -359,10 +521,14 @@ def _install_new(cls):
                                      initial_value=None):
         slot = stacked_slots.add_slot(self, model_variable, variable_name, shape=shape,
                                       initial_value=initial_value)
-        if slot is not None:
-            return slot
-        return add_variable_from_reference(self, model_variable, variable_name, shape=shape,
-                                           initial_value=initial_value)
+        if slot is None:
+            slot = add_variable_from_reference(self, model_variable, variable_name, shape=shape,
+                                               initial_value=initial_value)
+        if stacking.is_stack_shard(model_variable):
+            # Its rows of a table without a gradient may have to be kept (`keep_rows`).
+            _NEW_SLOTS.setdefault(self, {}).setdefault(id(model_variable), []).append(
+                _slot_variable(slot))
+        return slot
 
     cls.apply_gradients = _apply_gradients
     cls.add_variable_from_reference = _add_variable_from_reference
@@ -470,7 +636,9 @@ def _install_legacy(cls):
         return create_all_weights(self, substitute(var_list))
 
     def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):
-        return distributed_apply(self, distribution, merge(self, grads_and_vars), *args, **kwargs)
+        grads_and_vars = merge(self, grads_and_vars)
+        return distributed_apply(self, _keeping(distribution, self, grads_and_vars),
+                                 grads_and_vars, *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
     tf_objects.set_create_all_weights(cls, _create_all_weights)

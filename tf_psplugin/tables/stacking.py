@@ -812,6 +812,11 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
                 owner.separate(stack, group_of, why_alone=apart or "")
 
 
+def is_stack_shard(variable) -> bool:
+    """Whether `variable` is a stack's shard (what one apply per stack updates)."""
+    return isinstance(variable, _StackShard)
+
+
 def _current_rows(variable, table, s: int) -> tf.Tensor:
     """`table`'s rows of stack shard `s`, read from the shard's `variable` (on its PS)."""
     start = table.row_offsets[s]
