@@ -40,6 +40,7 @@ def results(tmp_path_factory):
                 [cu.PYTHON, SCRIPT, stacking, str(root / stacking)] + list(CASES), timeout=600)
             out[stacking] = {"error": result.stdout[-6000:]} if "DONE" not in result.stdout \
                 else {}
+            out[stacking + "_log"] = result.stdout
             for case in CASES:
                 path = root / stacking / f"{case}.npz"
                 if path.exists():
@@ -67,3 +68,8 @@ def test_case_ends_like_unstacked(results, case):
     # Both tables trained (in the first fit at least): the comparison is not of initial values.
     assert any(k.startswith("opt") for k in stacked) or case == "frozen_after_legacy"
     assert f"c{dim}_item/embeddings" in stacked and f"c{dim}_user/embeddings" in stacked
+    # The stacked run fell back (logged once per stack), where the unstacked one had nothing to.
+    fallback = {"custom_after": "updates each table's rows of the stack on its own"}.get(
+        case, "are written back as they were")
+    log = results["stacked_log"].replace("\n", " ")
+    assert any(fallback in line and f"c{dim}_" in line for line in log.split("[chief]")), log[-4000:]

@@ -377,6 +377,33 @@ def test_a_row_local_optimizer_on_a_partly_trained_stack_keeps_its_fast_path():
         assert kept[id(shard)] == [(narrow.row_offsets[s], narrow.shard_counts[s])]
 
 
+def test_an_unknown_optimizer_applies_each_table_of_a_shared_stack_on_its_own():
+    """A user's optimizer (not elementwise) on a stack traced whole: as unstacked, per table.
+
+    The stack was traced by a first training with Keras Adam, so it cannot
+    be split for the new optimizer; its update of each view (written through
+    the view, with the view's own slots) is the unstacked shard's.
+    """
+    from tests.cluster.scripts.stacked_fallback import RmsScaledSGD
+
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    for model in (stacked, plain):
+        _train(model, tf.keras.optimizers.Adam(0.05), _batches(2))
+    merged_before = stacked_updates.merge(
+        RmsScaledSGD(0.05), [(tf.ones(v.shape), v) for v in stacked.trainable_variables])
+    assert [v for _, v in merged_before] == list(stacked.trainable_variables)  # Per view.
+    optimizers = {"stacked": RmsScaledSGD(0.05), "plain": RmsScaledSGD(0.05)}
+    _train(stacked, optimizers["stacked"], _batches(3, seed=2))
+    _train(plain, optimizers["plain"], _batches(3, seed=2))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    ours, theirs = optimizers["stacked"].variables, optimizers["plain"].variables
+    assert [(v.name, v.shape) for v in ours] == [(v.name, v.shape) for v in theirs]
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("late", ["clipnorm", "weight_decay", "none"])
 def test_per_variable_clipping_and_decay_stay_per_table(late):
     """clipnorm and weight decay act on each table's own gradient and rows, as unstacked."""

@@ -68,6 +68,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
@@ -75,7 +76,8 @@ from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["StackingError", "keep_rows", "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
+__all__ = ["PER_TABLE", "StackingError", "applying_per_table", "keep_rows", "merge",
+           "patch_keras_optimizers", "slot_build_list", "substitute"]
 
 
 def _legacy(name):
@@ -188,24 +190,25 @@ def merge(optimizer, grads_and_vars) -> list:
     grads_and_vars = list(grads_and_vars)
     if not any(isinstance(v, TableView) and g is not None for g, v in grads_and_vars):
         return grads_and_vars
-    groups, out = {}, []
+    groups = {}
+    for grad, var in grads_and_vars:
+        if isinstance(var, TableView) and grad is not None:
+            groups.setdefault(id(var.stack_shard), []).append((grad, var))
+    applies = {key: _check(optimizer, members) for key, members in groups.items()}
+    merged = []
     for grad, var in grads_and_vars:
         if not isinstance(var, TableView) or grad is None:
-            out.append((grad, var))
+            merged.append((grad, var))
             continue
         key = id(var.stack_shard)
-        if key not in groups:
-            groups[key] = []
-            out.append(key)
-        groups[key].append((grad, var))
-    merged = []
-    for item in out:
-        if isinstance(item, tuple):
-            merged.append(item)
+        keep = applies[key]
+        if keep == PER_TABLE:
+            merged.append((grad, var))  # Applied on its own, in place (`applying_per_table`).
             continue
-        members = groups[item]
-        keep = _check(optimizer, members)
-        shard = members[0][1].stack_shard
+        members = groups.pop(key, None)
+        if members is None:
+            continue  # Its stack shard's merged pair is in place of its first view.
+        shard = var.stack_shard
         if keep:
             _KEEP_ROWS[id(shard)] = (shard, keep)
         else:
@@ -235,13 +238,15 @@ def _merged_slices(shard, members) -> tf.IndexedSlices:
     return tf.IndexedSlices(tf.concat(values, axis=0), tf.concat(indices, axis=0), dense_shape)
 
 
-def _check(optimizer, members) -> List[Tuple[int, int]]:
-    """The rows of the stack shard its one apply must leave as they are (`keep_rows`).
+def _check(optimizer, members):
+    """How the optimizer applies the views' gradients of one stack shard.
 
     Returns:
-        (first row, row count) of each table of the stack that gets no
-        gradient here, if the optimizer's one apply would move them (it is
-        not row-local); else nothing.
+        `PER_TABLE`: one apply per view, not merged (a new Keras optimizer
+        not known to update a stack as each table, for a stack of several
+        tables). Else a list: (first row, row count) of each table of the
+        stack that gets no gradient here, if the optimizer's one apply would
+        move them (it is not row-local, `keep_rows`); else nothing.
 
     Raises:
         StackingError: the optimizer is not one whose one update of a stack
@@ -252,6 +257,11 @@ def _check(optimizer, members) -> List[Tuple[int, int]]:
     kind = _kind(optimizer)
     name = type(optimizer).__name__
     tables = list(view.stack.tables)
+    if kind is None and _is_new(optimizer):
+        # Applied per view, with slots per view (`slot_build_list`), as unstacked.
+        if len(tables) > 1:
+            _warn_once(view.stack, name, [], members, per_table=True)
+        return PER_TABLE
     if kind is None and len(tables) == 1 and tables[0] is view.table:
         return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
@@ -260,7 +270,8 @@ def _check(optimizer, members) -> List[Tuple[int, int]]:
             f"{name} is not an optimizer whose one update of a stack is known to equal its "
             "updates of each table (known: "
             f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
-            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers.")
+            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers "
+            "or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
     if kind == "row_local":
         return []
     present = {id(v) for _, v in members}
@@ -274,13 +285,32 @@ def _check(optimizer, members) -> List[Tuple[int, int]]:
 
 # Stacks whose fallback was logged (by name, once per process).
 _WARNED = set()
+# `_check`'s answer for a stack whose views are applied one by one.
+PER_TABLE = "per_table"
 
 
-def _warn_once(stack, name, absent, members) -> None:
+def _is_new(optimizer) -> bool:
+    """Whether `optimizer` applies through a Keras (non-legacy) optimizer's `update_step`."""
+    optimizer = _unwrapped(optimizer)
+    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
+    return isinstance(optimizer, keras.optimizers.Optimizer) and not (
+        legacy is not None and isinstance(optimizer, legacy))
+
+
+def _warn_once(stack, name, absent, members, per_table=False) -> None:
     if stack.name in _WARNED:
         return
     _WARNED.add(stack.name)
     trained = sorted({v.table.display_name for _, v in members})
+    if per_table:
+        logging.warning(
+            "stack_tables=True: %s is not an optimizer whose one update of a stack is known to "
+            "equal its updates of each table, and stack %s holds several tables (%s, ...): "
+            "it updates each table's rows of the stack on its own, with slots of its own "
+            "(exact, as unstacked; one apply per table). "
+            "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+            name, stack.name, trained)
+        return
     logging.warning(
         "stack_tables=True: tables %s share stack %s with tables this apply_gradients "
         "updates (%s) but get no gradient here (frozen, unused by the loss, or another "
@@ -374,6 +404,20 @@ def keep_rows(optimizer, shard, fn, rows: Sequence[Tuple[int, int]]):
             return tf.group(*done)
 
     return update
+
+
+_PER_TABLE_APPLY = ThreadScope()
+
+
+def applying_per_table() -> bool:
+    """Whether an optimizer's apply of views one by one is being made (see `merge`).
+
+    The strategy's update of a view with a gradient is allowed then only:
+    a Keras (non-legacy) optimizer's `update_step` writes the view through
+    its methods (scatters into its rows of the stack shard), with the view's
+    own slots.
+    """
+    return _PER_TABLE_APPLY.active()
 
 
 class _KeepingExtended:
@@ -500,8 +544,11 @@ def _install_new(cls):
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
         grads_and_vars = merge(self, grads_and_vars)
-        return distributed_apply(self, _keeping(distribution, self, grads_and_vars),
-                                 grads_and_vars, **kwargs)
+        distribution = _keeping(distribution, self, grads_and_vars)
+        if not has_views([v for _, v in grads_and_vars]):
+            return distributed_apply(self, distribution, grads_and_vars, **kwargs)
+        with _PER_TABLE_APPLY.scope():
+            return distributed_apply(self, distribution, grads_and_vars, **kwargs)
 
     def _update_model_variables_moving_average(self, var_list):
         others, views = _ema_targets(self, var_list)
@@ -603,7 +650,9 @@ def _builds_per_table(optimizer) -> bool:
 
 def slot_build_list(optimizer, var_list: Sequence) -> list:
     """What to give `optimizer.build` to make the slots of `var_list` (a model's variables)."""
-    return list(var_list) if _builds_per_table(optimizer) else substitute(var_list)
+    if _builds_per_table(optimizer) or (_kind(optimizer) is None and _is_new(optimizer)):
+        return list(var_list)  # Slots per view (an unknown one's: Keras's own, `merge`).
+    return substitute(var_list)
 
 
 def _substituting_build(build):
