@@ -72,4 +72,5 @@ def test_case_ends_like_unstacked(results, case):
     fallback = {"custom_after": "updates each table's rows of the stack on its own"}.get(
         case, "are written back as they were")
     log = results["stacked_log"].replace("\n", " ")
-    assert any(fallback in line and f"c{dim}_" in line for line in log.split("[chief]")), log[-4000:]
+    assert any(fallback in line and f"c{dim}_" in line
+               for line in log.split("[chief]")), log[-4000:]

@@ -366,12 +366,12 @@ def test_a_row_local_optimizer_on_a_partly_trained_stack_keeps_its_fast_path():
     grads = tape.gradient(loss, model.trainable_variables)
     merged = stacked_updates.merge(tf.keras.optimizers.legacy.Adagrad(0.3),
                                    zip(grads, model.trainable_variables))
-    assert not any(id(v) in stacked_updates._KEEP_ROWS for _, v in merged)  # pylint: disable=protected-access
+    assert not any(stacked_updates.kept_rows(v) for _, v in merged)
     merged = stacked_updates.merge(tf.keras.optimizers.Adam(0.3),
                                    zip(grads, model.trainable_variables))
     narrow = _tables(model)["emb_1"]
-    kept = {id(v): stacked_updates._KEEP_ROWS[id(v)][1]  # pylint: disable=protected-access
-            for _, v in merged if id(v) in stacked_updates._KEEP_ROWS}  # pylint: disable=protected-access
+    kept = {id(v): stacked_updates.kept_rows(v) for _, v in merged
+            if stacked_updates.kept_rows(v)}
     assert sorted(kept) == sorted(id(v) for v in narrow.variables)
     for s, shard in enumerate(narrow.variables):
         assert kept[id(shard)] == [(narrow.row_offsets[s], narrow.shard_counts[s])]

@@ -46,12 +46,17 @@ nothing for a variable list without views.
   the rows of the tables without a gradient, in the stack shard and in each
   of its slots, are written back as they were before it -- per table what
   Keras does unstacked, where a variable without a gradient is not
-  touched, bit for bit. An optimizer of another
-  class (a subclass, a custom optimizer) gets each table of its model
-  alone in a stack before the model's first traced call or its slots
-  (`why_apart`, `stacking.separate_by_model`): its one apply is then the
-  table's own. Only where that split cannot happen (a custom loop whose
-  model Keras did not compile with the optimizer) is it refused.
+  touched, bit for bit. An optimizer of another class (a subclass, a
+  custom optimizer) gets each table of its model alone in a stack before
+  the model's first traced call or its slots (`why_apart`,
+  `stacking.separate_by_model`): its one apply is then the table's own.
+  A Keras (non-legacy) one applies each view on its own wherever it
+  is (`PER_TABLE`, logged once per stack shared by several tables): its
+  `update_step` writes the view's rows through the view's methods, with
+  Keras's own slots per view (`slot_build_list` builds them so too), as it
+  would an unstacked table's shard. Only a legacy one on a stack that
+  could not be split (a custom loop, or a recompile after the stack was
+  traced) is refused: its kernels would take the stack shard's handle.
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
@@ -61,7 +66,7 @@ gradient and its apply, nor for the moving average.
 """
 
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -76,8 +81,8 @@ from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["PER_TABLE", "StackingError", "applying_per_table", "keep_rows", "merge",
-           "patch_keras_optimizers", "slot_build_list", "substitute"]
+__all__ = ["PER_TABLE", "StackingError", "applying_per_table", "keep_rows", "kept_rows",
+           "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
 
 
 def _legacy(name):
@@ -327,6 +332,12 @@ def _warn_once(stack, name, absent, members, per_table=False) -> None:
 _KEEP_ROWS = {}
 
 
+def kept_rows(shard) -> list:
+    """(first row, row count) ranges the next apply to stack `shard` keeps (set by `merge`)."""
+    entry = _KEEP_ROWS.get(id(shard))
+    return list(entry[1]) if entry is not None and entry[0] is shard else []
+
+
 def _slot_variable(slot):
     """The variable of a slot (a `NoDependency` wrapper's value)."""
     return getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot
@@ -428,9 +439,9 @@ class _KeepingExtended:
         self._optimizer = optimizer
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
-        entry = _KEEP_ROWS.get(id(var))
-        if entry is not None and entry[0] is var:
-            fn = keep_rows(self._optimizer, var, fn, entry[1])
+        rows = kept_rows(var)
+        if rows:
+            fn = keep_rows(self._optimizer, var, fn, rows)
         return self._extended.update(var, fn, args=args, kwargs=kwargs, group=group)
 
     def __getattr__(self, name):
@@ -450,10 +461,8 @@ class _KeepingStrategy:
 
 def _keeping(distribution, optimizer, grads_and_vars):
     """`distribution`, or its `_KeepingStrategy` if a variable's apply must keep rows."""
-    for _, var in grads_and_vars:
-        entry = _KEEP_ROWS.get(id(var))
-        if entry is not None and entry[0] is var:
-            return _KeepingStrategy(distribution, optimizer)
+    if any(kept_rows(var) for _, var in grads_and_vars):
+        return _KeepingStrategy(distribution, optimizer)
     return distribution
 
 
