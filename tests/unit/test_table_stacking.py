@@ -20,7 +20,7 @@ from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import lookups as table_lookups
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
-from tf_psplugin.tables import stack_rows, stacked_updates
+from tf_psplugin.tables import stack_rows, stacked_fallback, stacked_updates
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
@@ -366,12 +366,12 @@ def test_a_row_local_optimizer_on_a_partly_trained_stack_keeps_its_fast_path():
     grads = tape.gradient(loss, model.trainable_variables)
     merged = stacked_updates.merge(tf.keras.optimizers.legacy.Adagrad(0.3),
                                    zip(grads, model.trainable_variables))
-    assert not any(stacked_updates.kept_rows(v) for _, v in merged)
+    assert not any(stacked_fallback.kept_rows(v) for _, v in merged)
     merged = stacked_updates.merge(tf.keras.optimizers.Adam(0.3),
                                    zip(grads, model.trainable_variables))
     narrow = _tables(model)["emb_1"]
-    kept = {id(v): stacked_updates.kept_rows(v) for _, v in merged
-            if stacked_updates.kept_rows(v)}
+    kept = {id(v): stacked_fallback.kept_rows(v) for _, v in merged
+            if stacked_fallback.kept_rows(v)}
     assert sorted(kept) == sorted(id(v) for v in narrow.variables)
     for s, shard in enumerate(narrow.variables):
         assert kept[id(shard)] == [(narrow.row_offsets[s], narrow.shard_counts[s])]

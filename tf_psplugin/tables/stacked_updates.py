@@ -42,7 +42,7 @@ nothing for a variable list without views.
   move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
   only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
   another (Adam's moment decay moves every row) the stack falls back
-  (`keep_rows`, logged once per stack): the one apply is made, and then
+  (`stacked_fallback.keep_rows`, logged once per stack): the one apply is made, and then
   the rows of the tables without a gradient, in the stack shard and in each
   of its slots, are written back as they were before it -- per table what
   Keras does unstacked, where a variable without a gradient is not
@@ -51,7 +51,8 @@ nothing for a variable list without views.
   the model's first traced call or its slots (`why_apart`,
   `stacking.separate_by_model`): its one apply is then the table's own.
   A Keras (non-legacy) one applies each view on its own wherever it
-  is (`PER_TABLE`, logged once per stack shared by several tables): its
+  is (`PER_TABLE`, `stacked_fallback.applying_per_table`; logged once per
+  stack shared by several tables): its
   `update_step` writes the view's rows through the view's methods, with
   Keras's own slots per view (`slot_build_list` builds them so too), as it
   would an unstacked table's shard. Only a legacy one on a stack that
@@ -65,24 +66,22 @@ two moving-average functions are wrapped; there is no public hook between a
 gradient and its apply, nor for the moving average.
 """
 
-import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from absl import logging
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
-from tf_psplugin._internal.scopes import ThreadScope
-from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["PER_TABLE", "StackingError", "applying_per_table", "keep_rows", "kept_rows",
-           "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
+__all__ = ["PER_TABLE", "StackingError", "merge", "patch_keras_optimizers", "slot_build_list",
+           "substitute"]
 
 
 def _legacy(name):
@@ -215,9 +214,9 @@ def merge(optimizer, grads_and_vars) -> list:
             continue  # Its stack shard's merged pair is in place of its first view.
         shard = var.stack_shard
         if keep:
-            _KEEP_ROWS[id(shard)] = (shard, keep)
+            stacked_fallback.set_kept_rows(shard, keep)
         else:
-            _KEEP_ROWS.pop(id(shard), None)
+            stacked_fallback.set_kept_rows(shard, [])
         merged.append((_merged_slices(shard, members), shard))
     return merged
 
@@ -326,146 +325,6 @@ def _warn_once(stack, name, absent, members, per_table=False) -> None:
         sorted(t.display_name for t in absent), stack.name, trained, name)
 
 
-# id(stack shard) -> (the stack shard, [(first row, row count)]): the rows its
-# next optimizer apply must leave as they are (set by `merge`, for the apply
-# of the gradient it merged; `keep_rows` reads it there).
-_KEEP_ROWS = {}
-
-
-def kept_rows(shard) -> list:
-    """(first row, row count) ranges the next apply to stack `shard` keeps (set by `merge`)."""
-    entry = _KEEP_ROWS.get(id(shard))
-    return list(entry[1]) if entry is not None and entry[0] is shard else []
-
-
-def _slot_variable(slot):
-    """The variable of a slot (a `NoDependency` wrapper's value)."""
-    return getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot
-
-
-def _storage(variable):
-    """The plain variable under TF's PS wrappers (`AggregatingVariable`s)."""
-    while isinstance(variable, ps_values.AggregatingVariable):
-        variable = variable.get()
-    return variable
-
-
-# New optimizer -> {id(stack shard): its slots}: recorded as Keras makes them
-# (`add_variable_from_reference`), since a stack shard's slots are not listed.
-_NEW_SLOTS = weakref.WeakKeyDictionary()
-
-
-def _slots_of(optimizer, shard) -> list:
-    """The optimizer's slot variables of stack `shard` (its rows, as the shard's)."""
-    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
-    if legacy is not None and isinstance(optimizer, legacy):
-        slots = []
-        for slot_name in optimizer.get_slot_names():
-            try:
-                slots.append(optimizer.get_slot(shard, slot_name))
-            except KeyError:
-                continue
-    else:
-        slots = _NEW_SLOTS.get(optimizer, {}).get(id(shard), [])
-    rows = shard.shape[:1]
-    return [s for s in slots if s.shape.rank and s.shape[:1] == rows]
-
-
-def keep_rows(optimizer, shard, fn, rows: Sequence[Tuple[int, int]]):
-    """`fn` (an optimizer's update of stack `shard`) that leaves `rows` as they were.
-
-    The fallback of a stack some of whose tables get no gradient, for an
-    optimizer whose apply moves every row (Adam): the rows of those tables
-    in the stack shard and in each of its slots are read before the update
-    and written back after it, on the shard's PS, in the update's own trace.
-
-    Args:
-        optimizer: The optimizer applying (its slots of `shard`).
-        shard: The stack shard.
-        fn: The update, called as ``fn(var, *args, **kwargs)``.
-        rows: (first row, row count) ranges of the stack shard to keep.
-
-    Returns:
-        The update function to give the strategy's `update` instead.
-    """
-    targets = [shard] + _slots_of(optimizer, shard)
-
-    def update(var, *args, **kwargs):
-        indices = tf.concat([tf.range(start, start + count, dtype=tf.int64)
-                             for start, count in rows], axis=0)
-        variables = [_storage(t) for t in targets]
-        saved = [v.sparse_read(indices) for v in variables]
-        eager = tf.executing_eagerly()
-        graph = None if eager else tf.compat.v1.get_default_graph()
-        first = 0 if eager else len(graph.get_operations())
-        with tf.control_dependencies(saved):
-            result = fn(var, *args, **kwargs)
-        # After every write of the update (ops without outputs: assigns,
-        # scatters, resource applies) and its result.
-        writes = [] if eager else [op for op in graph.get_operations()[first:]
-                                   if not op.outputs]
-        done = [r for r in tf.nest.flatten(result) if r is not None]
-        with tf.control_dependencies(writes + done):
-            restored = [v.scatter_update(tf.IndexedSlices(s, indices))
-                        for v, s in zip(variables, saved)]
-        if result is None or eager:
-            return result
-        with tf.control_dependencies(
-                [r.op if hasattr(r, "op") else r for r in restored if r is not None]):
-            return tf.group(*done)
-
-    return update
-
-
-_PER_TABLE_APPLY = ThreadScope()
-
-
-def applying_per_table() -> bool:
-    """Whether an optimizer's apply of views one by one is being made (see `merge`).
-
-    The strategy's update of a view with a gradient is allowed then only:
-    a Keras (non-legacy) optimizer's `update_step` writes the view through
-    its methods (scatters into its rows of the stack shard), with the view's
-    own slots.
-    """
-    return _PER_TABLE_APPLY.active()
-
-
-class _KeepingExtended:
-    """A strategy's `extended` whose `update` of a stack shard keeps the rows `merge` recorded."""
-
-    def __init__(self, extended, optimizer):
-        self._extended = extended
-        self._optimizer = optimizer
-
-    def update(self, var, fn, args=(), kwargs=None, group=True):
-        rows = kept_rows(var)
-        if rows:
-            fn = keep_rows(self._optimizer, var, fn, rows)
-        return self._extended.update(var, fn, args=args, kwargs=kwargs, group=group)
-
-    def __getattr__(self, name):
-        return getattr(self._extended, name)
-
-
-class _KeepingStrategy:
-    """A strategy as the optimizer's distributed apply sees it, with `_KeepingExtended`."""
-
-    def __init__(self, distribution, optimizer):
-        self._distribution = distribution
-        self.extended = _KeepingExtended(distribution.extended, optimizer)
-
-    def __getattr__(self, name):
-        return getattr(self._distribution, name)
-
-
-def _keeping(distribution, optimizer, grads_and_vars):
-    """`distribution`, or its `_KeepingStrategy` if a variable's apply must keep rows."""
-    if any(kept_rows(var) for _, var in grads_and_vars):
-        return _KeepingStrategy(distribution, optimizer)
-    return distribution
-
-
 def _late(optimizer) -> bool:
     """Whether the optimizer treats each variable on its own before applying."""
     if getattr(optimizer, "clipnorm", None) is not None:
@@ -553,10 +412,10 @@ def _install_new(cls):
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
         grads_and_vars = merge(self, grads_and_vars)
-        distribution = _keeping(distribution, self, grads_and_vars)
+        distribution = stacked_fallback.keeping(distribution, self, grads_and_vars)
         if not has_views([v for _, v in grads_and_vars]):
             return distributed_apply(self, distribution, grads_and_vars, **kwargs)
-        with _PER_TABLE_APPLY.scope():
+        with stacked_fallback.applying_per_table_scope():
             return distributed_apply(self, distribution, grads_and_vars, **kwargs)
 
     def _update_model_variables_moving_average(self, var_list):
@@ -582,8 +441,7 @@ def _install_new(cls):
                                                initial_value=initial_value)
         if stacking.is_stack_shard(model_variable):
             # Its rows of a table without a gradient may have to be kept (`keep_rows`).
-            _NEW_SLOTS.setdefault(self, {}).setdefault(id(model_variable), []).append(
-                _slot_variable(slot))
+            stacked_fallback.record_slot(self, model_variable, slot)
         return slot
 
     cls.apply_gradients = _apply_gradients
@@ -695,7 +553,7 @@ def _install_legacy(cls):
 
     def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):
         grads_and_vars = merge(self, grads_and_vars)
-        return distributed_apply(self, _keeping(distribution, self, grads_and_vars),
+        return distributed_apply(self, stacked_fallback.keeping(distribution, self, grads_and_vars),
                                  grads_and_vars, *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
