@@ -4,9 +4,9 @@ A job with a frozen table, a second model in scope, Keras Adam and
 `ChiefCheckpoint` is run twice on one model directory (a fresh run, then a
 restart that restores it), stacked and unstacked. The restart restores, and
 so makes the optimizer's slots, before any step is traced: the stacks must
-be split per model and per trainability there as in the fresh run, or Adam's
-one apply per stack would move the frozen table's rows (refused with a
-`StackingError`). Both jobs must end with the same weights; with
+be split per model and per trainability there as in the fresh run (else
+Adam's one apply per stack would have to write the frozen table's rows
+back each step, tests/cluster/test_stacked_fallback.py). Both jobs must end with the same weights; with
 ``use_ema`` too, whose averages and overwrites act per table, and with an
 optimizer class stacking does not know (each table then has storage of its
 own, which the placement report names), and with both models subclassed

@@ -21,7 +21,7 @@ from tf_psplugin.tables import lookups as table_lookups
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import sharded_slots
-from tf_psplugin.tables import stack_rows, stacked_updates
+from tf_psplugin.tables import stack_rows, stacked_fallback, stacked_updates
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
@@ -315,26 +315,95 @@ def test_subclassed_models_get_stacks_of_their_own(monkeypatch, build_slots):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_non_row_local_optimizer_refuses_a_partly_trained_stack():
-    """Adam on a stack some of whose tables get no gradient: an error naming the fix."""
+def _adam(kind):
+    return {"adam": tf.keras.optimizers.Adam,
+            "legacy_adam": tf.keras.optimizers.legacy.Adam,
+            "legacy_adamax": tf.keras.optimizers.legacy.Adamax}[kind](0.05)
+
+
+def _frozen_after_training(model, optimizer):
+    """Trains `model`, freezes ``emb_1``, trains on (a new step, the same optimizer)."""
+    _train(model, optimizer, _batches(3))
+    model.get_layer("emb_1").trainable = False
+    _train(model, optimizer, _batches(3, seed=2))
+
+
+@pytest.mark.parametrize("kind", ["adam", "legacy_adam", "legacy_adamax"])
+def test_a_non_row_local_optimizer_on_a_partly_trained_stack_keeps_the_other_rows(kind):
+    """Adam on a stack some of whose tables get no gradient: per-table result, bit for bit.
+
+    ``emb_1`` is frozen after the stack was traced (never split): its rows,
+    and its rows of the stack's slots (whose moments are nonzero by then),
+    are written back after each apply (`stacked_updates.keep_rows`), as
+    Keras leaves an unstacked variable without a gradient untouched.
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    initial = _tables(plain)["emb_0"].numpy()
+    optimizers = {"stacked": _adam(kind), "plain": _adam(kind)}
+    _train(stacked, optimizers["stacked"], _batches(3))
+    frozen_before = _tables(stacked)["emb_1"].numpy()
+    stacked.get_layer("emb_1").trainable = False
+    assert stacks.stack_of(_tables(stacked)["emb_1"].variables[0]) is \
+        stacks.stack_of(_tables(stacked)["emb_0"].variables[0])  # Shared: the fallback runs.
+    _train(stacked, optimizers["stacked"], _batches(3, seed=2))
+    _frozen_after_training(plain, optimizers["plain"])
+    np.testing.assert_array_equal(_tables(stacked)["emb_1"].numpy(), frozen_before)
+    assert not np.array_equal(_tables(stacked)["emb_0"].numpy(), initial)  # It trained.
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_row_local_optimizer_on_a_partly_trained_stack_keeps_its_fast_path():
+    """Adagrad updates only the rows it is given: one apply, no rows written back."""
     stacks = TableStacks(lambda s: None)
     model = _model(stacks)
     model.get_layer("emb_1").trainable = False  # Not split: no traced model call.
     for stack in stacks.stacks():
         stack.traced = True  # As once a traced function has used it: never split.
-    optimizer = tf.keras.optimizers.Adam(0.05)
     x, y = _batches(1)[0]
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
     grads = tape.gradient(loss, model.trainable_variables)
-    with pytest.raises(stacked_updates.StackingError, match="stack_tables=False"):
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    # A row-local optimizer updates only the rows it is given: no error.
-    tables = _tables(model)
-    frozen = tables["emb_1"].numpy()
-    tf.keras.optimizers.legacy.Adagrad(0.3).apply_gradients(
-        zip(grads, model.trainable_variables))
-    np.testing.assert_array_equal(tables["emb_1"].numpy(), frozen)
+    merged = stacked_updates.merge(tf.keras.optimizers.legacy.Adagrad(0.3),
+                                   zip(grads, model.trainable_variables))
+    assert not any(stacked_fallback.kept_rows(v) for _, v in merged)
+    merged = stacked_updates.merge(tf.keras.optimizers.Adam(0.3),
+                                   zip(grads, model.trainable_variables))
+    narrow = _tables(model)["emb_1"]
+    kept = {id(v): stacked_fallback.kept_rows(v) for _, v in merged
+            if stacked_fallback.kept_rows(v)}
+    assert sorted(kept) == sorted(id(v) for v in narrow.variables)
+    for s, shard in enumerate(narrow.variables):
+        assert kept[id(shard)] == [(narrow.row_offsets[s], narrow.shard_counts[s])]
+
+
+def test_an_unknown_optimizer_applies_each_table_of_a_shared_stack_on_its_own():
+    """A user's optimizer (not elementwise) on a stack traced whole: as unstacked, per table.
+
+    The stack was traced by a first training with Keras Adam, so it cannot
+    be split for the new optimizer; its update of each view (written through
+    the view, with the view's own slots) is the unstacked shard's.
+    """
+    from tests.cluster.scripts.stacked_fallback import RmsScaledSGD
+
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    for model in (stacked, plain):
+        _train(model, tf.keras.optimizers.Adam(0.05), _batches(2))
+    merged_before = stacked_updates.merge(
+        RmsScaledSGD(0.05), [(tf.ones(v.shape), v) for v in stacked.trainable_variables])
+    assert [v for _, v in merged_before] == list(stacked.trainable_variables)  # Per view.
+    optimizers = {"stacked": RmsScaledSGD(0.05), "plain": RmsScaledSGD(0.05)}
+    _train(stacked, optimizers["stacked"], _batches(3, seed=2))
+    _train(plain, optimizers["plain"], _batches(3, seed=2))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    ours, theirs = optimizers["stacked"].variables, optimizers["plain"].variables
+    assert [(v.name, v.shape) for v in ours] == [(v.name, v.shape) for v in theirs]
+    for a, b in zip(ours, theirs):  # tf-keras 2.16+ lists a table's slots as one variable.
+        np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(), tf.convert_to_tensor(b).numpy(),
+                                   rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("late", ["clipnorm", "weight_decay", "none"])

@@ -20,6 +20,7 @@ from tf_psplugin.cluster.connection import StrategyError
 from tf_psplugin.runtime.variable_creation import _unwrap
 from tf_psplugin.sync import replicated
 from tf_psplugin.tables import half_precision
+from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_updates
 from tf_psplugin.tables import stacking
 
@@ -132,9 +133,12 @@ class Updates:
 
         Raises:
             stacked_updates.StackingError: a gradient applied to a stacked
-                table's view directly (not through a Keras optimizer).
+                table's view directly (not through a Keras optimizer; a Keras
+                optimizer's per-table apply, `stacked_fallback.applying_per_table`,
+                writes the view's rows through its methods).
         """
-        if isinstance(var, stacking.TableView) and (args or kwargs):
+        if isinstance(var, stacking.TableView) and (args or kwargs) \
+                and not stacked_fallback.applying_per_table():
             # An optimizer applying a gradient to a view itself would write
             # the view's rows at the wrong place of the stack shard (its
             # kernels take the shard's handle); Keras's are merged first.

@@ -41,13 +41,23 @@ nothing for a variable list without views.
   frozen layer's, another model's, one the loss does not use) must not
   move: with a row-local optimizer (`_ROW_LOCAL`: its sparse apply touches
   only the gradient's rows, e.g. Adagrad, SGD, Ftrl) it does not; with
-  another (Adam's moment decay moves every row) the merge refuses with a
-  `StackingError` naming the tables and the fix. An optimizer of another
-  class (a subclass, a custom optimizer) gets each table of its model
-  alone in a stack before the model's first traced call or its slots
-  (`why_apart`, `stacking.separate_by_model`): its one apply is then the
-  table's own. Only where that split cannot happen (a custom loop whose
-  model Keras did not compile with the optimizer) is it refused.
+  another (Adam's moment decay moves every row) the stack falls back
+  (`stacked_fallback.keep_rows`, logged once per stack): the one apply is made, and then
+  the rows of the tables without a gradient, in the stack shard and in each
+  of its slots, are written back as they were before it -- per table what
+  Keras does unstacked, where a variable without a gradient is not
+  touched, bit for bit. An optimizer of another class (a subclass, a
+  custom optimizer) gets each table of its model alone in a stack before
+  the model's first traced call or its slots (`why_apart`,
+  `stacking.separate_by_model`): its one apply is then the table's own.
+  A Keras (non-legacy) one applies each view on its own wherever it
+  is (`PER_TABLE`, `stacked_fallback.applying_per_table`; logged once per
+  stack shared by several tables): its
+  `update_step` writes the view's rows through the view's methods, with
+  Keras's own slots per view (`slot_build_list` builds them so too), as it
+  would an unstacked table's shard. Only a legacy one on a stack that
+  could not be split (a custom loop, or a recompile after the stack was
+  traced) is refused: its kernels would take the stack shard's handle.
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
@@ -58,16 +68,20 @@ gradient and its apply, nor for the moving average.
 
 from typing import Optional, Sequence
 
+from absl import logging
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
+from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["StackingError", "merge", "patch_keras_optimizers", "slot_build_list", "substitute"]
+__all__ = ["PER_TABLE", "StackingError", "merge", "patch_keras_optimizers", "slot_build_list",
+           "substitute"]
 
 
 def _legacy(name):
@@ -180,24 +194,29 @@ def merge(optimizer, grads_and_vars) -> list:
     grads_and_vars = list(grads_and_vars)
     if not any(isinstance(v, TableView) and g is not None for g, v in grads_and_vars):
         return grads_and_vars
-    groups, out = {}, []
+    groups = {}
+    for grad, var in grads_and_vars:
+        if isinstance(var, TableView) and grad is not None:
+            groups.setdefault(id(var.stack_shard), []).append((grad, var))
+    applies = {key: _check(optimizer, members) for key, members in groups.items()}
+    merged = []
     for grad, var in grads_and_vars:
         if not isinstance(var, TableView) or grad is None:
-            out.append((grad, var))
+            merged.append((grad, var))
             continue
         key = id(var.stack_shard)
-        if key not in groups:
-            groups[key] = []
-            out.append(key)
-        groups[key].append((grad, var))
-    merged = []
-    for item in out:
-        if isinstance(item, tuple):
-            merged.append(item)
+        keep = applies[key]
+        if keep == PER_TABLE:
+            merged.append((grad, var))  # Applied on its own, in place (`applying_per_table`).
             continue
-        members = groups[item]
-        _check(optimizer, members)
-        shard = members[0][1].stack_shard
+        members = groups.pop(key, None)
+        if members is None:
+            continue  # Its stack shard's merged pair is in place of its first view.
+        shard = var.stack_shard
+        if keep:
+            stacked_fallback.set_kept_rows(shard, keep)
+        else:
+            stacked_fallback.set_kept_rows(shard, [])
         merged.append((_merged_slices(shard, members), shard))
     return merged
 
@@ -223,34 +242,87 @@ def _merged_slices(shard, members) -> tf.IndexedSlices:
     return tf.IndexedSlices(tf.concat(values, axis=0), tf.concat(indices, axis=0), dense_shape)
 
 
-def _check(optimizer, members) -> None:
+def _check(optimizer, members):
+    """How the optimizer applies the views' gradients of one stack shard.
+
+    Returns:
+        `PER_TABLE`: one apply per view, not merged (a new Keras optimizer
+        not known to update a stack as each table, for a stack of several
+        tables). Else a list: (first row, row count) of each table of the
+        stack that gets no gradient here, if the optimizer's one apply would
+        move them (it is not row-local, `keep_rows`); else nothing.
+
+    Raises:
+        StackingError: the optimizer is not one whose one update of a stack
+            is known to equal its updates of each table, and the stack holds
+            other tables too.
+    """
     view = members[0][1]
     kind = _kind(optimizer)
     name = type(optimizer).__name__
     tables = list(view.stack.tables)
+    if kind is None and _is_new(optimizer):
+        # Applied per view, with slots per view (`slot_build_list`), as unstacked.
+        if len(tables) > 1:
+            _warn_once(view.stack, name, [], members, per_table=True)
+        return PER_TABLE
     if kind is None and len(tables) == 1 and tables[0] is view.table:
-        return  # A table alone in its stack: the one apply is its own, for any optimizer.
+        return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
         raise StackingError(
             f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
             f"{name} is not an optimizer whose one update of a stack is known to equal its "
             "updates of each table (known: "
             f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
-            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers.")
+            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers "
+            "or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
+    if kind == "row_local":
+        return []
     present = {id(v) for _, v in members}
-    stack = view.stack
-    absent = sorted(t.display_name for t in list(stack.tables)
-                    if t.views and id(t.views[view.index]) not in present)
-    if absent and kind != "row_local":
-        trained = sorted({v.table.display_name for _, v in members})
-        raise StackingError(
-            f"stack_tables=True: tables {absent} share a stack with tables this "
-            f"apply_gradients updates ({trained}) but get no gradient here (frozen, unused by "
-            f"the loss, or another model's), and {name} changes every row of a variable it "
-            "updates (e.g. a moment decay), so their rows would move. Fix: "
-            "HybridParameterServerStrategy(stack_tables=False); or an optimizer whose sparse "
-            "update touches only the gradient's rows (Adagrad, Ftrl, SGD without momentum; "
-            "legacy SGD, RMSprop, Adadelta); or train every table of the stack together.")
+    absent = [t for t in view.stack.tables
+              if t.views and id(t.views[view.index]) not in present]
+    if not absent:
+        return []
+    _warn_once(view.stack, name, absent, members)
+    return sorted((t.row_offsets[view.index], t.shard_counts[view.index]) for t in absent)
+
+
+# Stacks whose fallback was logged (by name, once per process).
+_WARNED = set()
+# `_check`'s answer for a stack whose views are applied one by one.
+PER_TABLE = "per_table"
+
+
+def _is_new(optimizer) -> bool:
+    """Whether `optimizer` applies through a Keras (non-legacy) optimizer's `update_step`."""
+    optimizer = _unwrapped(optimizer)
+    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
+    return isinstance(optimizer, keras.optimizers.Optimizer) and not (
+        legacy is not None and isinstance(optimizer, legacy))
+
+
+def _warn_once(stack, name, absent, members, per_table=False) -> None:
+    if stack.name in _WARNED:
+        return
+    _WARNED.add(stack.name)
+    trained = sorted({v.table.display_name for _, v in members})
+    if per_table:
+        logging.warning(
+            "stack_tables=True: %s is not an optimizer whose one update of a stack is known to "
+            "equal its updates of each table, and stack %s holds several tables (%s, ...): "
+            "it updates each table's rows of the stack on its own, with slots of its own "
+            "(exact, as unstacked; one apply per table). "
+            "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+            name, stack.name, trained)
+        return
+    logging.warning(
+        "stack_tables=True: tables %s share stack %s with tables this apply_gradients "
+        "updates (%s) but get no gradient here (frozen, unused by the loss, or another "
+        "model's), and %s changes every row of a variable it updates: after its one apply "
+        "to the stack, their rows and slot rows are written back as they were (exact, as "
+        "unstacked; one read and one write of those rows per step). "
+        "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+        sorted(t.display_name for t in absent), stack.name, trained, name)
 
 
 def _late(optimizer) -> bool:
@@ -339,7 +411,12 @@ def _install_new(cls):
                 _APPLYING_VIEWS[id(self)] = previous
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
-        return distributed_apply(self, distribution, merge(self, grads_and_vars), **kwargs)
+        grads_and_vars = merge(self, grads_and_vars)
+        distribution = stacked_fallback.keeping(distribution, self, grads_and_vars)
+        if not has_views([v for _, v in grads_and_vars]):
+            return distributed_apply(self, distribution, grads_and_vars, **kwargs)
+        with stacked_fallback.applying_per_table_scope():
+            return distributed_apply(self, distribution, grads_and_vars, **kwargs)
 
     def _update_model_variables_moving_average(self, var_list):
         others, views = _ema_targets(self, var_list)
@@ -359,10 +436,13 @@ def _install_new(cls):
                                      initial_value=None):
         slot = stacked_slots.add_slot(self, model_variable, variable_name, shape=shape,
                                       initial_value=initial_value)
-        if slot is not None:
-            return slot
-        return add_variable_from_reference(self, model_variable, variable_name, shape=shape,
-                                           initial_value=initial_value)
+        if slot is None:
+            slot = add_variable_from_reference(self, model_variable, variable_name, shape=shape,
+                                               initial_value=initial_value)
+        if stacking.is_stack_shard(model_variable):
+            # Its rows of a table without a gradient may have to be kept (`keep_rows`).
+            stacked_fallback.record_slot(self, model_variable, slot)
+        return slot
 
     cls.apply_gradients = _apply_gradients
     cls.add_variable_from_reference = _add_variable_from_reference
@@ -437,7 +517,9 @@ def _builds_per_table(optimizer) -> bool:
 
 def slot_build_list(optimizer, var_list: Sequence) -> list:
     """What to give `optimizer.build` to make the slots of `var_list` (a model's variables)."""
-    return list(var_list) if _builds_per_table(optimizer) else substitute(var_list)
+    if _builds_per_table(optimizer) or (_kind(optimizer) is None and _is_new(optimizer)):
+        return list(var_list)  # Slots per view (an unknown one's: Keras's own, `merge`).
+    return substitute(var_list)
 
 
 def _substituting_build(build):
@@ -470,7 +552,9 @@ def _install_legacy(cls):
         return create_all_weights(self, substitute(var_list))
 
     def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):
-        return distributed_apply(self, distribution, merge(self, grads_and_vars), *args, **kwargs)
+        grads_and_vars = merge(self, grads_and_vars)
+        return distributed_apply(self, stacked_fallback.keeping(distribution, self, grads_and_vars),
+                                 grads_and_vars, *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
     tf_objects.set_create_all_weights(cls, _create_all_weights)

@@ -25,8 +25,9 @@ How no Keras or TF API can tell (issue 29):
   PS (`lookups.lookup_tables`), with the gradient split per view.
 * **One apply per stack shard** (`stacked_updates`): the views' gradients
   are merged into one gradient of the stack shard, with one set of slots;
-  it refuses, with an error naming the fix, where one apply would not
-  equal per-table applies.
+  where one apply would not equal per-table applies, it writes back the
+  rows of the tables without a gradient, or applies each table's view on
+  its own.
 * **Stacks per model**: a model's first traced call splits the stacks it
   uses -- not yet used by any traced function nor given slots -- into its
   trainable tables, its frozen ones and everything else
@@ -812,6 +813,11 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
             owner = stack.owner() if stack.owner is not None else None
             if owner is not None:
                 owner.separate(stack, group_of, why_alone=apart or "")
+
+
+def is_stack_shard(variable) -> bool:
+    """Whether `variable` is a stack's shard (what one apply per stack updates)."""
+    return isinstance(variable, _StackShard)
 
 
 def _current_rows(variable, table, s: int) -> tf.Tensor:

@@ -1,0 +1,198 @@
+"""The fallbacks of one apply per stack shard: rows written back, views applied on their own.
+
+Why this module exists: `stacked_updates` merges the views' gradients of a
+stack shard into one apply where that equals per-table applies. Where it
+does not, the stack still trains exactly as unstacked tables would, in one
+of two ways, decided by `stacked_updates.merge` and carried out here, in
+the optimizer's own update of the stack shard:
+
+* **Rows written back** (`keep_rows`): an optimizer whose update is
+  elementwise but moves every row of what it applies to (Keras's and
+  legacy Adam: the moment decay) applied to a stack some of whose tables
+  get no gradient (frozen after the stack was traced, another model's).
+  The rows of those tables, in the stack shard and in each of its slots,
+  are read before the update and written back after it, on the shard's PS
+  and in the update's own trace: Keras leaves a variable without a
+  gradient untouched, and so does this, bit for bit. The optimizer's
+  distributed apply is given a strategy whose `update` wraps the shard's
+  update function so (`keeping`).
+* **Views applied on their own** (`applying_per_table`): a Keras
+  (non-legacy) optimizer not known to update a stack as it updates each
+  table gets each view with its own gradient; the strategy's update of a
+  view is allowed while this scope is open (`runtime/updates.py`), and the
+  optimizer's `update_step` writes the view's rows through its methods,
+  with Keras's own slots per view.
+"""
+
+import weakref
+from typing import Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.scopes import ThreadScope
+from tf_psplugin._internal.tf_internal import ps_values
+from tf_psplugin.tables import stacking
+
+__all__ = ["applying_per_table", "applying_per_table_scope", "keep_rows", "keeping",
+           "kept_rows", "record_slot", "set_kept_rows"]
+
+
+# id(stack shard) -> (the stack shard, [(first row, row count)]): the rows its
+# next optimizer apply must leave as they are (set by `merge`, for the apply
+# of the gradient it merged; `keep_rows` reads it there).
+_KEEP_ROWS = {}
+
+
+def set_kept_rows(shard, rows: Sequence[Tuple[int, int]]) -> None:
+    """Sets the rows the next apply to stack `shard` keeps (none: its plain apply)."""
+    if rows:
+        _KEEP_ROWS[id(shard)] = (shard, list(rows))
+    else:
+        _KEEP_ROWS.pop(id(shard), None)
+
+
+def kept_rows(shard) -> list:
+    """(first row, row count) ranges the next apply to stack `shard` keeps (set by `merge`)."""
+    entry = _KEEP_ROWS.get(id(shard))
+    return list(entry[1]) if entry is not None and entry[0] is shard else []
+
+
+def _slot_variable(slot):
+    """The variable of a slot (a `NoDependency` wrapper's value)."""
+    return getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot
+
+
+def _storage(variable):
+    """The plain variable under TF's PS wrappers (`AggregatingVariable`s)."""
+    while isinstance(variable, ps_values.AggregatingVariable):
+        variable = variable.get()
+    return variable
+
+
+# New optimizer -> {id(stack shard): its slots}: recorded as Keras makes them
+# (`add_variable_from_reference`), since a stack shard's slots are not listed.
+_NEW_SLOTS = weakref.WeakKeyDictionary()
+
+
+def record_slot(optimizer, model_variable, slot) -> None:
+    """Records `slot`, made by a new optimizer for `model_variable`, if that is a stack shard."""
+    if stacking.is_stack_shard(model_variable):
+        _NEW_SLOTS.setdefault(optimizer, {}).setdefault(id(model_variable), []).append(
+            _slot_variable(slot))
+
+
+def _slots_of(optimizer, shard) -> list:
+    """The optimizer's slot variables of stack `shard` (its rows, as the shard's)."""
+    legacy = getattr(keras.optimizers.legacy, "Optimizer", None)
+    if legacy is not None and isinstance(optimizer, legacy):
+        slots = []
+        for slot_name in optimizer.get_slot_names():
+            try:
+                slots.append(optimizer.get_slot(shard, slot_name))
+            except KeyError:
+                continue
+    else:
+        slots = _NEW_SLOTS.get(optimizer, {}).get(id(shard), [])
+    rows = shard.shape[:1]
+    return [s for s in slots if s.shape.rank and s.shape[:1] == rows]
+
+
+def keep_rows(optimizer, shard, fn, rows: Sequence[Tuple[int, int]]):
+    """`fn` (an optimizer's update of stack `shard`) that leaves `rows` as they were.
+
+    The fallback of a stack some of whose tables get no gradient, for an
+    optimizer whose apply moves every row (Adam): the rows of those tables
+    in the stack shard and in each of its slots are read before the update
+    and written back after it, on the shard's PS, in the update's own trace.
+
+    Args:
+        optimizer: The optimizer applying (its slots of `shard`).
+        shard: The stack shard.
+        fn: The update, called as ``fn(var, *args, **kwargs)``.
+        rows: (first row, row count) ranges of the stack shard to keep.
+
+    Returns:
+        The update function to give the strategy's `update` instead.
+    """
+    targets = [shard] + _slots_of(optimizer, shard)
+
+    def update(var, *args, **kwargs):
+        indices = tf.concat([tf.range(start, start + count, dtype=tf.int64)
+                             for start, count in rows], axis=0)
+        variables = [_storage(t) for t in targets]
+        saved = [v.sparse_read(indices) for v in variables]
+        eager = tf.executing_eagerly()
+        graph = None if eager else tf.compat.v1.get_default_graph()
+        first = 0 if eager else len(graph.get_operations())
+        with tf.control_dependencies(saved):
+            result = fn(var, *args, **kwargs)
+        # After every write of the update (ops without outputs: assigns,
+        # scatters, resource applies) and its result.
+        writes = [] if eager else [op for op in graph.get_operations()[first:]
+                                   if not op.outputs]
+        done = [r for r in tf.nest.flatten(result) if r is not None]
+        with tf.control_dependencies(writes + done):
+            restored = [v.scatter_update(tf.IndexedSlices(s, indices))
+                        for v, s in zip(variables, saved)]
+        if result is None or eager:
+            return result
+        with tf.control_dependencies(
+                [r.op if hasattr(r, "op") else r for r in restored if r is not None]):
+            return tf.group(*done)
+
+    return update
+
+
+_PER_TABLE_APPLY = ThreadScope()
+
+
+def applying_per_table_scope():
+    """A context manager: the optimizer's apply made inside applies views one by one."""
+    return _PER_TABLE_APPLY.scope()
+
+
+def applying_per_table() -> bool:
+    """Whether an optimizer's apply of views one by one is being made (see `stacked_updates.merge`).
+
+    The strategy's update of a view with a gradient is allowed then only:
+    a Keras (non-legacy) optimizer's `update_step` writes the view through
+    its methods (scatters into its rows of the stack shard), with the view's
+    own slots.
+    """
+    return _PER_TABLE_APPLY.active()
+
+
+class _KeepingExtended:
+    """A strategy's `extended` whose `update` of a stack shard keeps the rows `merge` recorded."""
+
+    def __init__(self, extended, optimizer):
+        self._extended = extended
+        self._optimizer = optimizer
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        rows = kept_rows(var)
+        if rows:
+            fn = keep_rows(self._optimizer, var, fn, rows)
+        return self._extended.update(var, fn, args=args, kwargs=kwargs, group=group)
+
+    def __getattr__(self, name):
+        return getattr(self._extended, name)
+
+
+class _KeepingStrategy:
+    """A strategy as the optimizer's distributed apply sees it, with `_KeepingExtended`."""
+
+    def __init__(self, distribution, optimizer):
+        self._distribution = distribution
+        self.extended = _KeepingExtended(distribution.extended, optimizer)
+
+    def __getattr__(self, name):
+        return getattr(self._distribution, name)
+
+
+def keeping(distribution, optimizer, grads_and_vars):
+    """`distribution`, or its `_KeepingStrategy` if a variable's apply must keep rows."""
+    if any(kept_rows(var) for _, var in grads_and_vars):
+        return _KeepingStrategy(distribution, optimizer)
+    return distribution
