@@ -23,17 +23,6 @@ STDLIB_PUBLIC = {"_exit", "_replace", "_asdict", "_fields", "_make", "_field_def
 
 # (module, private name) -> (uses at most, why it stays).
 ALLOWED = {
-    ("tables/stacking.py", "_inner"): (
-        7, "_Stack moves the storage variable inside its own _StackShard wrappers (one module, "
-           "one storage); a _StackShard method for it comes with the stacking.py split"),
-    ("tables/stacking.py", "_device"): (
-        2, "_Stack.like copies a _StackShard's device to its twin (same module), as above"),
-    ("tables/stacking.py", "_on_replace"): (
-        1, "TableStacks.separate tells the stack's owner a shard's variable is gone (same "
-           "module), as above"),
-    ("tables/stacking.py", "_view_prefix"): (
-        1, "a TableView names itself by its table's Keras scope before `display_name` can "
-           "(same module), as above"),
     ("tables/sharded.py", "_logical_value"): (
         2, "the tensor conversion and operator functions registered for the class are its own "
            "code, written as functions because TF registers functions"),

@@ -62,16 +62,15 @@ most `MAX_TABLE_BYTES`; a stack stops growing at `MAX_STACK_BYTES`. Not
 stacked: `DynamicEmbedding`'s tables (it addresses its own rows), tables
 made in graph mode (the Estimator path), contiguous sharding.
 
-Private TF API: a stack shard is a `ps_values.AggregatingVariable` (TF's
-forwarding variable, which stock PSS wraps PS variables in) whose inner
-variable (`_v`, and the inner's `_aggregating_container`) is set when the
-stack is materialized, and which answers `_get_save_slice_info` for
-`ShardedVariable`; there is no public variable whose storage is made
-later or replaced.
+The code: this module holds the logical table (`StackedTable`) and the
+registry that decides which tables stack (`TableStacks`);
+`table_view.py` what Keras sees of a table (`TableView`);
+`stack_storage.py` the stacks' storage (`Stack`, `StackShard`).
+
+Private TF API: `ShardedVariable`'s saving variable and type spec (the
+table's own checkpoint and `tf.nest` components), through `_internal`.
 """
 
-import functools
-import itertools
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -80,14 +79,13 @@ import tensorflow as tf
 from tf_psplugin._internal import patches
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
-from tf_psplugin._internal.tf_internal import (
-    ps_values, resource_variable_ops, save_context, sharded_variable, tf_dispatch)
-from tf_psplugin.sync import outside_writes
+from tf_psplugin._internal.tf_internal import resource_variable_ops, sharded_variable
 from tf_psplugin.tables import stack_rows
-from tf_psplugin.tables import shard_init
 from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
+from tf_psplugin.tables.stack_storage import Stack, StackShard, current_rows
+from tf_psplugin.tables.table_view import TableView  # noqa: F401  (re-exported)
 
 __all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
            "unstacked"]
@@ -130,7 +128,7 @@ class StackedTable(InterleavedShardedVariable):
         row_offsets: Where this table's rows start in each shard.
         num_rows: The table's logical row count.
         name: The table's name.
-        stack: The `_Stack` it belongs to (None for a copy, e.g. of slots).
+        stack: The `Stack` it belongs to (None for a copy, e.g. of slots).
     """
 
     def __init__(self, variables, row_offsets: Sequence[int], num_rows: int,
@@ -179,7 +177,12 @@ class StackedTable(InterleavedShardedVariable):
     @property
     def display_name(self) -> str:
         """The table's name with its layer's scope ("item/embeddings"), for messages."""
-        return getattr(self, "_view_prefix", None) or self.name
+        return self.view_prefix or self.name
+
+    @property
+    def view_prefix(self) -> Optional[str]:
+        """The Keras name scope its views are named in (``<layer>/embeddings``), if made in one."""
+        return getattr(self, "_view_prefix", None)
 
     @property
     def views(self) -> Optional[List["TableView"]]:
@@ -302,325 +305,6 @@ def _scoped_name(name: str) -> str:
         return base
 
 
-_VIEW_IDS = itertools.count()
-_VIEW_HANDLES_ATTR = "_tf_psplugin_table_view_handles"
-
-
-class TableView(tf.Variable):
-    """One stacked table's rows of one stack shard, as Keras and the tape see them.
-
-    It is what an unstacked interleaved table's shard ``s`` would be -- a
-    ``[rows, D]`` variable named ``<table>/part_<s>``, holding logical rows
-    ``s, s + n, ...`` -- but its storage is rows ``[offset, offset + rows)``
-    of the stack's shard ``s``. Keras lists it as the layer's weight, so
-    `layer.weights`, `get_weights`/`set_weights`, `count_params`,
-    `trainable_variables`, regularizers and `trainable=False` see the table
-    alone.
-
-    Reads are gathers of the stack shard whose gradient the tape gives to
-    the view: each view has its own handle tensor (an identity of the
-    stack shard's handle, one per traced function), which the read's custom
-    gradient takes as input and the tape watches. The gradient is an
-    `IndexedSlices` over the view's own rows, exactly what an unstacked
-    shard gets. Writes scatter into the view's rows. Optimizers never apply
-    to a view: `stacked_updates` merges the views' gradients into one apply
-    per stack shard.
-
-    Args:
-        table: The `StackedTable`.
-        index: The stack shard.
-    """
-
-    # pylint: disable=super-init-not-called,missing-function-docstring
-    def __init__(self, table: "StackedTable", index: int):
-        # Not tf.Variable.__init__: there is no storage of its own.
-        self._table = table
-        self._index = index
-        self._id = next(_VIEW_IDS)
-        self._eager_handle = (None, None)  # (stack variable, its identity)
-
-    # -- what it is ------------------------------------------------------------
-
-    @property
-    def table(self) -> "StackedTable":
-        return self._table
-
-    @property
-    def index(self) -> int:
-        return self._index
-
-    @property
-    def stack(self) -> "_Stack":
-        """The stack the view's table is in."""
-        return self._table.stack
-
-    @property
-    def stack_shard(self):
-        """The stack's shard variable whose rows this view is."""
-        return tf_objects.sharded_shards(self._table)[self._index]
-
-    @property
-    def offset(self) -> int:
-        return self._table.row_offsets[self._index]
-
-    @property
-    def num_rows(self) -> int:
-        return self._table.shard_counts[self._index]
-
-    def _should_act_as_resource_variable(self):
-        """Passes `resource_variable_ops.is_resource_variable` (the tape asks)."""
-
-    @property
-    def name(self):
-        return f"{self._shared_name}:0"
-
-    @property
-    def _shared_name(self):
-        return f"{self._table._view_prefix}/part_{self._index}"  # pylint: disable=protected-access
-
-    @property
-    def _unique_id(self):
-        return f"tf_psplugin_table_view_{self._id}"
-
-    @property
-    def shape(self):
-        return tf.TensorShape([self.num_rows]).concatenate(self._table.shape[1:])
-
-    def get_shape(self):
-        return self.shape
-
-    @property
-    def dtype(self):
-        return self._table.dtype
-
-    @property
-    def device(self):
-        return self.stack_shard.device
-
-    @property
-    def trainable(self):
-        return True
-
-    @property
-    def synchronization(self):
-        return tf.VariableSynchronization.AUTO
-
-    @property
-    def aggregation(self):
-        return tf.VariableAggregation.NONE
-
-    @property
-    def constraint(self):
-        return None  # A table with a constraint is never stacked (`TableStacks.eligible`).
-
-    @property
-    def _distribute_strategy(self):
-        return tf_objects.variable_distribute_strategy(self.stack_shard)
-
-    @property
-    def graph(self):
-        return tf_objects.aggregating_inner(self.stack_shard).graph
-
-    @property
-    def _in_graph_mode(self):
-        return False
-
-    def __repr__(self):
-        return (f"<TableView {self._shared_name!r} shape={self.shape} dtype={self.dtype.name} "
-                f"rows {self.offset}.. of {self.stack_shard.name}>")
-
-    # -- the handle the tape watches -------------------------------------------
-
-    @property
-    def handle(self):
-        """This view's own handle tensor: an identity of the stack shard's handle.
-
-        The tape keys gradients by tensor, so each view needs its own; it is
-        never read as a variable (a read of it would return the whole stack
-        shard). Eagerly one per stack variable; in a traced function one per
-        graph, made on the stack shard's device so that passing it costs no
-        transfer.
-        """
-        inner = tf_objects.aggregating_inner(self.stack_shard)
-        if tf.executing_eagerly():
-            var, handle = self._eager_handle
-            if var is not inner:
-                with tf.device(inner.device):
-                    handle = tf.identity(inner.handle)
-                self._eager_handle = (inner, handle)
-            return handle
-        graph = tf.compat.v1.get_default_graph()
-        cache = getattr(graph, _VIEW_HANDLES_ATTR, None)
-        if cache is None:
-            cache = {}
-            setattr(graph, _VIEW_HANDLES_ATTR, cache)
-        entry = cache.get(self._id)
-        if entry is None or entry[0] is not inner:
-            # In this graph itself (a nested graph captures the stack's
-            # variable, as for any variable, never another graph's tensor:
-            # tf.saved_model.save refuses those).
-            with tf.control_dependencies(None), tf.device(inner.device):
-                entry = (inner, tf.identity(inner.handle, name="table_view_handle"))
-            cache[self._id] = entry
-        return entry[1]
-
-    # -- reads -----------------------------------------------------------------
-
-    def _physical(self, local_ids):
-        """(local ids as an integer tensor, their rows in the stack shard; outside: invalid)."""
-        local_ids = tf.convert_to_tensor(local_ids)
-        if not local_ids.dtype.is_integer:
-            local_ids = tf.cast(local_ids, tf.int64)
-        shifted = local_ids + tf.cast(self.offset, local_ids.dtype)
-        return local_ids, stack_rows.shift_valid(local_ids, shifted, self.num_rows)
-
-    def _read(self, local_ids: tf.Tensor) -> tf.Tensor:
-        """Rows `local_ids` (1-D, of this view) of the stack shard; gradient to this view."""
-        if save_context.in_save_context():
-            # tf.saved_model.save: the table is saved as its one [V, D]
-            # saving variable (as TF saves any ShardedVariable), restored from
-            # the table's checkpoint value on load; the stack is not saved.
-            table = self._table
-            n = len(tf_objects.sharded_shards(table))
-            logical = tf.cast(local_ids, tf.int64) * n + self._index
-            return tf.gather(tf_objects.sharded_saving_variable(table), logical)
-        stack_rows.watch(self)  # Every active tape now watches `self.handle`.
-        inner = tf_objects.aggregating_inner(self.stack_shard)
-        local_ids, physical = self._physical(local_ids)
-        dense_shape = tf.constant(self.shape.as_list(), tf.int32)
-        dtype = self.dtype
-
-        @tf.custom_gradient
-        def read(handle):
-            del handle  # Only the gradient's input: the rows come from the stack.
-            rows = tf.raw_ops.ResourceGather(resource=inner.handle, indices=physical,
-                                             dtype=dtype)
-
-            def grad(dy):
-                return tf.IndexedSlices(dy, local_ids, dense_shape)
-
-            return rows, grad
-
-        with tf.device(inner.device):
-            return read(self.handle)
-
-    def sparse_read(self, indices, name=None):
-        del name
-        indices = tf.convert_to_tensor(indices)
-        flat = tf.reshape(indices, [-1])
-        rows = self._read(flat)
-        return tf.reshape(rows, tf.concat([tf.shape(indices), tf.shape(rows)[1:]], axis=0))
-
-    def value(self):
-        return self._read(tf.range(self.num_rows, dtype=tf.int64))
-
-    def read_value(self):
-        return self.value()
-
-    def value_as(self, dtype=None) -> tf.Tensor:
-        """The view's rows as a tensor (cast to `dtype` if given): what conversion gives."""
-        value = self.value()
-        return value if dtype is None or dtype == value.dtype else tf.cast(value, dtype)
-
-    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        del name, as_ref
-        return self.value_as(dtype)
-
-    def numpy(self):
-        if not tf.executing_eagerly():
-            raise NotImplementedError("numpy() is only available when eager execution is enabled.")
-        return self.value().numpy()
-
-    def __array__(self, dtype=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
-
-    def gather_nd(self, indices, name=None):
-        raise NotImplementedError(
-            f"{self._shared_name} is a stacked table's rows: gather_nd is not supported. "
-            "Use sparse_read / tf.gather, or stack_tables=False.")
-
-    # -- writes ----------------------------------------------------------------
-
-    def _rows_range(self):
-        return tf.range(self.num_rows, dtype=tf.int64)
-
-    def _scatter(self, method: str, indices, values):
-        """Writes `values` at this view's rows `indices` (local; outside it: an error)."""
-        _, physical = self._physical(indices)
-        values = tf.convert_to_tensor(values, dtype=self.dtype)
-        getattr(self.stack_shard, method)(tf.IndexedSlices(values, physical))
-        return self
-
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        return self._scatter("scatter_update", self._rows_range(), value)
-
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        return self._scatter("scatter_add", self._rows_range(), delta)
-
-    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        return self._scatter("scatter_sub", self._rows_range(), delta)
-
-    def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        return self._scatter("scatter_update", sparse_delta.indices, sparse_delta.values)
-
-    def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        return self._scatter("scatter_add", sparse_delta.indices, sparse_delta.values)
-
-    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        return self._scatter("scatter_sub", sparse_delta.indices, sparse_delta.values)
-
-    # -- checkpoints -----------------------------------------------------------
-
-    def _gather_saveables_for_checkpoint(self):
-        # The table saves its rows (under its own key); a view alone has none.
-        return {}
-
-    def _serialize_to_tensors(self):
-        return {}
-
-
-def _view_to_tensor(view, dtype=None, name=None, as_ref=False):
-    del name, as_ref
-    return view.value_as(dtype)
-
-
-tf.register_tensor_conversion_function(TableView, _view_to_tensor)
-# TF's type-based dispatch ignores unregistered types (see _tf_internal).
-tf_dispatch.register_dispatchable_type(TableView)
-
-
-@tf.experimental.dispatch_for_api(
-    tf.compat.v1.nn.embedding_lookup, {"params": List[TableView]})
-def _embedding_lookup_views(params, ids, partition_strategy="mod", name=None,
-                            validate_indices=True, max_norm=None):
-    """A "mod" lookup over a stacked table's views (TF's, which would read them densely).
-
-    TF's v1 lookup converts a list of params to dense tensors unless one of
-    them is a `BaseResourceVariable`, and its sparse and safe lookups call it
-    with the list they are given: this is its "mod" path, gathering from
-    each view (`TableView.sparse_read`: one gather of the stack shard, the
-    gradient to the view).
-    """
-    del partition_strategy, validate_indices  # Always the table's own "mod" layout.
-    views = list(params)
-    with tf.name_scope(name or "embedding_lookup"):
-        ids = tf.convert_to_tensor(ids)
-        flat = tf.reshape(ids, [-1])
-        n = len(views)
-        shard = tf.cast(flat % n, tf.int32)
-        local = tf.dynamic_partition(flat // n, shard, n)
-        positions = tf.dynamic_partition(tf.range(tf.size(flat)), shard, n)
-        rows = []
-        for view, part in zip(views, local):
-            got = view.sparse_read(part)
-            if max_norm is not None:
-                got = tf.clip_by_norm(got, max_norm, axes=[1])
-            rows.append(got)
-        out = tf.dynamic_stitch(positions, rows)
-        return tf.reshape(out, tf.concat([tf.shape(ids), tf.shape(out)[1:]], axis=0))
-
-
 class StackedTableSpec(sharded_variable.ShardedVariableSpec):
     """TypeSpec that rebuilds a `StackedTable` with its offsets."""
 
@@ -650,119 +334,6 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
             return variables[0].table
         return StackedTable(variables, self._row_offsets, self._num_rows,
                             name=self._table_name)
-
-
-class _TableSet:
-    """The live tables of a stack, by identity (a WeakSet would compare tables with ==)."""
-
-    def __init__(self):
-        self._refs: Dict[int, "weakref.ref[StackedTable]"] = {}
-
-    def add(self, table) -> None:
-        self._refs[id(table)] = weakref.ref(table, lambda _, key=id(table): self._refs.pop(key,
-                                                                                         None))
-
-    def discard(self, table) -> None:
-        self._refs.pop(id(table), None)
-
-    def __iter__(self):
-        return iter([t for t in (ref() for ref in list(self._refs.values())) if t is not None])
-
-
-class _Stack:
-    """The shard variables of one stack and the tables in it.
-
-    A table that joins does not copy the stack: each shard keeps the initial
-    rows of the tables appended since it was last materialized (tensors on
-    its PS) and makes its variable, of the full known shape, from all of
-    them at once when anything first needs it (a lookup, a read, a slot, a
-    checkpoint). Building a model of 26 tables thus writes each shard once,
-    not once per table (appending by copying grew each PS's peak RSS by
-    0.55 GB on the 26-table benchmark model). A table that joins after that
-    costs one copy of the shard.
-    """
-
-    def __init__(self, name: str, num_shards: int, width: int, dtype: tf.DType,
-                 device_of: Callable[[int], Optional[str]], creator,
-                 on_replace: Callable[[Optional[tf.Variable], tf.Variable], None]):
-        self.name = name
-        self.width = width
-        self.dtype = dtype
-        self.rows = [0] * num_shards
-        self.pending: List[list] = [[] for _ in range(num_shards)]
-        self.shards = [_StackShard(self, s, device_of(s)) for s in range(num_shards)]
-        for shard in self.shards:
-            # A view's write scatters through its shard's own methods (into
-            # the inner handle): numbered there, as a write outside a step.
-            outside_writes.watch(shard)
-        self._creator = creator
-        self._on_replace = on_replace
-        self.sealed = False
-        self.traced = False  # A traced function has used its variables (set by its shards).
-        self.materializations = 0
-        self.tables = _TableSet()
-        # The tables whose rows are in `pending`, in order (one piece each per shard).
-        self.pending_tables: List["weakref.ref[StackedTable]"] = []
-        self.owner: Optional["weakref.ref[TableStacks]"] = None  # Set by TableStacks.
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(self.rows) * self.width * self.dtype.size
-
-    def append(self, shard_values: Callable[[int], Callable[[], tf.Tensor]],
-               counts: Sequence[int]) -> List[int]:
-        """Computes a table's initial rows on each PS; returns where they start in the stack.
-
-        The rows are computed now, so that an initializer draws the same
-        values as for an unstacked table (Keras's unseeded initializers
-        follow the global seed in creation order); they join the stack's
-        variables when it is materialized.
-        """
-        offsets = list(self.rows)
-        for s, count in enumerate(counts):
-            with tf.device(self.shards[s].device or None):
-                rows = shard_init.compute_rows(shard_values(s), [count, self.width],
-                                               self.dtype)
-            self.pending[s].append(rows)
-            self.rows[s] += int(count)
-        return offsets
-
-    def materialize(self) -> None:
-        """Makes each shard's variable hold every row appended so far (one allocation)."""
-        if not any(self.pending):
-            return
-        with tf.init_scope():  # Also when first needed while a step is traced.
-            for s, shard in enumerate(self.shards):
-                if not self.pending[s]:
-                    continue
-                old = shard._inner  # pylint: disable=protected-access
-                pieces = list(self.pending[s])
-                with tf.device(shard.device or None):
-                    new = self._creator(
-                        name=f"{self.name}/part_{s}", shape=[self.rows[s], self.width],
-                        initial_value=functools.partial(_rows_of, old, pieces, self.dtype))
-                shard._inner = new  # pylint: disable=protected-access
-                tf_objects.set_aggregating_container(new, shard)
-                self.pending[s] = []
-                self._on_replace(old, new)
-        self.pending_tables = []
-        self.materializations += 1
-
-    def never_made(self) -> bool:
-        """Whether no shard has its variable yet (nothing can have read the stack)."""
-        # pylint: disable-next=protected-access
-        return all(shard._inner is None for shard in self.shards)
-
-    def like(self, name: str) -> "_Stack":
-        """A new, empty stack of the same row width, dtype, shards and creator."""
-        stack = _Stack(name, len(self.shards), self.width, self.dtype, lambda s: None,
-                       self._creator, self._on_replace)
-        for mine, theirs in zip(stack.shards, self.shards):
-            mine._device = theirs._device  # pylint: disable=protected-access
-            tf_objects.set_variable_distribute_strategy(
-                mine, tf_objects.variable_distribute_strategy(theirs))
-        stack.owner = self.owner
-        return stack
 
 
 def separate_by_model(model, apart: Optional[str] = None) -> None:
@@ -817,100 +388,7 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
 
 def is_stack_shard(variable) -> bool:
     """Whether `variable` is a stack's shard (what one apply per stack updates)."""
-    return isinstance(variable, _StackShard)
-
-
-def _current_rows(variable, table, s: int) -> tf.Tensor:
-    """`table`'s rows of stack shard `s`, read from the shard's `variable` (on its PS)."""
-    start = table.row_offsets[s]
-    count = table.shard_counts[s]
-    with tf.device(variable.device):
-        return tf.identity(variable.sparse_read(tf.range(start, start + count, dtype=tf.int64)))
-
-
-def _rows_of(old: Optional[tf.Variable], pieces, dtype) -> tf.Tensor:
-    parts = [old.read_value()] if old is not None else []
-    parts += [tf.cast(piece, dtype) for piece in pieces]
-    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-
-
-class _StackShard(ps_values.AggregatingVariable):
-    """A stack's shard on one PS: forwards to the variable that holds its rows.
-
-    `AggregatingVariable` is TF's own forwarding variable (stock PSS wraps PS
-    variables in it); Keras, the tape and the optimizers use its inner
-    variable's handle. The inner variable is made, or remade bigger, by the
-    stack (`_Stack.materialize`) when first needed; what Keras and
-    `ShardedVariable` ask while a model is built (shape, dtype, device,
-    name, trainable) is answered without it. Its strategy is the one whose
-    scope made it, as Keras checks before it makes slots; None outside any
-    (a plain variable's, e.g. in one process), where assignments go
-    straight to the variable.
-    """
-
-    # pylint: disable=super-init-not-called
-    def __init__(self, stack: _Stack, index: int, device: Optional[str]):
-        # Not AggregatingVariable.__init__: there is no inner variable yet.
-        self._distribute_strategy = (tf.distribute.get_strategy()
-                                     if tf.distribute.has_strategy() else None)
-        # NONE: cross-replica writes go through the strategy's `update`.
-        self._aggregation = tf.VariableAggregation.NONE
-        self._stack = stack
-        self._index = index
-        self._inner: Optional[tf.Variable] = None
-        self._device = _canonical(device)
-
-    @property
-    def _v(self):
-        if self._inner is None or self._stack.pending[self._index]:
-            self._stack.materialize()
-        if not tf.executing_eagerly():
-            # A traced function may now hold this variable: never split the stack.
-            self._stack.traced = True
-        return self._inner
-
-    @property
-    def shape(self):
-        return tf.TensorShape([self._stack.rows[self._index], self._stack.width])
-
-    @property
-    def dtype(self):
-        return self._stack.dtype
-
-    @property
-    def device(self):
-        return self._inner.device if self._inner is not None else self._device
-
-    @property
-    def name(self):
-        return f"{self._stack.name}/part_{self._index}:0"
-
-    @property
-    def trainable(self):
-        return True
-
-    @property
-    def synchronization(self):
-        return tf.VariableSynchronization.AUTO
-
-    def _get_save_slice_info(self):
-        return None  # ShardedVariable asks; the stack's tables save themselves.
-
-    def _assign_func(self, *args, **kwargs):
-        if self._distribute_strategy is None:
-            f = kwargs.pop("f")
-            return f(self._v, *args, **kwargs)
-        return super()._assign_func(*args, **kwargs)
-
-
-def _canonical(device: Optional[str]) -> str:
-    """``/job:ps/task:0/device:CPU:0`` as a variable reports it (with ``/replica:0``)."""
-    if not device:
-        return ""
-    spec = tf.DeviceSpec.from_string(device)
-    if spec.job and spec.replica is None:
-        spec = spec.replace(replica=0)
-    return spec.to_string()
+    return isinstance(variable, StackShard)
 
 
 class TableStacks:
@@ -925,8 +403,8 @@ class TableStacks:
                      lambda table, name, why: None)):
         self._device_of = shard_devices
         self._on_restack = on_restack
-        self._open: Dict[tuple, "weakref.ref[_Stack]"] = {}
-        self._all: List["weakref.ref[_Stack]"] = []
+        self._open: Dict[tuple, "weakref.ref[Stack]"] = {}
+        self._all: List["weakref.ref[Stack]"] = []
         self._count = 0
 
     def eligible(self, shape: tf.TensorShape, dtype: tf.DType, num_shards: int,
@@ -994,7 +472,7 @@ class TableStacks:
         if stack is None:
             name_ = f"stacked_tables_{width}_{dtype.name}_{self._count}"
             self._count += 1
-            stack = _Stack(name_, num_shards, width, dtype, self._device_of, creator, on_replace)
+            stack = Stack(name_, num_shards, width, dtype, self._device_of, creator, on_replace)
             stack.owner = weakref.ref(self)
             # Weak: a stack lives as long as a table in it (tables hold it).
             self._open[key] = weakref.ref(stack)
@@ -1006,7 +484,7 @@ class TableStacks:
         stack.pending_tables.append(weakref.ref(table))
         return table
 
-    def separate(self, stack: _Stack, group_of: Callable[["StackedTable"], object],
+    def separate(self, stack: Stack, group_of: Callable[["StackedTable"], object],
                  why_alone: str = "") -> None:
         """Splits a stack no traced function uses yet into one stack per group of its tables.
 
@@ -1043,14 +521,14 @@ class TableStacks:
         if not stack.never_made():
             stack.materialize()  # Tables appended since: their rows into the variables.
             # pylint: disable-next=protected-access
-            members = [(t, [_current_rows(stack.shards[s]._inner, t, s) for s in range(n)])
+            members = [(t, [current_rows(stack.shards[s].inner, t, s) for s in range(n)])
                        for t, _ in members]
             groups = {}
             for table, pieces in members:
                 groups.setdefault(group_of(table), []).append((table, pieces))
             for shard in stack.shards:
-                stack._on_replace(shard._inner, None)  # pylint: disable=protected-access
-                shard._inner = None  # pylint: disable=protected-access
+                stack.on_replace(shard.inner, None)
+                shard.replace_inner(None)
         for i, items in enumerate(groups.values()):
             if i == 0:
                 target = stack
@@ -1076,13 +554,13 @@ class TableStacks:
                 else:
                     self._on_restack(table, target.name, "")
 
-    def stack_of(self, var) -> Optional[_Stack]:
+    def stack_of(self, var) -> Optional[Stack]:
         """The stack whose shard `var` is (the wrapper, its variable or a view), or None."""
         if isinstance(var, TableView):
             var = var.stack_shard
         for stack in self.stacks():
             for shard in stack.shards:
-                if var is shard or var is shard._inner:  # pylint: disable=protected-access
+                if var is shard or var is shard.inner:
                     return stack
         return None
 
@@ -1092,6 +570,6 @@ class TableStacks:
         if stack is not None:
             stack.sealed = True
 
-    def stacks(self) -> List[_Stack]:
+    def stacks(self) -> List[Stack]:
         """Every stack that still has a table, in creation order."""
         return [s for s in (ref() for ref in self._all) if s is not None]
