@@ -45,6 +45,7 @@ from tf_psplugin._internal import compat
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import ps_values, trackable_base
+from tf_psplugin.tables import table_view
 from tf_psplugin.tables.stacking import TableView
 
 __all__ = ["SlotView", "build_per_table", "add_slot", "stack_shard_of"]
@@ -68,7 +69,7 @@ def stack_shard_of(slot) -> Optional[tf.Variable]:
     return _STACK_SHARD_OF.get(slot)
 
 
-class SlotView(tf.Variable):
+class SlotView(table_view.ValueReads, tf.Variable):
     """A table's rows of its stack shards' slots, as the optimizer lists them.
 
     What an unstacked table's shard slot is -- a ``[rows, D]`` variable
@@ -165,26 +166,6 @@ class SlotView(tf.Variable):
                 parts.append(slot.sparse_read(tf.range(start, start + count, dtype=tf.int64)))
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
-    def read_value(self):
-        return self.value()
-
-    def value_as(self, dtype=None) -> tf.Tensor:
-        value = self.value()
-        return value if dtype is None or dtype == value.dtype else tf.cast(value, dtype)
-
-    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        del name, as_ref
-        return self.value_as(dtype)
-
-    def numpy(self):
-        if not tf.executing_eagerly():
-            raise NotImplementedError("numpy() is only available when eager execution is enabled.")
-        return self.value().numpy()
-
-    def __array__(self, dtype=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
-
     def _write(self, method: str, value):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
         begin, ops = 0, []
@@ -259,12 +240,7 @@ class SlotView(tf.Variable):
         return tf.group(*self._write("scatter_update", value))
 
 
-def _slot_view_to_tensor(view, dtype=None, name=None, as_ref=False):
-    del name, as_ref
-    return view.value_as(dtype)
-
-
-tf.register_tensor_conversion_function(SlotView, _slot_view_to_tensor)
+tf.register_tensor_conversion_function(SlotView, table_view.view_to_tensor)
 
 
 class _Building:

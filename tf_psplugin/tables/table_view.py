@@ -23,14 +23,49 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import save_context, tf_dispatch
 from tf_psplugin.tables import stack_rows
 
-__all__ = ["TableView"]
+__all__ = ["TableView", "ValueReads", "view_to_tensor"]
 
 
 _VIEW_IDS = itertools.count()
 _VIEW_HANDLES_ATTR = "_tf_psplugin_table_view_handles"
 
 
-class TableView(tf.Variable):
+class ValueReads:
+    """Reads of a view whose `value()` gathers its rows: tensor conversion, numpy, casts.
+
+    Shared by `TableView` and `stacked_slots.SlotView` (listed before
+    `tf.Variable` among their bases, so these replace the variable's own).
+    """
+
+    def read_value(self):
+        return self.value()
+
+    def value_as(self, dtype=None) -> tf.Tensor:
+        """The view's rows as a tensor (cast to `dtype` if given): what conversion gives."""
+        value = self.value()
+        return value if dtype is None or dtype == value.dtype else tf.cast(value, dtype)
+
+    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+        del name, as_ref
+        return self.value_as(dtype)
+
+    def numpy(self):
+        if not tf.executing_eagerly():
+            raise NotImplementedError("numpy() is only available when eager execution is enabled.")
+        return self.value().numpy()
+
+    def __array__(self, dtype=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+
+def view_to_tensor(view, dtype=None, name=None, as_ref=False):
+    """Tensor conversion of a `ValueReads` view (registered for each view class)."""
+    del name, as_ref
+    return view.value_as(dtype)
+
+
+class TableView(ValueReads, tf.Variable):
     """One stacked table's rows of one stack shard, as Keras and the tape see them.
 
     It is what an unstacked interleaved table's shard ``s`` would be -- a
@@ -238,27 +273,6 @@ class TableView(tf.Variable):
     def value(self):
         return self._read(tf.range(self.num_rows, dtype=tf.int64))
 
-    def read_value(self):
-        return self.value()
-
-    def value_as(self, dtype=None) -> tf.Tensor:
-        """The view's rows as a tensor (cast to `dtype` if given): what conversion gives."""
-        value = self.value()
-        return value if dtype is None or dtype == value.dtype else tf.cast(value, dtype)
-
-    def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-        del name, as_ref
-        return self.value_as(dtype)
-
-    def numpy(self):
-        if not tf.executing_eagerly():
-            raise NotImplementedError("numpy() is only available when eager execution is enabled.")
-        return self.value().numpy()
-
-    def __array__(self, dtype=None):
-        value = self.numpy()
-        return value if dtype is None else value.astype(dtype)
-
     def gather_nd(self, indices, name=None):
         raise NotImplementedError(
             f"{self._shared_name} is a stacked table's rows: gather_nd is not supported. "
@@ -304,12 +318,7 @@ class TableView(tf.Variable):
         return {}
 
 
-def _view_to_tensor(view, dtype=None, name=None, as_ref=False):
-    del name, as_ref
-    return view.value_as(dtype)
-
-
-tf.register_tensor_conversion_function(TableView, _view_to_tensor)
+tf.register_tensor_conversion_function(TableView, view_to_tensor)
 # TF's type-based dispatch ignores unregistered types (see _tf_internal).
 tf_dispatch.register_dispatchable_type(TableView)
 
