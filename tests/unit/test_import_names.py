@@ -15,8 +15,6 @@ import os
 from tests.unit import package_source
 # Files whose import names wait for other work to land, with why.
 NOT_YET = {
-    "state/incremental.py": "edited in parallel (issue 45); renames `sharding` -> `sharded` and "
-                            "`table_stacking` -> `stacking` after that lands",
 }
 
 

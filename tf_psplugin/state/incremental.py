@@ -200,7 +200,7 @@ def _task_name(device: str) -> str:
 class _Table:
     """One table being tracked: its key, shards, layout and slots.
 
-    A stacked table (`table_stacking.StackedTable`) holds rows
+    A stacked table (`stacking.StackedTable`) holds rows
     ``[offsets[s], offsets[s] + counts[s])`` of each stack shard ``s``; the
     shard's `RowStamps` (one per stack shard, shared by the tables of the
     stack) cover every row of the shard. "Local" ids below are the table's
@@ -209,12 +209,12 @@ class _Table:
     """
 
     def __init__(self, key: str, container, shards: List[Any]):
-        from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables import stacking  # pylint: disable=g-import-not-at-top
 
         self.key = key
         self.container = container
         self.shards = shards
-        if isinstance(container, table_stacking.StackedTable):
+        if isinstance(container, stacking.StackedTable):
             self.offsets = [int(o) for o in container.row_offsets]
             self.counts = [int(c) for c in container.shard_counts]
         else:
@@ -259,9 +259,9 @@ class _Table:
 
     def check_layout(self) -> None:
         """Raises unless the table is still where its rows were tracked (same shards, rows)."""
-        from tf_psplugin.tables import stacking as table_stacking  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables import stacking  # pylint: disable=g-import-not-at-top
 
-        if not isinstance(self.container, table_stacking.StackedTable):
+        if not isinstance(self.container, stacking.StackedTable):
             return
         if (any(a is not b for a, b in zip(self.container.variables, self.shards))
                 or list(self.container.row_offsets) != self.offsets
@@ -275,10 +275,10 @@ class _Table:
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
         """Logical row ids of `local` rows of shard `shard_index`."""
-        from tf_psplugin.tables import sharded as sharding  # pylint: disable=g-import-not-at-top
+        from tf_psplugin.tables import sharded  # pylint: disable=g-import-not-at-top
 
         n = len(self.shards)
-        if isinstance(self.container, sharding.InterleavedShardedVariable):
+        if isinstance(self.container, sharded.InterleavedShardedVariable):
             return local * n + shard_index
         offset = sum(int(s.shape[0]) for s in self.shards[:shard_index])
         return local + offset

@@ -30,6 +30,7 @@ from typing import Sequence, Tuple
 import tensorflow as tf
 
 from tf_psplugin._internal.compat import keras
+from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.tables import stacking
@@ -38,24 +39,23 @@ __all__ = ["applying_per_table", "applying_per_table_scope", "keep_rows", "keepi
            "kept_rows", "record_slot", "set_kept_rows"]
 
 
-# id(stack shard) -> (the stack shard, [(first row, row count)]): the rows its
-# next optimizer apply must leave as they are (set by `merge`, for the apply
-# of the gradient it merged; `keep_rows` reads it there).
-_KEEP_ROWS = {}
+# Stack shard -> [(first row, row count)]: the rows its next optimizer apply
+# must leave as they are (set by `merge`, for the apply of the gradient it
+# merged; `keep_rows` reads it there). The entry dies with the shard.
+_KEEP_ROWS: IdentityMap = IdentityMap()
 
 
 def set_kept_rows(shard, rows: Sequence[Tuple[int, int]]) -> None:
     """Sets the rows the next apply to stack `shard` keeps (none: its plain apply)."""
     if rows:
-        _KEEP_ROWS[id(shard)] = (shard, list(rows))
+        _KEEP_ROWS[shard] = list(rows)
     else:
-        _KEEP_ROWS.pop(id(shard), None)
+        _KEEP_ROWS.pop(shard, None)
 
 
 def kept_rows(shard) -> list:
     """(first row, row count) ranges the next apply to stack `shard` keeps (set by `merge`)."""
-    entry = _KEEP_ROWS.get(id(shard))
-    return list(entry[1]) if entry is not None and entry[0] is shard else []
+    return list(_KEEP_ROWS.get(shard) or [])
 
 
 def _slot_variable(slot):
