@@ -134,22 +134,6 @@ class SlotView(table_view.ValueReads, tf.Variable):
         return False
 
     @property
-    def synchronization(self):
-        return tf.VariableSynchronization.AUTO
-
-    @property
-    def aggregation(self):
-        return tf.VariableAggregation.NONE
-
-    @property
-    def constraint(self):
-        return None
-
-    @property
-    def _in_graph_mode(self):
-        return False
-
-    @property
     def graph(self):
         # (tf.identity asks for it: without one it would raise.)
         return self._pieces[0][0].graph

@@ -31,11 +31,29 @@ _VIEW_HANDLES_ATTR = "_tf_psplugin_table_view_handles"
 
 
 class ValueReads:
-    """Reads of a view whose `value()` gathers its rows: tensor conversion, numpy, casts.
+    """Reads of a view whose `value()` gathers its rows (tensor conversion, numpy, casts), and
+    the variable attributes every such view answers alike.
 
     Shared by `TableView` and `stacked_slots.SlotView` (listed before
     `tf.Variable` among their bases, so these replace the variable's own).
     """
+
+    @property
+    def synchronization(self):
+        return tf.VariableSynchronization.AUTO
+
+    @property
+    def aggregation(self):
+        return tf.VariableAggregation.NONE
+
+    @property
+    def constraint(self):
+        # A table with a constraint is never stacked (`TableStacks.eligible`); slots have none.
+        return None
+
+    @property
+    def _in_graph_mode(self):
+        return False
 
     def read_value(self):
         return self.value()
@@ -161,28 +179,12 @@ class TableView(ValueReads, tf.Variable):
         return True
 
     @property
-    def synchronization(self):
-        return tf.VariableSynchronization.AUTO
-
-    @property
-    def aggregation(self):
-        return tf.VariableAggregation.NONE
-
-    @property
-    def constraint(self):
-        return None  # A table with a constraint is never stacked (`TableStacks.eligible`).
-
-    @property
     def _distribute_strategy(self):
         return tf_objects.variable_distribute_strategy(self.stack_shard)
 
     @property
     def graph(self):
         return tf_objects.aggregating_inner(self.stack_shard).graph
-
-    @property
-    def _in_graph_mode(self):
-        return False
 
     def __repr__(self):
         return (f"<TableView {self._shared_name!r} shape={self.shape} dtype={self.dtype.name} "
