@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import time_to_auc as tta  # noqa: E402
-from benchmarks.procs import RESULT_PREFIX, peak_rss_mb, strategy_kwargs  # noqa: E402
+from benchmarks.procs import strategy_kwargs, write_result  # noqa: E402
 
 _INFINITE = 1 << 62  # Batches of an endless stream (SyntheticCTR's own bound).
 
@@ -226,10 +226,7 @@ def run(job):
 def main(argv):
     job = json.loads(argv[1])
     result = run(job)
-    result["peak_rss_mb"] = peak_rss_mb()
-    result["tf_version"] = tf.__version__
-    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    write_result(result, tf.__version__)
     return 0
 
 

@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
 from benchmarks.procs import (  # noqa: E402
-    RESULT_PREFIX, SOAK_PROGRESS_PREFIX, cpu_seconds, peak_rss_mb, strategy_kwargs)
+    SOAK_PROGRESS_PREFIX, cpu_seconds, strategy_kwargs, write_result)
 
 
 _KEEP = []  # Objects that must live as long as the process (row tracking).
@@ -336,10 +336,7 @@ def main(argv):
     set_policy(job)
     result = RUNNERS[job["role"]](job)
     result["process_seconds"] = time.perf_counter() - t0
-    result["peak_rss_mb"] = peak_rss_mb()
-    result["tf_version"] = tf.__version__
-    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    write_result(result, tf.__version__)
     return 0
 
 

@@ -75,6 +75,14 @@ def log_name(job: dict) -> str:
     return name
 
 
+def write_result(result: dict, tf_version: str) -> None:
+    """Prints a child's result line (`RESULT_PREFIX` + JSON) with its peak RSS and TF version."""
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["tf_version"] = tf_version
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
 def peak_rss_mb(pid: str = "self") -> float:
     """Peak resident set size (VmHWM) of a process in MiB; ru_maxrss as fallback."""
     try:
