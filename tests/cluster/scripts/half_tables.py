@@ -1,8 +1,14 @@
 """Chief script: tables stored in half precision (``HybridOptions.table_dtype``, issue 42).
 
-Run by tests/cluster/test_half_tables.py under a LocalCluster of 2 workers
-and 2 PS. Arguments: ``<mode> <table_dtype|none> <model_dir> <out_dir>
-[<target_dir>]``. Modes:
+Run by tests/cluster/test_half_tables.py and
+tests/cluster/test_mixed_half_tables.py under a LocalCluster of 2 workers
+and 2 PS. Arguments: ``<mode> <table_dtype|none>[+<policy>] <model_dir>
+<out_dir> [<target_dir>]``; ``+mixed_bfloat16`` / ``+mixed_float16``: the
+trained model is built and compiled under that Keras policy (its output
+layer in float32, as Keras's guide says; `compile` wraps the optimizer in a
+`LossScaleOptimizer` under ``mixed_float16``), the single-process reference
+too; the plain model the checkpoint loads into and the export stay float32.
+Modes:
 
 * ``train``: fits a two-table functional model (Keras Adagrad, lr 0.1) for
   12 steps with ``ChiefCheckpoint(save_every_steps=4, full_every=4)`` (a
@@ -12,6 +18,12 @@ and 2 PS. Arguments: ``<mode> <table_dtype|none> <model_dir> <out_dir>
   float32 model (`load_into`, optimizer included), exported
   (`export_from_checkpoint`) and served (`ServingModel`), which follows a
   delta written by 4 more steps. Writes ``report.json`` and ``weights.npz``.
+  With a policy it also saves the step-12 state in one full checkpoint
+  (``<out_dir>/full``, loaded into a plain model beside the chain) and
+  copies the model dir at step 12 to ``<out_dir>/restart`` for ``resume``.
+* ``resume``: a new chief restarts from ``<model_dir>`` (a copy of a
+  ``train`` run's model dir at step 12) with ``ChiefCheckpoint`` and trains
+  the same 4 more steps; writes ``weights.npz`` and ``optimizer.npz``.
 * ``convert``: a strategy with `table_dtype` restores the latest checkpoint
   of `model_dir` (`CheckpointManager.restore`, full and deltas), writes the
   restored weights and slots to ``restored.npz``, trains 4 steps, saves
@@ -20,6 +32,7 @@ and 2 PS. Arguments: ``<mode> <table_dtype|none> <model_dir> <out_dir>
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -43,9 +56,24 @@ def make_model():
     x = tf.keras.layers.Concatenate()([tf.keras.layers.Flatten()(x), tf.keras.layers.Flatten()(y)])
     x = tf.keras.layers.Dense(8, activation="tanh", name="hidden",
                               kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2))(x)
-    out = tf.keras.layers.Dense(1, name="out",
+    out = tf.keras.layers.Dense(1, name="out", dtype="float32",  # (float32 under a policy)
                                 kernel_initializer=tf.keras.initializers.GlorotUniform(seed=3))(x)
     return tf.keras.Model(inp, out)
+
+
+class Policy:
+    """Builds models and optimizers under a Keras policy (None: float32), then sets it back."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.before = tf.keras.mixed_precision.global_policy()
+        if self.name:
+            tf.keras.mixed_precision.set_global_policy(self.name)
+
+    def __exit__(self, *exc):
+        tf.keras.mixed_precision.set_global_policy(self.before)
 
 
 def data(num_workers, steps, seed):
@@ -72,7 +100,7 @@ def round_to(value, dtype):
     return tf.cast(tf.cast(value, dtype), tf.float32)
 
 
-def emulate(init, ids, y, num_workers, table_dtype):
+def emulate(init, ids, y, num_workers, table_dtype, policy=None):
     """Single-process training on the global batch, rounding as the PS does.
 
     The tables' rows are `table_dtype` values kept in float32 variables; the
@@ -81,12 +109,21 @@ def emulate(init, ids, y, num_workers, table_dtype):
     (as on the PS), the Adagrad update is computed in float32 with float32
     accumulators (starting at 0.1 rounded, as Keras makes them in the
     variable's dtype) and the new rows are rounded. None: plain float32.
+    `policy`: the model computes under that Keras policy; ``mixed_float16``
+    scales the loss with Keras's `LossScaleOptimizer` (which applies the
+    dense update), the table gradients unscaled as the workers do. Returns
+    (weights, the number of steps with a non-finite gradient).
     """
-    model = make_model()
+    with Policy(policy):
+        model = make_model()
+        optimizer = tf.keras.optimizers.Adagrad(LR)
+        if policy == "mixed_float16":
+            optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     model.set_weights([init[k] for k in weights(model)])
     tables = [model.get_layer(n).embeddings for n in TABLES]
     dense = [v for v in model.trainable_variables if all(v is not t for t in tables)]
-    optimizer = tf.keras.optimizers.Adagrad(LR)
+    scaled = policy == "mixed_float16"
+    overflows = 0
     start = 0.1 if table_dtype is None else float(round_to(0.1, table_dtype))
     accumulators = [np.full(t.shape, start, np.float32) for t in tables]
     global_batch = BATCH * num_workers
@@ -95,7 +132,13 @@ def emulate(init, ids, y, num_workers, table_dtype):
         target = y[step * global_batch:(step + 1) * global_batch]
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x) - target))
+            if scaled:
+                loss = optimizer.get_scaled_loss(loss)
         grads = tape.gradient(loss, tables + dense)
+        if scaled:
+            grads = optimizer.get_unscaled_gradients(grads)
+        if not all(np.isfinite(tf.convert_to_tensor(g).numpy()).all() for g in grads):
+            overflows += 1  # (The strategy would skip the step; the test expects none.)
         optimizer.apply_gradients(zip(grads[len(tables):], dense))
         for table, grad, acc in zip(tables, grads[:len(tables)], accumulators):
             if table_dtype is not None:  # Each looked-up row's gradient, as sent.
@@ -105,7 +148,7 @@ def emulate(init, ids, y, num_workers, table_dtype):
             acc += g * g
             new = table.numpy() + (-LR * g / np.sqrt(acc + 1e-7)).astype(np.float32)
             table.assign(new if table_dtype is None else round_to(new, table_dtype))
-    return weights(model)
+    return weights(model), overflows
 
 
 def committed(model_dir):
@@ -144,13 +187,28 @@ def shard_dtypes(model):
     return sorted({v.dtype.name for n in TABLES for v in model.get_layer(n).embeddings.variables})
 
 
-def train(table_dtype, model_dir, out_dir):
+def compiled_model(strategy, policy):
+    """The trained model, built and compiled in `strategy`'s scope under `policy`."""
+    with Policy(policy), strategy.scope():
+        model = make_model()
+        model.compile(tf.keras.optimizers.Adagrad(LR), "mse")
+    return model
+
+
+def loss_scale(model):
+    """The dynamic loss scale and its counter ([] without loss scaling)."""
+    optimizer = model.optimizer
+    if not hasattr(optimizer, "dynamic_counter"):
+        return []
+    return [float(tf.convert_to_tensor(optimizer.loss_scale)),
+            float(tf.convert_to_tensor(optimizer.dynamic_counter))]
+
+
+def train(table_dtype, policy, model_dir, out_dir):
     strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
     num_workers = strategy.num_replicas_in_sync
     ids, y = data(num_workers, STEPS + 4, seed=0)
-    with strategy.scope():
-        model = make_model()
-        model.compile(tf.keras.optimizers.Adagrad(LR), "mse")
+    model = compiled_model(strategy, policy)
     init = weights(model)
     first = STEPS * num_workers * BATCH
     callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every=4)
@@ -159,12 +217,15 @@ def train(table_dtype, model_dir, out_dir):
     got = weights(model)
     report = {"shard_dtypes": shard_dtypes(model), "ps_variables": ps_variables(strategy),
               "gather_dtypes": lookup_gather_dtypes(model),
-              "checkpoints": committed(model_dir)}
-    emulated = emulate(init, ids[:first], y[:first], num_workers, table_dtype)
-    float32 = emulate(init, ids[:first], y[:first], num_workers, None)
+              "checkpoints": committed(model_dir), "loss_scale": loss_scale(model)}
+    emulated, report["emulated_overflows"] = emulate(init, ids[:first], y[:first], num_workers,
+                                                     table_dtype, policy)
+    float32, _ = emulate(init, ids[:first], y[:first], num_workers, None)
     report["vs_emulated"] = {k: float(np.abs(got[k] - emulated[k]).max()) for k in got}
     report["vs_float32"] = {k: float(np.abs(got[k] - float32[k]).max()) for k in got}
     report["max_abs"] = {k: float(np.abs(got[k]).max()) for k in got}
+    if policy:
+        full_and_restart_copy(model, model_dir, out_dir, got, report)
 
     # The checkpoint chain (full + deltas) in a plain float32 model. (Without
     # the optimizer: Keras's new optimizers save a table's slots per shard,
@@ -175,6 +236,10 @@ def train(table_dtype, model_dir, out_dir):
     loaded = weights(plain)
     report["loaded_dtypes"] = sorted({w.dtype.name for w in plain.weights})
     report["loaded_vs_trained"] = {k: float(np.abs(loaded[k] - got[k]).max()) for k in got}
+    # The tables load as their half-precision values, upcast: rounding changes nothing.
+    report["loaded_tables_unrounded"] = {
+        k: float(np.abs(loaded[k] - round_to(loaded[k], table_dtype)).max())
+        for k in (f"{n}/0" for n in TABLES)} if table_dtype else {}
 
     # Export for serving, then follow a delta of 4 more steps.
     export_dir = os.path.join(out_dir, "export")
@@ -184,6 +249,7 @@ def train(table_dtype, model_dir, out_dir):
     model.fit(rest, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[callback])
     serving.poll()
     later = weights(model)
+    report["loss_scale_after"] = loss_scale(model)
     probe = ids[:64]
     plain_now = make_model()
     plain_now.set_weights([later[k] for k in weights(plain_now)])
@@ -195,6 +261,42 @@ def train(table_dtype, model_dir, out_dir):
     np.savez(os.path.join(out_dir, "optimizer.npz"), **optimizer_values(model))
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f)
+
+
+def full_and_restart_copy(model, model_dir, out_dir, got, report):
+    """At step 12: one full checkpoint of the state, loaded beside the chain; a restart copy.
+
+    ``full_vs_chain``: a plain float32 model loading the chain (full + deltas)
+    against one loading the full checkpoint, per weight (bit for bit is 0.0).
+    """
+    full_dir = os.path.join(out_dir, "full")
+    step = int(model.optimizer.iterations.numpy())
+    tf_psplugin.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(
+        step, final=True)
+    chain, full = make_model(), make_model()
+    report["chain_step"] = tf_psplugin.load_into(chain, model_dir).step
+    report["full_step"] = tf_psplugin.load_into(full, full_dir).step
+    chain, full = weights(chain), weights(full)
+    report["full_vs_chain"] = {k: float(np.abs(chain[k] - full[k]).max()) for k in got}
+    # The restart's model dir: this job's checkpoints as they stand at step 12.
+    shutil.copytree(model_dir, os.path.join(out_dir, "restart"))
+
+
+def resume(table_dtype, policy, model_dir, out_dir):
+    """Restarts a `train` job from its step-12 copy; trains its last 4 steps (a new chief)."""
+    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    num_workers = strategy.num_replicas_in_sync
+    ids, y = data(num_workers, STEPS + 4, seed=0)
+    model = compiled_model(strategy, policy)
+    first = STEPS * num_workers * BATCH
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every=4)
+    rest = tf.data.Dataset.from_tensor_slices((ids[first:], y[first:])).batch(BATCH)
+    model.fit(rest, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[callback])
+    np.savez(os.path.join(out_dir, "weights.npz"), **weights(model))
+    np.savez(os.path.join(out_dir, "optimizer.npz"), **optimizer_values(model))
+    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
+        json.dump({"step": int(model.optimizer.iterations.numpy()),
+                   "loss_scale_after": loss_scale(model)}, f)
 
 
 def convert(table_dtype, model_dir, out_dir, target_dir):
@@ -223,10 +325,13 @@ def convert(table_dtype, model_dir, out_dir, target_dir):
 
 def main():
     mode, table_dtype, model_dir, out_dir = sys.argv[1:5]
+    table_dtype, _, policy = table_dtype.partition("+")
     table_dtype = None if table_dtype == "none" else table_dtype
     tf_psplugin.start_server()
     if mode == "train":
-        train(table_dtype, model_dir, out_dir)
+        train(table_dtype, policy or None, model_dir, out_dir)
+    elif mode == "resume":
+        resume(table_dtype, policy or None, model_dir, out_dir)
     else:
         convert(table_dtype, model_dir, out_dir, sys.argv[5])
     print("DONE", flush=True)
