@@ -50,10 +50,35 @@ RAW_KEY_BITS = 40
 # benchmarks.run's --optimizer choices). Keras's new optimizers are what
 # `mixed_float16` (LossScaleOptimizer) and tables in half precision
 # (HybridOptions.table_dtype) need (docs/mixed_precision.md).
+class SlotlessSGD(tf.keras.optimizers.SGD):
+    """Keras's SGD without momentum and without its momentum slot.
+
+    Keras's SGD (2.15 and tf-keras 2.21) makes a momentum slot of every
+    variable's shape even with ``momentum=0``, and its sparse update then
+    assigns every row of it and of the table each step (``m.assign(m *
+    momentum)``, ``variable.assign_add(m)``). This one makes none, so its
+    update of a table is ``scatter_add`` of the gradient's rows: the plain
+    SGD whose PS memory is the table's alone (``benchmarks.run --memory
+    --optimizer sgd_noslot``).
+    """
+
+    def __init__(self, learning_rate=0.01, **kwargs):
+        super().__init__(learning_rate, momentum=0.0, **kwargs)
+
+    def build(self, var_list):
+        # Skips SGD.build (which makes the slots): Keras's Optimizer.build only.
+        tf.keras.optimizers.Optimizer.build(self, var_list)
+        if getattr(self, "_built", False):
+            return
+        self.momentums = [None] * len(var_list)  # SGD.update_step's "no momentum" branch.
+        self._built = True
+
+
 OPTIMIZERS = {
     "legacy_adagrad": tf.keras.optimizers.legacy.Adagrad,
     "adagrad": tf.keras.optimizers.Adagrad,
     "sgd": tf.keras.optimizers.SGD,
+    "sgd_noslot": SlotlessSGD,
 }
 
 

@@ -55,7 +55,8 @@ POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 TABLE_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --optimizer -> how the lines name it (benchmarks/model.py builds it).
-OPTIMIZER_NAMES = {"legacy_adagrad": "legacy.Adagrad", "adagrad": "Adagrad", "sgd": "SGD"}
+OPTIMIZER_NAMES = {"legacy_adagrad": "legacy.Adagrad", "adagrad": "Adagrad", "sgd": "SGD",
+                   "sgd_noslot": "SGD(no momentum slot)"}
 LEARNING_RATE = 0.05  # benchmarks/model.py's ModelSpec.learning_rate
 TARGETS = {"hybrid_sync_over_stock_pss": 2.0, "hybrid_sync_over_single": 0.8,
            "memory_worker_spread": 0.10, "memory_ps_over_share": 1.3, "balance_max_over_mean": 1.1}
@@ -93,15 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model variant (see benchmarks/model.py)")
     p.add_argument("--mixed_precision", default="float32",
                    help=f"comma-separated Keras policies, each run side by side: "
-                        f"{','.join(POLICIES)} (mixed_float16 needs --optimizer adagrad or sgd)")
+                        f"{','.join(POLICIES)} (mixed_float16 needs --optimizer adagrad, sgd or sgd_noslot)")
     p.add_argument("--table_dtype", default="float32",
                    help=f"comma-separated dtypes the hybrid setups store their tables in "
                         f"(HybridOptions.table_dtype), each run side by side: "
-                        f"{','.join(TABLE_DTYPES)} (half precision needs --optimizer adagrad "
-                        f"or sgd)")
+                        f"{','.join(TABLE_DTYPES)} (half precision needs --optimizer adagrad, "
+                        f"sgd or sgd_noslot)")
     p.add_argument("--optimizer", default="legacy_adagrad", choices=sorted(OPTIMIZER_NAMES),
                    help="legacy_adagrad: tf.keras.optimizers.legacy.Adagrad (the default); "
-                        "adagrad / sgd: Keras's new Adagrad / SGD, lr 0.05")
+                        "adagrad / sgd: Keras's new Adagrad / SGD (which makes a float32 "
+                        "momentum slot even with momentum=0), lr 0.05; sgd_noslot: Keras's SGD "
+                        "without that slot (benchmarks/model.py's SlotlessSGD)")
     p.add_argument("--track_rows", action="store_true",
                    help="hybrid setups track updated table rows for incremental checkpoints "
                         "(CheckpointManager(full_every=...)), to measure its step-time cost")
@@ -491,8 +494,9 @@ def mode_memory(args, log_dir: str, emit) -> List[dict]:
     records = []
     spe = 1
     steps = max(args.memory_steps, 1)
-    # Adagrad's accumulator is float32 (also for half-precision tables); SGD has no slot.
-    slot_bytes = 0 if args.optimizer == "sgd" else 4
+    # Adagrad's accumulator and Keras's SGD's momentum (made even with momentum=0)
+    # are float32, also for half-precision tables; sgd_noslot has no slot.
+    slot_bytes = 0 if args.optimizer == "sgd_noslot" else 4
     for table_dtype in args.table_dtype_list:
         for rows in args.memory_row_list:
             records.append(_memory_record(args, log_dir, rows, table_dtype, steps, spe,
