@@ -71,6 +71,16 @@ def test_a_legacy_optimizer_is_refused_with_the_fix():
     del optimizer
 
 
+def test_a_moving_average_of_a_half_precision_table_is_refused_with_the_fix():
+    """Keras's ``use_ema`` average of a table (its slot "average/<table>") is refused."""
+    kwargs = {"name": "average/embeddings", "initial_value": tf.zeros([4, 2], tf.bfloat16),
+              "dtype": tf.bfloat16}
+    with pytest.raises(tf_psplugin.StrategyError, match="use_ema=True.*Fix: drop use_ema"):
+        half_precision.slot_kwargs(kwargs)
+    made = half_precision.slot_kwargs(dict(kwargs, name="accumulator/embeddings"))
+    assert made["dtype"] == tf.float32
+
+
 def test_table_dtype_option():
     assert tf_psplugin.HybridOptions(table_dtype="bfloat16").table_dtype == "bfloat16"
     assert tf_psplugin.HybridOptions().table_dtype is None

@@ -100,8 +100,30 @@ def cast_initial_value(initial_value, dtype: tf.DType):
     return value
 
 
+# Keras's new optimizers name a variable's moving average (``use_ema=True``)
+# "average/<variable>" (``add_variable_from_reference(var, "average")``;
+# checked on Keras 2.15 and tf-keras 2.21).
+_EMA_SLOT_PREFIX = "average/"
+
+
 def slot_kwargs(kwargs: dict) -> dict:
-    """A half-precision table's slot creation kwargs, made float32 (see the module doc)."""
+    """A half-precision table's slot creation kwargs, made float32 (see the module doc).
+
+    Raises:
+        StrategyError: the slot is a Keras optimizer's moving average
+            (``use_ema=True``): Keras updates it as ``momentum * average +
+            (1 - momentum) * var`` with the table's own half-precision rows
+            and writes it back into them, which the float32 face of
+            `HalfPrecisionRows` does not cover; refused when the optimizer
+            makes its slots (before its first step).
+    """
+    if str(kwargs.get("name") or "").startswith(_EMA_SLOT_PREFIX):
+        raise StrategyError(
+            f"an optimizer with use_ema=True (its moving average "
+            f"{kwargs.get('name')!r}) of a table stored in half precision "
+            "(HybridOptions.table_dtype) is not supported: Keras averages the table's "
+            "half-precision rows with a float32 average. Fix: drop use_ema, or "
+            "table_dtype=None.")
     kwargs = dict(kwargs)
     kwargs["dtype"] = tf.float32
     if kwargs.get("initial_value") is not None:
