@@ -29,7 +29,9 @@ under ``mixed_float16``), adds `HALF_DESIGN`: six cells per half
 precision, so that each of its values meets every optimizer, mode and
 situation (and stacking on and off) in some cell, each mode and situation
 in a cell that trains (a legacy optimizer is refused with half-precision
-tables, by design); one cluster per precision. The ``full_product`` tests run the whole product, one cluster per
+tables, by design), and in the bfloat16 group three cells of bfloat16
+tables under the float32 policy and under ``mixed_float16``; one cluster
+per precision. The ``full_product`` tests run the whole product, one cluster per
 optimizer. docs/composition.md shows the matrix and what each family of
 cells checks.
 """
@@ -111,9 +113,8 @@ def factors(cell):
 
 
 def precision(cell):
-    """The cell's value of `PRECISIONS`: its policy suffix names it (none: float32)."""
-    policy = cell.partition("+")[2]
-    return next((p for p, name in POLICIES.items() if name == policy), "float32")
+    """The cell's value of `PRECISIONS`: the table dtype of its `HALF_DESIGN` group, else float32."""
+    return next((p for p, cells in HALF.items() if cell in cells), "float32")
 
 
 def uncovered_pairs(cells, trained_only=False):
@@ -133,19 +134,24 @@ def uncovered_pairs(cells, trained_only=False):
 
 # The precision factor: float32 (the cells of `DESIGN`), or the tables stored
 # in a half precision (the strategy's `table_dtype`, one chief process per
-# value) and the cell's models under the Keras policy of that precision.
+# value), the cell's models under the Keras policy of that precision
+# (``+<policy>``; a policy is per cell, a table dtype per process).
 PRECISIONS = ("float32", "bfloat16", "float16")
 POLICIES = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
-# Six cells per half precision: every optimizer and every situation once,
-# every mode, and the legacy optimizer's cell (refused) again with a new one,
-# so that each mode, situation but ``ema`` and optimizer but the legacy one
-# meets the precision in a cell that trains (``ema`` and the legacy optimizer
-# are refused with half-precision tables before the first step, with the fix).
-# float16 on a CPU is slow (no float16 arithmetic), but these jobs are tiny.
+# Per half precision: every optimizer and every situation once, every mode,
+# and the legacy optimizer's cell again with a new one, so that each mode,
+# situation but ``ema`` and optimizer but the legacy one meets the precision
+# in a cell that trains (``ema`` and the legacy optimizer are refused with
+# half-precision tables before the first step, with the fix). Besides, in
+# the bfloat16 group: bfloat16 tables under the float32 policy and under
+# ``mixed_float16`` (its own suffix), killed and resumed, and with
+# ``full_every``. float16 on a CPU is slow (no float16 arithmetic), but these
+# jobs are tiny.
 HALF_DESIGN = {
     "bfloat16": ("adagrad.full_every.second_model", "adam.kill.frozen", "sgd.export.ema",
                  "ftrl.fit.early_stop", "legacy_adagrad.fit.subclassed",
-                 "sgd.export.subclassed"),
+                 "sgd.export.subclassed", "adagrad.kill.frozen+",
+                 "adam.kill.subclassed+mixed_float16", "adagrad.full_every.frozen+mixed_float16"),
     "float16": ("adagrad.kill.ema", "adam.export.second_model", "sgd.fit.frozen",
                 "ftrl.kill.subclassed", "legacy_adagrad.export.early_stop",
                 "adagrad.full_every.early_stop"),
@@ -153,12 +159,21 @@ HALF_DESIGN = {
 
 
 def half_design():
-    """{precision: its cells, as ``<optimizer>.<mode>.<situation>+<policy>``}."""
-    return {p: [f"{cell}+{POLICIES[p]}" for cell in cells] for p, cells in HALF_DESIGN.items()}
+    """{precision: its cells, as ``<optimizer>.<mode>.<situation>[+<policy>]``}.
+
+    A cell of `HALF_DESIGN` without a suffix takes its precision's policy;
+    ``+`` alone: the float32 policy.
+    """
+    def name(cell, policy):
+        if "+" not in cell:
+            return f"{cell}+{policy}"
+        return cell.rstrip("+")
+    return {p: [name(cell, POLICIES[p]) for cell in cells] for p, cells in HALF_DESIGN.items()}
 
 
 PAIRWISE = pairwise_design()
 HALF = half_design()
+assert len(set(PAIRWISE + sum(HALF.values(), []))) == len(PAIRWISE) + sum(map(len, HALF.values()))
 assert not uncovered_pairs(PAIRWISE + sum(HALF.values(), [])), uncovered_pairs(
     PAIRWISE + sum(HALF.values(), []))
 # A half precision meets every mode, every situation but ema and every optimizer
@@ -351,6 +366,10 @@ def test_half_precision_cell_ends_like_unstacked(runs, cell):
         elif refusal(cell) is None and factors(cell)[1] != "full_every":
             # (full_every: each table in a stack of its own, as in float32.)
             assert max(stacks.count(x) for x in stacks) >= 2, tables
+        if cell.endswith("+mixed_float16") and refusal(cell) is None:
+            # Trained under Keras's loss scaling, saved with the model.
+            saved = results[stacking][cell]["resumed" if ".kill." in cell else "weights"]
+            assert any("loss_scale" in k for k in saved), sorted(saved)[:20]
 
 
 @pytest.mark.timeout(1500)

@@ -8,11 +8,11 @@ as the PS does; the checkpoints (a full one and deltas) load into a plain
 float32 model, export and serve, restore into a float32 strategy, and a
 float32 checkpoint restores into a bfloat16 strategy (rounded).
 
-`test_bfloat16_tables_compose` runs a few cells of the composition suite
-(tests/cluster/test_composition.py, its script and its checks) with bfloat16
-tables: stacked (the default) against unstacked, kill-and-resume bit for
-bit, ``full_every``, ``mixed_float16``, and a legacy optimizer refused
-before its first step with the fix.
+Half-precision tables in the composition suite (stacked against unstacked,
+kill-and-resume, ``full_every``, export, the situations, Keras's policies):
+tests/cluster/test_composition.py, ``test_half_precision_cell_ends_like_unstacked``.
+Mixed precision with half-precision tables end to end:
+tests/cluster/test_mixed_half_tables.py.
 """
 
 import json
@@ -23,7 +23,6 @@ import pytest
 import tensorflow as tf
 
 from tests.cluster import _cluster_util as cu
-from tests.cluster import test_composition as composition_lib
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "half_tables.py")
 TABLE_KEYS = ("table_a/0", "table_b/0")
@@ -114,42 +113,3 @@ def test_bfloat16_tables_train_checkpoint_and_convert(make_cluster, tmp_path):
         want = _rounded(value, tf.bfloat16) if key in TABLE_KEYS else value
         np.testing.assert_array_equal(back[key], want, err_msg=key)
     assert any(not np.array_equal(f32_trained[k], back[k]) for k in TABLE_KEYS)
-
-
-# Composition cells with bfloat16 tables (tests/cluster/scripts/composition.py;
-# "+mixed_float16": the cell's models under that policy). Each runs stacked
-# and unstacked on one cluster; the suite's own checks apply (stacked ends
-# like unstacked within 1e-5, kill-and-resume bit for bit like the
-# uninterrupted run, the full_every chain restores bit for bit).
-HALF_CELLS = ["adagrad.kill.frozen", "adagrad.full_every.second_model",
-              "adam.kill.subclassed+mixed_float16", "adagrad.full_every.frozen+mixed_float16"]
-HALF_REFUSED = {"legacy_adagrad.fit.second_model": (
-    "Fix: use an optimizer of tf.keras.optimizers (not .legacy), or table_dtype=None")}
-
-
-@pytest.mark.timeout(900)
-def test_bfloat16_tables_compose(make_cluster, tmp_path):
-    cells = HALF_CELLS + sorted(HALF_REFUSED)
-    results = composition_lib.run_cells(make_cluster(num_workers=1, num_ps=2), tmp_path,
-                                        cells, timeout=600, table_dtype="bfloat16")
-    composition_lib.assert_cells_hold(results, HALF_CELLS)
-    for cell, fix in HALF_REFUSED.items():
-        for stacking, run in ((k, results[k][cell]) for k in ("stacked", "unstacked")):
-            assert run["status"] == "refused" and fix in run["error"], (cell, stacking, run)
-            assert run["step"] == 0, (cell, stacking, run)  # Before the first step.
-    for cell in cells:
-        for stacking in ("stacked", "unstacked"):
-            tables = results[stacking][cell]["tables"]
-            # Every table in bfloat16; stacked: the trainable ones share a stack.
-            assert tables and {t["dtype"] for t in tables} == {"bfloat16"}, (cell, tables)
-            stacks = [t["stack"] for t in tables if t["stack"]]
-            if stacking == "unstacked":
-                assert not stacks, (cell, tables)
-            else:
-                assert max(stacks.count(x) for x in stacks) >= 2, (cell, tables)
-    # The mixed_float16 cells trained under Keras's loss scaling (saved with the model).
-    for cell in (c for c in HALF_CELLS if c.endswith("+mixed_float16")):
-        key = "resumed" if ".kill." in cell else "weights"
-        for stacking in ("stacked", "unstacked"):
-            saved = results[stacking][cell][key]
-            assert any("loss_scale" in k for k in saved), (cell, sorted(saved)[:20])
