@@ -186,6 +186,26 @@ def test_model_optimizers_and_policy():
         tf.keras.mixed_precision.set_global_policy(before)
 
 
+def test_slotless_sgd_makes_no_slot_and_updates_only_the_gradient_rows():
+    """--optimizer sgd_noslot: Keras's SGD makes a momentum slot even at momentum=0; this none."""
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks import model as model_lib
+
+    table = tf.Variable(np.ones([5, 2], np.float32))
+    keras_sgd, slotless = tf.keras.optimizers.SGD(0.5), model_lib.SlotlessSGD(0.5)
+    keras_sgd.build([table])
+    slotless.build([table])
+    assert len(keras_sgd.variables) == 2  # iterations and the momentum slot "m"
+    assert len(slotless.variables) == 1  # iterations only
+    grad = tf.IndexedSlices(tf.constant([[2.0, 4.0]]), tf.constant([3]), tf.constant([5, 2]))
+    slotless.apply_gradients([(grad, table)])
+    want = np.ones([5, 2], np.float32)
+    want[3] = [0.0, -1.0]
+    np.testing.assert_array_equal(table.numpy(), want)
+
+
 def test_memory_with_half_precision_tables(monkeypatch, capsys, tmp_path):
     def fake_run_job(job, args, num_workers, log_dir):
         rows = job["model"]["vocab_size"] * 26
