@@ -32,7 +32,8 @@ from tf_psplugin.tables import placement as placement_lib
 
 EMBEDDING_UPDATES = ("sync", "async")
 
-# HybridOptions.dense_bucket_bytes's default (0: one packed all-reduce).
+# HybridOptions.dense_bucket_bytes's default (0: one packed all-reduce; measured
+# slower on one 2-core box, benchmarks/README.md "Bucketed dense all-reduce").
 DEFAULT_DENSE_BUCKET_BYTES = 0
 DENSE_PLACEMENTS = ("allreduce", "ps")
 
@@ -128,8 +129,10 @@ class HybridOptions:
             the last layers' first, so that their all-reduce runs while the
             backward pass still computes the earlier layers' gradients (as
             Horovod and PyTorch DDP bucket them); the sums are the same
-            (see `runtime/reduction.py`). 0 or None: one packed all-reduce
-            for all of them. Default: `DEFAULT_DENSE_BUCKET_BYTES`.
+            (see `runtime/reduction.py`). 0 or None (default): one packed
+            all-reduce for all of them. Off by default: faster on separate
+            hosts, slower on one shared box (benchmarks/README.md,
+            "Bucketed dense all-reduce").
         sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
             to the strategy (its one home). ``"interleaved"`` or
             ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
