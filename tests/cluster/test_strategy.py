@@ -61,6 +61,10 @@ def run_chief_script(cluster_factory, tmp_path, script, args, num_workers=2, num
         ("adam_new", "interleaved", 1, "mixed_float16", 2, "ps"),
         # The same with both tables in one stack (stacking is the default).
         ("adam_new", "interleaved", 1, "mixed_float16+stacked", 2, "ps"),
+        # The dense gradients in 3 all-reduces (HybridOptions.dense_bucket_bytes),
+        # the workers' non-finite count riding in the last: the overflowing
+        # step is still skipped by every worker.
+        ("adam_new", "interleaved", 1, "mixed_float16+bucketed", 2, "ps"),
     ])
 def test_sync_matches_single_process_on_global_batch(shared_cluster, tmp_path, optimizer, sharding,
                                                      steps_per_execution, variant, num_workers,
@@ -73,6 +77,7 @@ def test_sync_matches_single_process_on_global_batch(shared_cluster, tmp_path, o
         [optimizer, sharding, "sync", str(steps_per_execution), variant, exchange],
         num_workers=num_workers, timeout=480 if mixed == "mixed_float16" else 240)
     assert report["num_replicas_in_sync"] == num_workers
+    assert report["dense_bucket_bytes"] == (16 if "bucketed" in parts else 0)
     ops = report["sparse_exchange_ops"]
     if exchange == "ps":
         # Every worker hands its gradients to both PS tasks; the updating
