@@ -12,6 +12,8 @@ them alike. Every run goes through the same child processes as
     python -m benchmarks.ablation --setup hybrid_sync --spe 1,8,32
     python -m benchmarks.ablation --setup hybrid_sync \\
         --plugin_paths /work/main,/tmp/patched   # A/B of a plugin patch
+    python -m benchmarks.ablation --setup hybrid_sync \\
+        --dense_bucket_bytes 0,262144 --repeats 2  # A/B of HybridOptions.dense_bucket_bytes
 
 Output: one JSON line per configuration (medians over repeats), a table on
 stderr. Use the ``examples_per_cpu_sec`` column when the box is loaded.
@@ -36,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spe", default="8", help="steps_per_execution values")
     p.add_argument("--plugin_paths", default="",
                    help="comma-separated directories holding tf_psplugin copies (A/B)")
+    p.add_argument("--dense_bucket_bytes", default="",
+                   help="comma-separated HybridOptions.dense_bucket_bytes values (A/B; "
+                        "default: the strategy's)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--warmup_steps", type=int, default=32)
@@ -52,11 +57,12 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     spes = [int(s) for s in args.spe.split(",") if s]
     paths = [p for p in args.plugin_paths.split(",") if p] or [""]
-    grid = list(itertools.product(paths, variants, spes))
+    buckets = [int(b) for b in args.dense_bucket_bytes.split(",") if b] or [None]
+    grid = list(itertools.product(paths, variants, spes, buckets))
     results = {cfg: [] for cfg in grid}
     for _ in range(args.repeats):
         for cfg in grid:
-            path, variant, spe = cfg
+            path, variant, spe, bucket = cfg
             warmup = max(args.warmup_steps, spe)
             warmup -= warmup % spe
             steps = max(args.steps - args.steps % warmup, warmup)
@@ -64,29 +70,34 @@ def main(argv=None) -> int:
                 "--setups", args.setup, "--variant", variant, "--steps_per_execution", str(spe),
                 "--warmup_steps", str(warmup), "--steps", str(steps),
                 "--pool_batches", str(min(args.pool_batches, warmup)),
-                "--timeout", str(args.timeout)])
+                "--timeout", str(args.timeout)]
+                + ([] if bucket is None else ["--dense_bucket_bytes", str(bucket)]))
             if path:
                 os.environ[procs.PLUGIN_PATH_ENV] = os.path.abspath(path)
             else:
                 os.environ.pop(procs.PLUGIN_PATH_ENV, None)
-            sub_dir = os.path.join(log_dir, f"{os.path.basename(path) or 'repo'}-{variant}-{spe}")
+            sub_dir = os.path.join(log_dir, f"{os.path.basename(path) or 'repo'}-{variant}-{spe}"
+                                   + ("" if bucket is None else f"-b{bucket}"))
             os.makedirs(sub_dir, exist_ok=True)
             job = run.job_for(args.setup, opts, opts.num_workers)
             r = run.run_job(job, opts, opts.num_workers, sub_dir)
             r["plugin"] = run.plugin_revision()
+            r["strategy_options"] = (procs.strategy_options(job)
+                                     if args.setup in run.HYBRID_SETUPS else None)
             results[cfg].append(r)
-            sys.stderr.write(f"[ablation] {path or 'repo'} {variant} spe={spe}: "
+            sys.stderr.write(f"[ablation] {path or 'repo'} {variant} spe={spe} bucket={bucket}: "
                              f"{run._short(r)}\n")  # pylint: disable=protected-access
-    lines = [f"{'plugin':24s} {'variant':12s} {'spe':>4s} {'examples/s':>11s} "
+    lines = [f"{'plugin':24s} {'variant':12s} {'spe':>4s} {'bucket':>8s} {'examples/s':>11s} "
              f"{'ex/cpu-s':>9s}  cpu s per role (last run)"]
     for cfg, rs in results.items():
-        path, variant, spe = cfg
+        path, variant, spe, bucket = cfg
         ok = [r for r in rs if r.get("status") == "ok"]
         eps = statistics.median(r["examples_per_sec"] for r in ok) if ok else None
         eff = [r["examples_per_cpu_sec"] for r in ok if r.get("examples_per_cpu_sec")]
         eff = statistics.median(eff) if eff else None
         rec = {"mode": "ablation", "setup": args.setup, "plugin": ok[-1]["plugin"] if ok else path,
                "variant": variant, "steps_per_execution": spe,
+               "strategy_options": ok[-1].get("strategy_options") if ok else None,
                "examples_per_sec": round(eps, 1) if eps else None,
                "examples_per_cpu_sec": round(eff, 1) if eff else None,
                "runs_examples_per_sec": [round(r["examples_per_sec"], 1) for r in ok],
@@ -98,6 +109,7 @@ def main(argv=None) -> int:
         sys.stdout.write(json.dumps(rec) + "\n")
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in (rec["timed_cpu_seconds"] or {}).items())
         lines.append(f"{(os.path.basename(path) or 'repo')[:24]:24s} {variant:12s} {spe:4d} "
+                     f"{'-' if bucket is None else bucket:>8} "
                      f"{(f'{eps:.0f}' if eps else 'error'):>11s} "
                      f"{(f'{eff:.0f}' if eff else '-'):>9s}  {cpu}")
     sys.stderr.write("\n" + "\n".join(lines) + "\n")

@@ -129,6 +129,7 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str,
         "timed_epochs": args.network_epochs, "pool_batches": 4,
         "partition_min_bytes": 1 << 20, "announce_epochs": True, **setup_options(setup),
         "table_dtype": table_dtype,
+        "dense_bucket_bytes": getattr(args, "dense_bucket_bytes", None),
     }
     tag = "" if table_dtype == "float32" else f"-{table_dtype}"
     log = os.path.join(log_dir, f"network-{setup}{tag}-w{num_workers}.log")
@@ -219,8 +220,9 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
         "ratio_to_analytical_min": round(total_tx / examples / minimum["total"], 3),
         "dense_parameters": dense_parameters(spec),
         # The plugin's strategy arguments (None: stock PSS).
-        "strategy_options": (procs.strategy_options(dict(setup_options(setup),
-                                                         table_dtype=table_dtype))
+        "strategy_options": (procs.strategy_options(dict(
+            setup_options(setup), table_dtype=table_dtype,
+            dense_bucket_bytes=getattr(args, "dense_bucket_bytes", None)))
                              if setup != "stock_pss" else None),
     }
     if "chief_exit" in result:

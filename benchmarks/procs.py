@@ -46,7 +46,10 @@ def strategy_options(job: dict) -> Dict[str, object]:
             "stack_tables": bool(job.get("stack_tables", True)),
             # "float32": the strategy's default (table_dtype=None, the tables in
             # the dtype their layer asks for); "bfloat16"/"float16": stored so.
-            "table_dtype": job.get("table_dtype", "float32")}
+            "table_dtype": job.get("table_dtype", "float32"),
+            # HybridOptions.dense_bucket_bytes (None: the strategy's default;
+            # 0: one packed all-reduce of the dense gradients).
+            "dense_bucket_bytes": job.get("dense_bucket_bytes")}
 
 
 def strategy_kwargs(job: dict) -> Dict[str, object]:
@@ -54,11 +57,14 @@ def strategy_kwargs(job: dict) -> Dict[str, object]:
 
     ``table_dtype`` "float32" is the strategy's default, ``table_dtype=None``:
     it is left out, so a plugin copy from before the option
-    (``run --plugin_path``) is measured too.
+    (``run --plugin_path``) is measured too; so is ``dense_bucket_bytes``
+    None.
     """
     options = strategy_options(job)
     if options["table_dtype"] == "float32":
         del options["table_dtype"]
+    if options["dense_bucket_bytes"] is None:  # Likewise: the default, or a copy without it.
+        del options["dense_bucket_bytes"]
     return options
 
 

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(HybridOptions.table_dtype), each run side by side: "
                         f"{','.join(TABLE_DTYPES)} (half precision needs --optimizer adagrad, "
                         f"sgd or sgd_noslot)")
+    p.add_argument("--dense_bucket_bytes", type=int, default=None,
+                   help="the hybrid setups' HybridOptions.dense_bucket_bytes (0: one packed "
+                        "all-reduce of the dense gradients; default: the strategy's)")
     p.add_argument("--optimizer", default="legacy_adagrad", choices=sorted(OPTIMIZER_NAMES),
                    help="legacy_adagrad: tf.keras.optimizers.legacy.Adagrad (the default); "
                         "adagrad / sgd: Keras's new Adagrad / SGD (which makes a float32 "
@@ -288,6 +291,7 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "track_rows": bool(getattr(args, "track_rows", False)),
         "partition_min_bytes": 1 << 20,
         "mixed_precision": policy, "table_dtype": table_dtype,
+        "dense_bucket_bytes": getattr(args, "dense_bucket_bytes", None),
     }
 
 

@@ -78,7 +78,7 @@ def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     # Every line says which strategy options made its figure.
     assert by["hybrid_sync"]["strategy_options"] == {
         "embedding_updates": "sync", "sharding": None, "sparse_exchange": "ps",
-        "stack_tables": True, "table_dtype": "float32"}
+        "stack_tables": True, "table_dtype": "float32", "dense_bucket_bytes": None}
     assert all(r["policy"] == "float32" for r in lines)
     assert by["hybrid_sync"]["table_dtype"] == "float32" and by["single"]["table_dtype"] is None
     assert by["hybrid_sync"]["knobs"]["optimizer"] == "legacy.Adagrad(0.05)"
@@ -155,6 +155,10 @@ def test_strategy_kwargs_leave_the_default_table_dtype_out():
     assert procs.strategy_options(job)["table_dtype"] == "float32"
     assert "table_dtype" not in procs.strategy_kwargs(job)  # A plugin before the option.
     assert procs.strategy_kwargs(dict(job, table_dtype="bfloat16"))["table_dtype"] == "bfloat16"
+    # HybridOptions.dense_bucket_bytes: the default left out likewise; 0 (one pack) stated.
+    assert procs.strategy_options(job)["dense_bucket_bytes"] is None
+    assert "dense_bucket_bytes" not in procs.strategy_kwargs(job)
+    assert procs.strategy_kwargs(dict(job, dense_bucket_bytes=0))["dense_bucket_bytes"] == 0
     # One log per variant of a run (not one per setup, overwritten by the next variant).
     assert procs.log_name(job) == "hybrid_sync"
     assert procs.log_name(dict(job, mixed_precision="mixed_float16", table_dtype="bfloat16")) \
@@ -426,3 +430,22 @@ def test_raw_key_variants_build_and_feed_raw_ids():
         model = model_lib.build_model(spec)
         out = model({"dense": tf.zeros([2, model_lib.NUM_DENSE]), "categorical": keys})
         assert out.shape == (2, 1)
+
+
+def test_ablation_interleaves_dense_bucket_sizes_and_records_them(monkeypatch, capsys, tmp_path):
+    from benchmarks import ablation
+
+    order = []
+
+    def fake_run_job(job, args, num_workers, log_dir):
+        order.append(job["dense_bucket_bytes"])
+        return _fake_result(100.0 + (job["dense_bucket_bytes"] > 0))
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    monkeypatch.setattr(run, "plugin_revision", lambda: "rev")
+    assert ablation.main(["--setup", "hybrid_sync", "--dense_bucket_bytes", "0,4096",
+                          "--repeats", "2", "--log_dir", str(tmp_path)]) == 0
+    assert order == [0, 4096, 0, 4096]  # Interleaved, so load hits both alike.
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [r["strategy_options"]["dense_bucket_bytes"] for r in lines] == [0, 4096]
+    assert [r["runs_examples_per_sec"] for r in lines] == [[100.0, 100.0], [101.0, 101.0]]

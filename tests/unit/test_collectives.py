@@ -1,12 +1,14 @@
-"""Instance-key bookkeeping of `CollectiveGroup` (no cluster needed).
+"""Instance-key bookkeeping and dense buckets of `CollectiveGroup` (no cluster needed).
 
 The coordinator traces one copy of a synchronous step per worker; the copies
 of one collective must carry the same instance key, and collectives of
 different functions must not share one.
 """
 
+import pytest
 import tensorflow as tf
 
+from tf_psplugin.sync import collectives
 from tf_psplugin.sync.collectives import CollectiveGroup
 
 
@@ -51,3 +53,64 @@ def test_a_longer_trace_moves_the_counter_past_its_keys():
         long = _keys_of_trace(group, 4)
     assert long[0] == short[0]
     assert _keys_of_trace(group, 1)[0] == long[-1] + 1
+
+
+# -- buckets of the dense all-reduce (HybridOptions.dense_bucket_bytes) ---------------
+
+
+@pytest.mark.parametrize("nbytes,bucket_bytes,expected", [
+    # No bucket size: one bucket of everything, in order.
+    ([8, 8, 8], 0, [[0, 1, 2]]),
+    ([8, 8, 8], None, [[0, 1, 2]]),
+    ([], 16, []),
+    # Filled from the last tensor, closed at >= bucket_bytes.
+    ([8, 8, 8, 8, 8], 16, [[3, 4], [1, 2], [0]]),
+    # A large tensor closes the bucket it joins; a large first one too.
+    ([4, 100, 4, 4], 16, [[1, 2, 3], [0]]),
+    ([100, 4, 4], 16, [[0, 1, 2]]),
+    # A size not known while tracing closes its bucket as a large one does.
+    ([4, None, 4], 16, [[1, 2], [0]]),
+    # Every tensor over the size: one bucket each, the last first.
+    ([32, 32, 32], 16, [[2], [1], [0]]),
+])
+def test_buckets_are_filled_from_the_last_tensor(nbytes, bucket_bytes, expected):
+    assert collectives.plan_buckets(nbytes, bucket_bytes) == expected
+
+
+def test_every_bucket_is_its_own_collective_and_waits_for_no_later_bucket():
+    """Keys in bucket order (the same on every worker); a bucket never waits for a later one.
+
+    tf.function's automatic control dependencies chain the collectives (stateful
+    ops without a resource input) in trace order: each bucket's all-reduce
+    starts once its own tensors are ready and the bucket before it is summed.
+    """
+    group = CollectiveGroup(2)
+    specs = [tf.TensorSpec([3], tf.float32), tf.TensorSpec([2, 2], tf.float32),
+             tf.TensorSpec([5], tf.float32), tf.TensorSpec([], tf.int64)]
+
+    @tf.function(autograph=False)
+    def step(a, b, c, n):
+        return group.all_reduce_buckets([[c, n], [a, b]])
+
+    graph = step.get_concrete_function(*specs).graph
+    reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    # Bucket 0: one collective per dtype (float32 c, int64 n); bucket 1: a and b packed.
+    keys = [int(tf.get_static_value(op.inputs[3])) for op in reduces]
+    assert keys == sorted(keys) and len(set(keys)) == 3
+    placeholders = {op.name: op for op in graph.get_operations() if op.type == "Placeholder"}
+    a, b, c, n = (placeholders[x] for x in ("a", "b", "c", "n"))
+    for op in reduces[:2]:
+        assert not {a.name, b.name} & _ancestors(op), op.name
+    assert {a.name, b.name} <= _ancestors(reduces[2])
+    assert {reduces[0].name, reduces[1].name} <= _ancestors(reduces[2])
+
+
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        o = todo.pop()
+        if o.name not in seen:
+            seen.add(o.name)
+            todo.extend(t.op for t in o.inputs)
+            todo.extend(o.control_inputs)
+    return seen

@@ -77,7 +77,7 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     # Every line says which strategy options made its figure (stacking: the default).
     assert r["strategy_options"] == {"embedding_updates": "sync", "sharding": None,
                                      "sparse_exchange": "ps", "stack_tables": True,
-                                     "table_dtype": "float32"}
+                                     "table_dtype": "float32", "dense_bucket_bytes": None}
     assert by[("hybrid_sync_allgather", 8)]["strategy_options"]["sparse_exchange"] == "allgather"
     assert by[("stock_pss", 2)]["strategy_options"] is None
     summary = lines[-1]

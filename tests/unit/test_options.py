@@ -30,6 +30,9 @@ _resolver = chief_worker_ps_resolver
     ("collective_timeout_seconds", -1.0, tf_psplugin.StrategyError),
     ("collective_timeout_seconds", float("nan"), tf_psplugin.StrategyError),
     ("sharding", "random", ValueError),  # PlacementPolicy's own error
+    ("dense_bucket_bytes", -1, tf_psplugin.StrategyError),
+    ("dense_bucket_bytes", 1.5, tf_psplugin.StrategyError),
+    ("dense_bucket_bytes", True, tf_psplugin.StrategyError),
 ])
 def test_an_unsupported_knob_is_refused_when_the_options_are_made(knob, value, error):
     with pytest.raises(error, match=rf"{knob}.*Fix:"):

@@ -31,6 +31,10 @@ from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
 
 EMBEDDING_UPDATES = ("sync", "async")
+
+# HybridOptions.dense_bucket_bytes's default (0: one packed all-reduce; measured
+# slower on one 2-core box, benchmarks/README.md "Bucketed dense all-reduce").
+DEFAULT_DENSE_BUCKET_BYTES = 0
 DENSE_PLACEMENTS = ("allreduce", "ps")
 
 # The developer toggles' former names -> their names now.
@@ -120,6 +124,15 @@ class HybridOptions:
             tables in the dtype their layer asks for. See
             docs/mixed_precision.md, "Tables in half precision"
             (`tables/half_precision.py`).
+        dense_bucket_bytes: A synchronous step's dense gradients are summed
+            among the workers in all-reduces of about this many bytes each,
+            the last layers' first, so that their all-reduce runs while the
+            backward pass still computes the earlier layers' gradients (as
+            Horovod and PyTorch DDP bucket them); the sums are the same
+            (see `runtime/reduction.py`). 0 or None (default): one packed
+            all-reduce for all of them. Off by default: faster on separate
+            hosts, slower on one shared box (benchmarks/README.md,
+            "Bucketed dense all-reduce").
         sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
             to the strategy (its one home). ``"interleaved"`` or
             ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
@@ -142,6 +155,7 @@ class HybridOptions:
     experimental_fuse_lookups: bool = False
     stack_tables: bool = True
     table_dtype: Optional[str] = None
+    dense_bucket_bytes: Optional[int] = DEFAULT_DENSE_BUCKET_BYTES
     sharding: Optional[str] = None  # Deprecated: PlacementPolicy's.
 
     def __init__(self, *, embedding_updates: str = "sync", dense_placement: str = "allreduce",
@@ -151,6 +165,7 @@ class HybridOptions:
                  experimental_pack_on_read_updates: bool = True,
                  experimental_fuse_lookups: bool = False, stack_tables: bool = True,
                  table_dtype: Optional[str] = None,
+                 dense_bucket_bytes: Optional[int] = DEFAULT_DENSE_BUCKET_BYTES,
                  sharding: Any = _deprecation.UNSET,
                  sparse_exchange: Any = _deprecation.UNSET,
                  pack_on_read_updates: Any = _deprecation.UNSET,
@@ -179,7 +194,7 @@ class HybridOptions:
             experimental_sparse_exchange=experimental_sparse_exchange,
             experimental_pack_on_read_updates=experimental_pack_on_read_updates,
             experimental_fuse_lookups=experimental_fuse_lookups, stack_tables=stack_tables,
-            table_dtype=table_dtype)
+            table_dtype=table_dtype, dense_bucket_bytes=dense_bucket_bytes)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._validate()
@@ -196,6 +211,13 @@ class HybridOptions:
             raise StrategyError(
                 f"collective_timeout_seconds={self.collective_timeout_seconds!r} must be >= 0 "
                 "(0 = no limit). Fix: pass a number of seconds above your slowest step.")
+        if self.dense_bucket_bytes is not None and (
+                isinstance(self.dense_bucket_bytes, bool)
+                or not isinstance(self.dense_bucket_bytes, int) or self.dense_bucket_bytes < 0):
+            raise StrategyError(
+                f"dense_bucket_bytes={self.dense_bucket_bytes!r} must be a whole number of bytes "
+                ">= 0. Fix: pass e.g. 1 << 20, or 0 (or None) for one all-reduce of every dense "
+                "gradient.")
         _check_combinations(self)
 
     def replace(self, **changes) -> "HybridOptions":

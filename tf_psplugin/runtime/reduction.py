@@ -2,8 +2,11 @@
 
 While a synchronous step is traced, `HybridExtended._reduce_to` and
 `_batch_reduce_to` (what Keras's optimizers call through the strategy) come
-here: dense values are summed across workers with one packed collective
-all-reduce (metric and batch-norm deltas riding along), embedding gradients
+here: dense values are summed across workers with packed collective
+all-reduces, one per bucket of about `HybridOptions.dense_bucket_bytes`
+(the last layers' gradients first, so their all-reduce overlaps the rest of
+the backward pass; metric and batch-norm deltas riding along in the last
+bucket), embedding gradients
 are handed in to the PS that holds their shard and summed there (or
 all-gathered, `experimental_sparse_exchange="allgather"`). Every reduction is counted
 (`reduced_steps`, for failover) before any update may run.
@@ -14,6 +17,7 @@ from typing import List, NamedTuple
 import tensorflow as tf
 
 from tf_psplugin.runtime.variable_creation import _unwrap
+from tf_psplugin.sync import collectives as collectives_lib
 from tf_psplugin.sync import loss_scaling as loss_scaling_lib
 from tf_psplugin.sync import replicated
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
@@ -60,9 +64,9 @@ class Reduction:
     def batch_reduce_to(self, reduce_op, value_destination_pairs):
         """`HybridExtended._batch_reduce_to` in a sync step (Keras's gradient reduction).
 
-        Dense values (and the step's pending metric deltas) in one packed
-        all-reduce; table gradients summed on their PS (``"ps"`` exchange)
-        or all-gathered; then the reduction is counted (`_after_reduction`).
+        Dense values (and the step's pending metric deltas) in packed
+        all-reduces, one per bucket (`_all_reduce_dense`); table gradients
+        summed on their PS (``"ps"`` exchange) or all-gathered; then the reduction is counted (`_after_reduction`).
 
         Args:
             reduce_op: `tf.distribute.ReduceOp.SUM` or `MEAN`.
@@ -97,13 +101,11 @@ class Reduction:
             # along (sums: only with a summed gradient).
             pending = self._extended.on_read_updates.take() if not mean else []
             extra = [] if nonfinite is None else [nonfinite]
-            # The hand-ins first: then the dense all-reduce doubles as the
-            # barrier the PS exchange needs (it completes on a worker only
-            # once every worker has handed in), one collective fewer a step.
-            with tf.control_dependencies(hand_in.ops if hand_in else []):
-                reduced = self._extended.collective_group.all_reduce_packed(
-                    [values[i] for i in dense_idx] + extra
-                    + self._extended.on_read_updates.deltas(pending), mean=mean)
+            reduced, token = self._all_reduce_dense(
+                [values[i] for i in dense_idx],
+                [value_destination_pairs[i][1] for i in dense_idx],
+                extra + self._extended.on_read_updates.deltas(pending),
+                hand_in.ops if hand_in else [], mean)
             n = len(dense_idx)
             self._extended.on_read_updates.apply(pending, reduced[n + len(extra):])
             if nonfinite is not None:
@@ -111,7 +113,6 @@ class Reduction:
                 loss_scaling_lib.record_agreed(reduced[n])
             for i, r in zip(dense_idx, reduced):
                 out[i] = r
-            token = reduced[0]
         if sparse_idx and self._sync_embeddings():
             sparse = [values[i] for i in sparse_idx]
             if through_ps:
@@ -128,6 +129,53 @@ class Reduction:
                                              g.dense_shape)
                 out[i] = g
         return self._after_reduction(out)
+
+    def _all_reduce_dense(self, dense, destinations, riders, hand_in_ops, mean: bool):
+        """All-reduces a step's dense values, in buckets (`HybridOptions.dense_bucket_bytes`).
+
+        The dense values are split into buckets of about that many bytes,
+        last variable first (`collectives.plan_buckets`): each bucket's
+        collective starts as soon as backpropagation has produced its
+        gradients, while the earlier layers' are still being computed. The
+        riders (the non-finite count under loss scaling, the metric and
+        batch-norm deltas) go in the last bucket, which also waits for this
+        worker's hand-ins to the PS queues: then that all-reduce doubles as
+        the barrier the PS exchange needs (it completes on a worker only once
+        every worker has handed in), one collective fewer a step. With no
+        bucket size, everything is one packed all-reduce.
+
+        Args:
+            dense: The dense values, in the variables' order.
+            destinations: Their destination variables (sizes when a value's
+                static shape is unknown).
+            riders: Further dense tensors summed in the last bucket.
+            hand_in_ops: The hand-in ops the last bucket waits for.
+            mean: Average instead of sum.
+
+        Returns:
+            (`dense` + `riders` reduced, in that order; the token: a value of
+            the last bucket, done only once every worker handed in).
+        """
+        group = self._extended.collective_group
+        sizes = []
+        for v, dest in zip(dense, destinations):
+            elements = v.shape.num_elements()
+            if elements is None:
+                elements = dest.shape.num_elements()
+            sizes.append(None if elements is None else elements * v.dtype.size)
+        buckets = collectives_lib.plan_buckets(sizes, self._extended.dense_bucket_bytes) or [[]]
+        # The last bucket: the riders, and the wait for the hand-ins.
+        *early, last = buckets
+        reduced: List = [None] * (len(dense) + len(riders))
+        for bucket, results in zip(early, group.all_reduce_buckets(
+                [[dense[i] for i in b] for b in early], mean=mean)):
+            for i, r in zip(bucket, results):
+                reduced[i] = r
+        with tf.control_dependencies(hand_in_ops):
+            results = group.all_reduce_packed([dense[i] for i in last] + list(riders), mean=mean)
+        for i, r in zip(list(last) + list(range(len(dense), len(reduced))), results):
+            reduced[i] = r
+        return reduced, results[0]
 
     def _exchange_through_ps(self) -> bool:
         # A trace shared by several update roles (`tracing_worker_index` is

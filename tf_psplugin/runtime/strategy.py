@@ -236,6 +236,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._extended.fuse_lookups = bool(options.experimental_fuse_lookups)
         # Float32 tables stored in half precision (None: as asked for).
         self._extended.table_dtype = options.table_dtype
+        # A sync step's dense all-reduces: buckets of about this size (0: one).
+        self._extended.dense_bucket_bytes = int(options.dense_bucket_bytes or 0)
         if options.experimental_fuse_lookups:
             patches.install("keras_functional_fusion")
         if options.stack_tables:
@@ -348,6 +350,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.fuse_lookups = False
         # Read by variable creation (HybridOptions.table_dtype): set likewise.
         self.table_dtype = None
+        # Read by reduction.py (HybridOptions.dense_bucket_bytes): set likewise.
+        self.dense_bucket_bytes = 0
         self.committed_steps = None
 
     # -- read by other modules ----------------------------------------------------

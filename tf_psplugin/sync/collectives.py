@@ -1,7 +1,11 @@
 """Collective communication among the workers of the AllReduce group.
 
-Dense gradients are summed across workers with one packed all-reduce per step
-(one collective launch instead of one per variable). Embedding gradients in
+Dense gradients are summed across workers with packed all-reduces: one per
+step, or one per bucket of about `HybridOptions.dense_bucket_bytes` when the
+step's gradients are split (`plan_buckets`), so that the last layers'
+gradients, which the backward pass produces first, are summed while it still
+computes the earlier layers' (as Horovod's tensor fusion and PyTorch DDP's
+buckets do). Embedding gradients in
 ``"sync"`` mode are summed on their PS (`sparse_exchange.py`) after a
 barrier from here; with ``experimental_sparse_exchange="allgather"`` they are
 all-gathered, also packed, so every worker sees the global sparse gradient
@@ -138,6 +142,26 @@ class CollectiveGroup:
                 results[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return results  # type: ignore[return-value]
 
+    def all_reduce_buckets(self, buckets: Sequence[Sequence[tf.Tensor]],
+                           mean: bool = False) -> List[List[tf.Tensor]]:
+        """Sums (or averages) each bucket of dense tensors with its own packed collective.
+
+        The buckets' collectives take their instance keys in the order of
+        `buckets` (the same on every worker, as every worker traces the same
+        step), and each runs as soon as its own tensors are ready: a bucket
+        waits neither for the tensors of another bucket nor for its
+        collective. Each element is reduced as by `all_reduce_packed` of
+        all the tensors at once (one sum of the same values per element).
+
+        Args:
+            buckets: Lists of dense tensors, any shapes and dtypes.
+            mean: Divide by the group size.
+
+        Returns:
+            Per bucket, the reduced tensors, same shapes and dtypes as the inputs.
+        """
+        return [self.all_reduce_packed(bucket, mean=mean) for bucket in buckets]
+
     def all_gather_indexed_slices(self, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
         """All-gathers sparse gradients from every worker, packed.
 
@@ -228,6 +252,42 @@ class CollectiveGroup:
         with tf.control_dependencies(list(control_inputs)):
             token = tf.constant(0.0)
         return self.all_reduce(token)
+
+
+def plan_buckets(nbytes: Sequence[Optional[int]], bucket_bytes: Optional[int]) -> List[List[int]]:
+    """Splits tensors into all-reduce buckets of about `bucket_bytes`, last tensor first.
+
+    Backpropagation produces the gradients of a model's last layers first,
+    and a model's variables (so its gradients) come in the order of its
+    layers, so buckets are filled from the end of the list: bucket 0 holds
+    the last tensors. A bucket is closed once it holds `bucket_bytes` or
+    more (a tensor of that size or more closes the bucket it joins).
+
+    Args:
+        nbytes: Each tensor's size in bytes; None when not known while
+            tracing (such a tensor closes its bucket, as a large one does).
+        bucket_bytes: The bucket size; 0 or None: one bucket of everything.
+
+    Returns:
+        Lists of indices into `nbytes`, each list in the tensors' order;
+        together every index once. No list when `nbytes` is empty.
+    """
+    if not nbytes:
+        return []
+    if not bucket_bytes:
+        return [list(range(len(nbytes)))]
+    buckets: List[List[int]] = []
+    current: List[int] = []
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        current.append(i)
+        size += bucket_bytes if nbytes[i] is None else nbytes[i]
+        if size >= bucket_bytes:
+            buckets.append(sorted(current))
+            current, size = [], 0
+    if current:
+        buckets.append(sorted(current))
+    return buckets
 
 
 def row_width(s: tf.IndexedSlices) -> int:

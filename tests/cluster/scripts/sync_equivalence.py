@@ -28,6 +28,10 @@ DEDUP = "dedup" in VARIANTS
 FUSED = bool(VARIANTS & {"fused", "stacked"})
 # "stacked": both tables in one stack (stack_tables=True), looked up together.
 STACKED = "stacked" in VARIANTS
+# "bucketed": the dense gradients all-reduced in buckets of about 16 bytes
+# (HybridOptions.dense_bucket_bytes): the MLP's four variables in three
+# collectives, the output layer's first; every other case in one pack (0).
+BUCKET_BYTES = 16 if "bucketed" in VARIANTS else 0
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 # "mixed_float16" / "mixed_bfloat16": Keras's mixed-precision policy, here and
 # in the single-process reference; the output layer stays float32 (as Keras's
@@ -165,9 +169,10 @@ def takes_before_all_hand_ins(model):
     The PS exchange is exact only if no worker takes before every worker
     handed in: each take must wait for a collective (the barrier, or the
     dense all-reduce that doubles as it) that itself waits for every one of
-    its graph's enqueues. Also returns the collectives per traced graph.
+    its graph's enqueues. Also returns the collectives per traced graph, and
+    per graph with hand-ins the collectives that do not wait for any.
     """
-    early, collectives_per_graph = [], []
+    early, collectives_per_graph, before_hand_ins = [], [], []
     for graph in traced_graphs(model):
         ops = graph.get_operations()
         enqueues = {op.name for op in ops if op.type.startswith("QueueEnqueue")}
@@ -176,11 +181,14 @@ def takes_before_all_hand_ins(model):
             collectives_per_graph.append(len(collectives))
         if not enqueues:
             continue
+        # Collectives that may start before this worker's hand-ins (the
+        # sparse gradients, the backward pass's last): the early buckets.
+        before_hand_ins.append(sum(not enqueues & ancestors(op) for op in collectives))
         gates = {op.name for op in collectives if enqueues <= ancestors(op)}
         for op in ops:
             if op.type.startswith("QueueDequeue") and not gates & ancestors(op):
                 early.append(f"{graph.name}: {op.type} {op.name}")
-    return early, collectives_per_graph
+    return early, collectives_per_graph, before_hand_ins
 
 
 def skip_branch_writes(model):
@@ -372,7 +380,8 @@ def main():
         tf.keras.mixed_precision.set_global_policy(MIXED)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
-        fuse_lookups=FUSED, stack_tables=STACKED)  # Off: the other cases keep two tables.
+        fuse_lookups=FUSED, stack_tables=STACKED,  # Off: the other cases keep two tables.
+        dense_bucket_bytes=BUCKET_BYTES)
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
@@ -389,7 +398,7 @@ def main():
     records = [r.to_dict() for r in strategy.placement_records()]  # Before any other model.
     unordered, graphs_with_writes = writes_not_before_barrier(model)
     exchange_ops, summed_gradient_on_workers = sparse_exchange_ops(model)
-    early_takes, collectives_per_graph = takes_before_all_hand_ins(model)
+    early_takes, collectives_per_graph, before_hand_ins = takes_before_all_hand_ins(model)
 
     replicas_identical = True
     optimizer_variables = model.optimizer.variables
@@ -436,6 +445,8 @@ def main():
         "summed_gradient_on_workers": summed_gradient_on_workers,
         "early_takes": early_takes,
         "collectives_per_graph": collectives_per_graph,
+        "collectives_before_hand_ins": before_hand_ins,
+        "dense_bucket_bytes": strategy.options.dense_bucket_bytes,
         "fused_lookup_gathers": fused_lookup_gathers(model),
         "sparse_applies_per_graph": sparse_applies_per_graph(model),
         "tables_share_shards": all(
@@ -446,6 +457,8 @@ def main():
         "metrics": {k: hist.history[k][0] for k in ("mae", "mse_metric")},
         "ref_metrics": {k: ref_hist.history[k][0] for k in ("mae", "mse_metric")},
     }
+    # The trained weights, for bit-for-bit comparisons between runs.
+    np.savez(OUT + ".npz", **{f"{i}:{w}": a for i, (a, w) in enumerate(zip(got, weight_names(ref)))})
     with open(OUT, "w") as f:
         json.dump(report, f)
     print("RESULT ok")
