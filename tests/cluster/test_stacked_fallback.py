@@ -18,7 +18,8 @@ import pytest
 from tests.cluster import _cluster_util as cu
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stacked_fallback.py")
-CASES = ("frozen_after", "frozen_after_legacy", "second_model", "custom_after")
+CASES = ("frozen_after", "frozen_after_legacy", "second_model", "custom_after", "legacy_loop",
+         "legacy_recompile")
 
 pytestmark = [pytest.mark.cluster]
 

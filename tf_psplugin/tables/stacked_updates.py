@@ -66,6 +66,7 @@ two moving-average functions are wrapped; there is no public hook between a
 gradient and its apply, nor for the moving average.
 """
 
+import threading
 from typing import Optional, Sequence
 
 from absl import logging
@@ -80,8 +81,8 @@ from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["PER_TABLE", "StackingError", "merge", "patch_keras_optimizers", "slot_build_list",
-           "substitute"]
+__all__ = ["PER_TABLE", "SplitRequired", "StackingError", "merge", "patch_keras_optimizers",
+           "slot_build_list", "substitute", "take_split_request"]
 
 
 def _legacy(name):
@@ -269,13 +270,7 @@ def _check(optimizer, members):
     if kind is None and len(tables) == 1 and tables[0] is view.table:
         return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
-        raise StackingError(
-            f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
-            f"{name} is not an optimizer whose one update of a stack is known to equal its "
-            "updates of each table (known: "
-            f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
-            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers "
-            "or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
+        raise SplitRequired(optimizer, [v.table for _, v in members])
     if kind == "row_local":
         return []
     present = {id(v) for _, v in members}
@@ -285,6 +280,88 @@ def _check(optimizer, members):
         return []
     _warn_once(view.stack, name, absent, members)
     return sorted((t.row_offsets[view.index], t.shard_counts[view.index]) for t in absent)
+
+
+class SplitRequired(StackingError):
+    """A legacy optimizer not known to update a stack elementwise met a shared stack.
+
+    Its kernels apply through the variable's handle, and a view's handle is
+    the whole stack shard's: its apply to a table is exact only if the table
+    is alone in its stack. Raised while a step is traced (before any slot
+    of it is made); the coordinator catches it, splits the tables apart
+    (`stacking.split_apart`, once the dropped trace is gone) and traces the
+    step again. Anywhere else (a `tf.function` called without the
+    coordinator, or a stack something still holds) it is the error the user
+    sees, naming the fix.
+
+    Attributes:
+        tables: The tables the optimizer applies that share a stack.
+        why: Why they need storage of their own (for the placement report).
+    """
+
+    def __init__(self, optimizer, tables):
+        name = type(_unwrapped(optimizer)).__name__
+        self.tables = list({id(t): t for t in tables}.values())
+        self.why = (f"{name} (legacy) is not known to update a stack elementwise; "
+                    "its kernels apply through the whole stack's handle")
+        shown = ", ".join(sorted(t.display_name for t in self.tables))
+        super().__init__(
+            f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
+            "ClusterCoordinator.schedule (which splits them apart before the first step and "
+            "traces the step again), or once another live traced function or optimizer "
+            "holds the stack, they cannot be split. Fix: "
+            "HybridParameterServerStrategy(stack_tables=False), or compile the model with "
+            f"this optimizer before its first call (its tables are then stacked apart), or "
+            f"one of {', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers or "
+            ".legacy, or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
+        # Autograph re-raises an error raised in a traced function as its own
+        # `StagingError` (the message kept, not this object): the request is
+        # also left here for the coordinator (`take_split_request`).
+        with _SPLIT_LOCK:
+            _SPLIT_REQUEST["value"] = (self.tables, self.why, str(self))
+
+
+# The last `SplitRequired`'s (tables, why, message), until taken. Not per
+# thread: a step's replica function runs in a thread of its own
+# (`mirrored_run`), not the one tracing the step.
+_SPLIT_REQUEST = {}
+_SPLIT_LOCK = threading.Lock()
+
+
+def take_split_request():
+    """(tables, why, message) of the last `SplitRequired` raised, not yet taken.
+
+    None if there is none.
+
+    The coordinator's tracing clears it before a trace (a call) and takes it
+    after a trace failed, whatever the error became on its way out
+    (autograph's `StagingError`).
+    """
+    with _SPLIT_LOCK:
+        return _SPLIT_REQUEST.pop("value", None)
+
+
+def _needs_split(optimizer, grads_and_vars) -> None:
+    """Raises `SplitRequired` if a legacy unknown optimizer applies a view of a shared stack.
+
+    Checked when `apply_gradients` is entered, before the optimizer makes
+    any slot (which would hold the stack's row layout), also where the
+    merge comes later (``clipnorm``).
+    """
+    if _kind(optimizer) is not None or _is_new(optimizer):
+        return
+    shared = [v.table for g, v in grads_and_vars
+              if isinstance(v, TableView) and g is not None
+              and len(list(v.stack.tables)) > 1]
+    if shared:
+        raise SplitRequired(optimizer, shared)
+
+
+def note_fallback(stack, kind: str, text: str) -> None:
+    """Records a stack's fallback for the placement report (``stack.fallbacks``)."""
+    notes = getattr(stack, "fallbacks", None)
+    if notes is not None and kind not in notes:
+        notes[kind] = text
 
 
 # Stacks whose fallback was logged (by name, once per process).
@@ -302,10 +379,19 @@ def _is_new(optimizer) -> bool:
 
 
 def _warn_once(stack, name, absent, members, per_table=False) -> None:
+    trained = sorted({v.table.display_name for _, v in members})
+    if per_table:
+        note_fallback(stack, "per_table", (
+            f"tables {', '.join(sorted(t.display_name for t in stack.tables))} applied per "
+            f"table ({name} is not known to update a stack elementwise)"))
+    else:
+        note_fallback(stack, "keep_rows", (
+            f"tables {', '.join(sorted(t.display_name for t in absent))} kept as they were "
+            f"while {', '.join(trained)} train ({name} changes every row it updates; they "
+            "get no gradient)"))
     if stack.name in _WARNED:
         return
     _WARNED.add(stack.name)
-    trained = sorted({v.table.display_name for _, v in members})
     if per_table:
         logging.warning(
             "stack_tables=True: %s is not an optimizer whose one update of a stack is known to "
@@ -544,6 +630,8 @@ def _install_legacy(cls):
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
+        if has_views([v for _, v in grads_and_vars]):
+            _needs_split(self, grads_and_vars)
         if has_views([v for _, v in grads_and_vars]) and not _late(self):
             grads_and_vars = merge(self, grads_and_vars)
         return apply_gradients(self, grads_and_vars, *args, **kwargs)
