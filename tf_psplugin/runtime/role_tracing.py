@@ -11,14 +11,11 @@ ones (`extended.tracing_sync_step`), and the step's collectives get the same
 instance keys in every role's trace.
 """
 
-from absl import logging
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import cluster_coordinator
-from tf_psplugin.tables import stack_storage
-from tf_psplugin.tables import stacked_updates
-from tf_psplugin.tables import stacking
+from tf_psplugin.tables import stacked_fallback
 
 
 class RoleTracing:
@@ -71,49 +68,15 @@ class RoleTracing:
     def _trace_splitting(self, fn, args, kwargs, manager):
         """`_trace_each_role`, traced again after splitting stacks a legacy optimizer needs apart.
 
-        A legacy optimizer not known to update a stack elementwise, applying
-        tables that share a stack (a custom loop, a recompile), stops the
-        trace (`stacked_updates.SplitRequired`) before it makes any slot; the
-        trace is dropped, the tables are split apart (`stacking.split_apart`,
-        copying their rows) and the step is traced again. Each split leaves
-        fewer shared stacks, so this ends; a stack that cannot be split
-        (another live function or optimizer holds it) re-raises the error,
-        which names the fix.
+        See `stacked_fallback.trace_splitting`: a legacy optimizer not known
+        to update a stack elementwise, applying tables that share a stack (a
+        custom loop), stops the trace before it makes any slot; the tables
+        are split apart and the step is traced again, as its first call.
         """
-        done = set()
-        stacks = self._strategy.extended.table_stacks
-        while True:
-            stacked_updates.take_split_request()  # None left from an earlier call.
-            mark = stack_storage.trace_mark()
-            try:
-                closures, left = self._trace_each_role(fn, args, kwargs, manager)
-            except Exception as error:  # pylint: disable=broad-except
-                # A `SplitRequired`, which autograph re-raises as its `StagingError`:
-                # known by the request it left. Any other error is the user's.
-                request = stacked_updates.take_split_request()
-                if request is None or stacks is None:
-                    raise
-                del error  # Only tables and text kept: its traceback holds the dropped trace.
-            else:
-                if stacks is not None:  # What holds the stacks now (`Stack.held_by`).
-                    traces = [tf_objects.closure_concrete_function(c) for c in closures or ()]
-                    traces.append(tf_objects.first_trace_of(fn))
-                    for stack in stacks.stacks():
-                        for concrete in traces:
-                            stack.traced_as(concrete)
-                return closures, left
-            for stack in stacks.stacks():
-                stack.drop_traces_since(mark)  # The failed trace's: it is gone.
-            tf_objects.restart_first_trace(fn)  # The retrace is its first call, as this was.
-            tables, why, message = request
-            key = frozenset(id(t) for t in tables)
-            held = "they were split already" if key in done else stacking.split_apart(tables, why)
-            if held:
-                raise stacked_updates.StackingError(f"{message} ({held}.)")
-            done.add(key)
-            logging.warning("stack_tables=True: the step was traced again with tables %s each "
-                            "in a stack of its own (%s).",
-                            sorted(t.display_name for t in tables), why)
+        return stacked_fallback.trace_splitting(
+            lambda: self._trace_each_role(fn, args, kwargs, manager), fn,
+            self._strategy.extended.table_stacks,
+            lambda result: [tf_objects.closure_concrete_function(c) for c in result[0] or ()])
 
     def _trace_each_role(self, fn, args, kwargs, manager):
         """`closures` for one function.

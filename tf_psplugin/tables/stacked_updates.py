@@ -55,9 +55,14 @@ nothing for a variable list without views.
   stack shared by several tables): its
   `update_step` writes the view's rows through the view's methods, with
   Keras's own slots per view (`slot_build_list` builds them so too), as it
-  would an unstacked table's shard. Only a legacy one on a stack that
-  could not be split (a custom loop, or a recompile after the stack was
-  traced) is refused: its kernels would take the stack shard's handle.
+  would an unstacked table's shard. A legacy one on a stack that could
+  not be split before (a custom loop: no compiled model names it) stops
+  the step's first trace (`SplitRequired`; its kernels would take the
+  stack shard's handle): the coordinator splits its tables apart and
+  traces the step again (`stacked_fallback.trace_splitting`). Only a stack something still
+  holds (a recompile after a traced `fit`: Keras keeps that function) is
+  refused, naming the fix. The placement report lists each stack's
+  fallback (`note_fallback`).
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
@@ -66,7 +71,6 @@ two moving-average functions are wrapped; there is no public hook between a
 gradient and its apply, nor for the moving average.
 """
 
-import threading
 from typing import Optional, Sequence
 
 from absl import logging
@@ -79,6 +83,7 @@ from tf_psplugin.tables import stack_rows
 from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
+from tf_psplugin.tables.stacked_fallback import SplitRequired, take_split_request
 from tf_psplugin.tables.stacking import TableView
 
 __all__ = ["PER_TABLE", "SplitRequired", "StackingError", "merge", "patch_keras_optimizers",
@@ -189,8 +194,8 @@ def merge(optimizer, grads_and_vars) -> list:
     shard's merged pair takes the place of its first view.
 
     Raises:
-        StackingError: the optimizer's one apply to a stack shard would not
-            equal its per-table applies (see the module docstring).
+        SplitRequired: a legacy optimizer's one apply to a stack shard would
+            not equal its per-table applies (see the module docstring).
     """
     grads_and_vars = list(grads_and_vars)
     if not any(isinstance(v, TableView) and g is not None for g, v in grads_and_vars):
@@ -254,9 +259,8 @@ def _check(optimizer, members):
         move them (it is not row-local, `keep_rows`); else nothing.
 
     Raises:
-        StackingError: the optimizer is not one whose one update of a stack
-            is known to equal its updates of each table, and the stack holds
-            other tables too.
+        SplitRequired: a legacy optimizer not known to update a stack as it
+            updates each table, and the stack holds other tables too.
     """
     view = members[0][1]
     kind = _kind(optimizer)
@@ -270,7 +274,7 @@ def _check(optimizer, members):
     if kind is None and len(tables) == 1 and tables[0] is view.table:
         return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
-        raise SplitRequired(optimizer, [v.table for _, v in members])
+        raise SplitRequired(name, [v.table for _, v in members], _ELEMENTWISE_NAMES)
     if kind == "row_local":
         return []
     present = {id(v) for _, v in members}
@@ -280,65 +284,6 @@ def _check(optimizer, members):
         return []
     _warn_once(view.stack, name, absent, members)
     return sorted((t.row_offsets[view.index], t.shard_counts[view.index]) for t in absent)
-
-
-class SplitRequired(StackingError):
-    """A legacy optimizer not known to update a stack elementwise met a shared stack.
-
-    Its kernels apply through the variable's handle, and a view's handle is
-    the whole stack shard's: its apply to a table is exact only if the table
-    is alone in its stack. Raised while a step is traced (before any slot
-    of it is made); the coordinator catches it, splits the tables apart
-    (`stacking.split_apart`, once the dropped trace is gone) and traces the
-    step again. Anywhere else (a `tf.function` called without the
-    coordinator, or a stack something still holds) it is the error the user
-    sees, naming the fix.
-
-    Attributes:
-        tables: The tables the optimizer applies that share a stack.
-        why: Why they need storage of their own (for the placement report).
-    """
-
-    def __init__(self, optimizer, tables):
-        name = type(_unwrapped(optimizer)).__name__
-        self.tables = list({id(t): t for t in tables}.values())
-        self.why = (f"{name} (legacy) is not known to update a stack elementwise; "
-                    "its kernels apply through the whole stack's handle")
-        shown = ", ".join(sorted(t.display_name for t in self.tables))
-        super().__init__(
-            f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
-            "ClusterCoordinator.schedule (which splits them apart before the first step and "
-            "traces the step again), or once another live traced function or optimizer "
-            "holds the stack, they cannot be split. Fix: "
-            "HybridParameterServerStrategy(stack_tables=False), or compile the model with "
-            f"this optimizer before its first call (its tables are then stacked apart), or "
-            f"one of {', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers or "
-            ".legacy, or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
-        # Autograph re-raises an error raised in a traced function as its own
-        # `StagingError` (the message kept, not this object): the request is
-        # also left here for the coordinator (`take_split_request`).
-        with _SPLIT_LOCK:
-            _SPLIT_REQUEST["value"] = (self.tables, self.why, str(self))
-
-
-# The last `SplitRequired`'s (tables, why, message), until taken. Not per
-# thread: a step's replica function runs in a thread of its own
-# (`mirrored_run`), not the one tracing the step.
-_SPLIT_REQUEST = {}
-_SPLIT_LOCK = threading.Lock()
-
-
-def take_split_request():
-    """(tables, why, message) of the last `SplitRequired` raised, not yet taken.
-
-    None if there is none.
-
-    The coordinator's tracing clears it before a trace (a call) and takes it
-    after a trace failed, whatever the error became on its way out
-    (autograph's `StagingError`).
-    """
-    with _SPLIT_LOCK:
-        return _SPLIT_REQUEST.pop("value", None)
 
 
 def _needs_split(optimizer, grads_and_vars) -> None:
@@ -354,7 +299,7 @@ def _needs_split(optimizer, grads_and_vars) -> None:
               if isinstance(v, TableView) and g is not None
               and len(list(v.stack.tables)) > 1]
     if shared:
-        raise SplitRequired(optimizer, shared)
+        raise SplitRequired(type(_unwrapped(optimizer)).__name__, shared, _ELEMENTWISE_NAMES)
 
 
 def note_fallback(stack, kind: str, text: str) -> None:
