@@ -35,7 +35,8 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
 
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
-variable each optimizer lists (``opt<i>/<j>``), and prints ``DONE``.
+variable each optimizer lists (``opt<i>/<j>``), for legacy ones each
+table's slots (``opt<i>/<layer>/<slot>``, ``[V, D]``), and prints ``DONE``.
 """
 
 import os
@@ -120,24 +121,25 @@ def weights(models, optimizers):
                     out[f"{layer.name}/{i}"] = w
     for i, optimizer in enumerate(optimizers):
         if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
-            # Each table's accumulator, [V, D] in id order, however it is stored.
+            # Each table's slots, [V, D] in id order, however they are stored.
             for layer in models[0].layers:
                 if isinstance(layer, tf.keras.layers.Embedding):
-                    out[f"opt{i}/{layer.name}/accumulator"] = legacy_slot(
-                        optimizer, layer.embeddings)
+                    for slot_name in optimizer.get_slot_names():
+                        out[f"opt{i}/{layer.name}/{slot_name}"] = legacy_slot(
+                            optimizer, layer.embeddings, slot_name)
         elif isinstance(optimizer, tf.keras.optimizers.Optimizer):
             for j, var in enumerate(optimizer.variables):
                 out[f"opt{i}/{j}"] = np.asarray(tf.convert_to_tensor(var))
     return out
 
 
-def legacy_slot(optimizer, table):
-    """A table's legacy accumulator as [V, D], from its shards' slots (interleaved rows)."""
+def legacy_slot(optimizer, table, slot_name):
+    """A table's legacy slot as [V, D], from its shards' slots (interleaved rows)."""
     shards = list(table.variables)
     n = len(shards)
     rows = np.zeros(table.shape.as_list(), np.float32)
     for s, shard in enumerate(shards):
-        slot = np.asarray(tf.convert_to_tensor(optimizer.get_slot(shard, "accumulator")))
+        slot = np.asarray(tf.convert_to_tensor(optimizer.get_slot(shard, slot_name)))
         start = table.row_offsets[s] if hasattr(table, "row_offsets") else 0
         count = len(range(s, V, n))
         rows[s::n] = slot[start:start + count]
