@@ -117,20 +117,26 @@ class Stack:
     def traced_as(self, concrete) -> None:
         """Records that the trace of `concrete`'s graph, if it read the stack, lives as `concrete`.
 
-        The graph of a traced function may outlive it (TF's registry of
-        custom gradients holds it): whether the function is alive is what
-        tells whether anything can still run on the stack's variables.
+        A traced graph can outlive its function (one whose trace failed was
+        seen still referenced after garbage collection): whether the function
+        is alive is what tells whether anything can still run on the stack's
+        variables.
         """
         graph = getattr(concrete, "graph", None)
-        if graph is not None and id(graph) in self._traces:
+        entry = self._traces.get(id(graph)) if graph is not None else None
+        if entry is not None and (entry[0] is None or entry[0]() is graph):
             self._functions[id(graph)] = weakref.ref(concrete)
 
     def drop_traces_since(self, mark: int) -> None:
         """Forgets the traces recorded after `mark` (`trace_mark`): they failed and were dropped."""
+        dropped = False
         for key, (_, seq) in list(self._traces.items()):
             if seq > mark:
                 del self._traces[key]
                 self._functions.pop(key, None)
+                dropped = True
+        if dropped and not self._traces:
+            self.traced = False  # Only the failed trace had read it.
 
     def record_slot(self, slot) -> None:
         """Records an optimizer's slot of a shard: it holds the stack's row layout."""
@@ -143,10 +149,13 @@ class Stack:
     def held_by(self) -> Optional[str]:
         """What still holds this stack's variables or row layout, or None.
 
-        A traced function that read them (its graph alive), or an
-        optimizer's slot of a shard. A trace that failed and was dropped
-        holds nothing once collected (the caller collects garbage first).
+        A traced function that read them (its `ConcreteFunction` alive, if
+        known: `traced_as`; else its graph), or an optimizer's slot of a
+        shard. A trace that failed is forgotten (`drop_traces_since`); the
+        caller collects garbage first.
         """
+        if self.traced and not self._traces:
+            return "a traced function uses its variables"  # Marked so without a record.
         for key, (ref, _) in self._traces.items():
             function = self._functions.get(key)
             alive = function() is not None if function is not None else (
