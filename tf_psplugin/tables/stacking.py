@@ -390,8 +390,8 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
 def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     """Gives each of `tables` storage of its own, after a trace that needed it was dropped.
 
-    An optimizer not known to update a stack as it updates each table
-    (`stacked_updates.SplitRequired`) found some of `tables` sharing a
+    A legacy optimizer not known to update a stack as it updates each table
+    (`stacked_fallback.SplitRequired`) found some of `tables` sharing a
     stack with others while a step was traced: the coordinator dropped that
     trace and calls this before tracing the step again. A stack is split
     only if nothing holds it any more -- no live traced function reads its
@@ -406,7 +406,7 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     Returns:
         None once split, else what holds a stack that had to be split.
     """
-    gc.collect()  # The dropped trace's graph (a cycle) and the last slots of a dead optimizer.
+    gc.collect()  # Functions and slots (of a dead optimizer) that only cycles still held.
     apart = {id(t) for t in tables}
     stacks = {id(t.stack): t.stack for t in tables
               if t.stack is not None and len(list(t.stack.tables)) > 1}
