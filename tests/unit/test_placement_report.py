@@ -71,3 +71,18 @@ def test_why_a_table_is_not_stacked():
                                           {"constraint": tf.keras.constraints.NonNeg()})
     assert "larger than" in stacks.why_not(tf.TensorShape([1 << 25, 4]), tf.float32, 2, {})
     assert "one shard" in stacks.why_not(shape, tf.float32, 1, {})
+
+
+def test_stack_fallbacks_are_listed_per_stack():
+    records = [placement.PlacementRecord(f"f{i}/embeddings:0", "table", (1000, 16), "float32",
+                                         1000 * 16 * 4, PS, stack="stacked_tables_16_float32_0")
+               for i in range(2)]
+    fallbacks = [("stacked_tables_16_float32_0",
+                  "tables f0, f1 applied per table (Adamax2 is not known to update a stack "
+                  "elementwise)")]
+    lines = placement.format_report(records, fallbacks).splitlines()
+    assert lines[-2] == ("  stack fallbacks (exact, as unstacked; slower than one apply per "
+                         "stack):")
+    assert lines[-1] == ("    stack 'stacked_tables_16_float32_0': tables f0, f1 applied per "
+                         "table (Adamax2 is not known to update a stack elementwise)")
+    assert "stack fallbacks" not in placement.format_report(records)

@@ -352,6 +352,11 @@ def test_a_non_row_local_optimizer_on_a_partly_trained_stack_keeps_the_other_row
     assert not np.array_equal(_tables(stacked)["emb_0"].numpy(), initial)  # It trained.
     for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
         np.testing.assert_array_equal(a, b)
+    # The placement report states the fallback, per stack.
+    notes = [text for _, text in stacks.fallbacks()]
+    assert any(text.startswith("tables emb_1/embeddings kept as they were while ")
+               and "emb_0/embeddings" in text and "changes every row" in text
+               for text in notes), notes
 
 
 def test_a_row_local_optimizer_on_a_partly_trained_stack_keeps_its_fast_path():
@@ -873,3 +878,126 @@ def test_a_loss_scale_optimizer_stacks_as_its_inner_optimizer(monkeypatch):
     narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
     for s in range(SHARDS):  # The three 4-wide tables still share one variable per shard.
         assert all(t.variables[s] is narrow[0].variables[s] for t in narrow)
+
+
+class _RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
+    """A user's legacy optimizer whose sparse step is scaled by the whole variable's RMS."""
+
+    def _resource_apply_sparse(self, grad, var, indices, apply_state=None):
+        scale = tf.sqrt(tf.reduce_mean(tf.square(tf.convert_to_tensor(var)))) + 0.1
+        return super()._resource_apply_sparse(grad * scale, var, indices,
+                                              apply_state=apply_state)
+
+
+def _train_splitting(model, optimizer, batches, stacks):
+    """`_train`, each step traced as the coordinator traces it (`trace_splitting`)."""
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+
+    for x, y in batches:
+        concrete = stacked_fallback.trace_splitting(
+            lambda x=x, y=y: step.get_concrete_function(x, y), step, stacks,
+            lambda traced: [traced])
+        concrete(x, y)
+    return step
+
+
+def test_a_legacy_unknown_optimizer_gets_its_tables_split_apart_and_the_step_retraced():
+    """A custom loop with a user's legacy optimizer: split at the first trace, as unstacked.
+
+    Its update is not elementwise (it reads the whole variable), so its one
+    apply to a shared stack would differ; its kernels use the variable's
+    handle, so it cannot apply per view either. The first trace stops
+    before any slot (`SplitRequired`), the tables are split apart with
+    their rows, the step is traced again as a first call: bit-identical
+    weights and slots to unstacked tables, and the report names the split.
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    optimizers = {"stacked": _RmsScaledAdagrad(0.3), "plain": _RmsScaledAdagrad(0.3)}
+    before = {name: t.numpy() for name, t in _tables(stacked).items()}
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    assert narrow[0].stack is narrow[1].stack is narrow[2].stack  # Shared before the step.
+    _train_splitting(stacked, optimizers["stacked"], _batches(3), stacks)
+    _train(plain, optimizers["plain"], _batches(3))
+    assert len({id(t.stack) for t in narrow}) == 3  # Each alone now.
+    for name, table in _tables(stacked).items():
+        assert not np.array_equal(table.numpy(), before[name]), name  # It trained.
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    for name, table in _tables(stacked).items():
+        plain_table = _tables(plain)[name]
+        for s in range(SHARDS):
+            mine = optimizers["stacked"].get_slot(table.variables[s], "accumulator").numpy()
+            theirs = optimizers["plain"].get_slot(plain_table.variables[s], "accumulator")
+            start = table.row_offsets[s]
+            np.testing.assert_array_equal(mine[start:start + table.shard_counts[s]],
+                                          theirs.numpy(), err_msg=f"{name} {s}")
+    notes = dict(stacks.fallbacks())
+    assert any("emb_0/embeddings, emb_1/embeddings, emb_2/embeddings split out" in text
+               and "_RmsScaledAdagrad (legacy) is not known" in text
+               for text in notes.values()), notes
+
+
+def test_a_stack_a_live_traced_function_holds_is_refused_naming_the_fix():
+    """Another traced function that reads the stack still lives: no split, the fix named."""
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    held = _train(model, tf.keras.optimizers.legacy.SGD(0.1), _batches(1))  # Alive.
+    with pytest.raises(stacked_updates.StackingError,
+                       match=r"stack_tables=False.*cannot be split: a traced function"):
+        _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(1), stacks)
+    assert held is not None
+
+
+def test_a_legacy_unknown_optimizer_without_the_coordinator_is_refused_naming_the_fix():
+    """A plain tf.function (no coordinator to trace it again): the error, with the fix."""
+    model = _model(TableStacks(lambda s: None))
+    with pytest.raises(Exception, match=r"share a stack.*Fix: HybridParameterServerStrategy"
+                                        r"\(stack_tables=False\)"):
+        _train(model, _RmsScaledAdagrad(0.3), _batches(1))
+    stacked_fallback.take_split_request()
+
+
+def test_known_optimizers_and_a_table_alone_never_ask_for_a_split():
+    """The fast path: known legacy classes merge (no request); a table alone applies as is."""
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    view = _tables(model)["emb_0"].views[0]
+    alone = _tables(model)["emb_3"].views[0]  # The only 8-wide table: alone in its stack.
+    grad = tf.IndexedSlices(tf.ones([1, 4]), tf.constant([0], tf.int64))
+    grad8 = tf.IndexedSlices(tf.ones([1, 8]), tf.constant([0], tf.int64))
+    stacked_fallback.take_split_request()
+    for optimizer in (tf.keras.optimizers.legacy.Adagrad(0.1),
+                      tf.keras.optimizers.legacy.RMSprop(0.1),
+                      tf.keras.optimizers.legacy.Adadelta(0.1)):
+        merged = stacked_updates.merge(optimizer, [(grad, view)])
+        assert merged[0][1] is view.stack_shard
+    assert stacked_updates.merge(_RmsScaledAdagrad(0.1), [(grad8, alone)])[0][1] is \
+        alone.stack_shard
+    assert stacked_fallback.take_split_request() is None
+    with pytest.raises(stacked_fallback.SplitRequired, match="emb_0/embeddings"):
+        stacked_updates.merge(_RmsScaledAdagrad(0.1), [(grad, view)])
+    tables, why, message = stacked_fallback.take_split_request()
+    assert [t.display_name for t in tables] == ["emb_0/embeddings"]
+    assert "_RmsScaledAdagrad (legacy)" in why and "stack_tables=False" in message
+
+
+def test_a_new_unknown_optimizer_in_a_custom_loop_applies_per_table_and_says_so():
+    """No compile names it, so the stack stays shared: each view applied on its own (PER_TABLE)."""
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    _train(stacked, _NormalizedSGD(), _batches(3))
+    _train(plain, _NormalizedSGD(), _batches(3))
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    assert narrow[0].stack is narrow[1].stack is narrow[2].stack  # Not split.
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert [text for name, text in stacks.fallbacks() if name == narrow[0].stack.name] == [
+        "tables emb_0/embeddings, emb_1/embeddings, emb_2/embeddings applied per table "
+        "(_NormalizedSGD is not known to update a stack elementwise)"]

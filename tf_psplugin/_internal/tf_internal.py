@@ -55,6 +55,12 @@ from tensorflow.python.training import server_lib  # noqa: F401
 # wrapper's ordering-token and key handling.
 from tensorflow.python.ops import collective_ops  # noqa: F401
 
+# tf.function's class: a first trace that stopped to split table stacks
+# (tables/stacked_updates.SplitRequired) is made a first trace again, where
+# variables may be created (tf_objects.restart_first_trace); no public API
+# forgets a failed first trace.
+from tensorflow.python.eager.polymorphic_function import polymorphic_function  # noqa: F401
+
 # Resource variable helpers used by the replicated variable type.
 from tensorflow.python.ops import resource_variable_ops  # noqa: F401
 
@@ -291,6 +297,11 @@ PRIVATE_ATTRIBUTES = {
     "_kwargs": "cluster_coordinator.Closure",
     "_output_type_spec": "cluster_coordinator.Closure",
     "_concrete_function": "cluster_coordinator.Closure",
+    # tf.function's first-trace state (tf_objects.restart_first_trace).
+    "_created_variables": "polymorphic_function.Function",
+    "_variable_creation_config": "polymorphic_function.Function",
+    "_no_variable_creation_config": "polymorphic_function.Function",
+    "_concrete_variable_creation_fn": "polymorphic_function.Function",
     "_cluster": "cluster_coordinator.ClusterCoordinator",
     "_being_scheduled": "cluster_coordinator.ClusterCoordinator",
     "_get_error_from_remote_values": "cluster_coordinator",

@@ -603,6 +603,36 @@ def closure_output_type_spec(closure):
     return closure._output_type_spec  # pylint: disable=protected-access
 
 
+def restart_first_trace(function) -> None:
+    """Makes a `tf.function` whose first trace failed trace as a first call again.
+
+    A first trace that raised leaves the function set up for later calls,
+    where creating a variable is an error ("Creating variables on a
+    non-first call"); the coordinator traces a step again after splitting
+    table stacks (runtime/role_tracing.py), which must be a first call, as
+    the failed one was. Nothing is lost: no trace was kept. Checked on TF
+    2.15 and 2.21 (`Function.__init__`'s three fields, reset as there).
+    A concrete function, or a function already traced: nothing changes.
+    """
+    if not isinstance(function, tf_internal.polymorphic_function.Function):
+        return
+    if first_trace_of(function) is not None:
+        return  # A first trace succeeded: not a failed first call.
+    # pylint: disable=protected-access
+    function._created_variables = None
+    function._variable_creation_config = None
+    function._no_variable_creation_config = None
+
+
+def first_trace_of(function) -> Optional[Any]:
+    """A `tf.function`'s first (variable-creating) trace, or None (TF 2.15-2.21).
+
+    It is kept apart from the traces its calls run when the first call made
+    variables; it holds its graph as long as the function lives.
+    """
+    return getattr(function, "_concrete_variable_creation_fn", None)
+
+
 def closure_concrete_function(closure) -> Optional[Any]:
     """Closure's `_concrete_function` (the traced function), or None (TF 2.15-2.21)."""
     return getattr(closure, "_concrete_function", None)

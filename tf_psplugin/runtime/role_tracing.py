@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.tf_internal import cluster_coordinator
+from tf_psplugin.tables import stacked_fallback
 
 
 class RoleTracing:
@@ -56,13 +57,26 @@ class RoleTracing:
         on_read = self._strategy.extended.on_read_updates
         traced = on_read.step_function(fn)
         while True:
-            closures, left_pending = self._trace_each_role(traced, args, kwargs, manager)
+            closures, left_pending = self._trace_splitting(traced, args, kwargs, manager)
             if not left_pending:
                 return closures
             # A trace ended with ON_READ updates pending (a metric updated
             # after the gradients and never read in the step): trace a
             # replacement that writes them (see on_read_updates.py).
             traced = on_read.replacement_for(fn, traced, left_pending)
+
+    def _trace_splitting(self, fn, args, kwargs, manager):
+        """`_trace_each_role`, traced again after splitting stacks a legacy optimizer needs apart.
+
+        See `stacked_fallback.trace_splitting`: a legacy optimizer not known
+        to update a stack elementwise, applying tables that share a stack (a
+        custom loop), stops the trace before it makes any slot; the tables
+        are split apart and the step is traced again, as its first call.
+        """
+        return stacked_fallback.trace_splitting(
+            lambda: self._trace_each_role(fn, args, kwargs, manager), fn,
+            self._strategy.extended.table_stacks,
+            lambda result: [tf_objects.closure_concrete_function(c) for c in result[0] or ()])
 
     def _trace_each_role(self, fn, args, kwargs, manager):
         """`closures` for one function.

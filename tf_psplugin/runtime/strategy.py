@@ -267,7 +267,9 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
 
     def placement_report(self) -> str:
         """Every placed variable, one line each, with shape, size and devices."""
-        return placement_lib.format_report(self._extended.placement_records)
+        stacks = self._extended.table_stacks
+        fallbacks = stacks.fallbacks() if stacks is not None else []
+        return placement_lib.format_report(self._extended.placement_records, fallbacks)
 
     def placement_summary(self) -> str:
         """Tables in full, the rest grouped by kind (logged once at the first step)."""

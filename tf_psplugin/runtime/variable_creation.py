@@ -141,10 +141,11 @@ class VariableCreation:
                 # A constant slot (Adagrad's accumulator, Adam's moments) is
                 # filled on its PS, not shipped from the chief (shard_init).
                 kwargs = shard_init.constant_fill_on_device(kwargs)
-            if self.table_stacks is not None:
-                # An optimizer slot of a stack: no table joins that stack now.
-                self.table_stacks.seal(_unwrap(colocate_with))
             var = stock_create(next_creator, **kwargs)
+            if self.table_stacks is not None:
+                # An optimizer slot of a stack: no table joins that stack now
+                # (nor is it split while the slot lives: `Stack.held_by`).
+                self.table_stacks.seal(_unwrap(colocate_with), slot=var)
             kind = "table-slot" if _unwrap(colocate_with) in self._table_shard_owner else "ps"
             if kind == "table-slot":
                 self._own(var, self._table_shard_owner[_unwrap(colocate_with)])

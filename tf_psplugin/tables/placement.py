@@ -240,11 +240,16 @@ class PlacementRecord:
         return dataclasses.asdict(self)
 
 
-def format_report(records: Sequence[PlacementRecord]) -> str:
+def format_report(records: Sequence[PlacementRecord],
+                  stack_fallbacks: Sequence[Tuple[str, str]] = ()) -> str:
     """Formats placement records as a table for logs.
 
     Args:
         records: What was placed.
+        stack_fallbacks: (stack name, what it does instead of one apply per
+            stack shard, and why) for each fallback a stack took
+            (``stack_tables=True``: rows of tables without a gradient kept,
+            tables applied per table, tables split out of the stack).
 
     Returns:
         A multi-line human-readable report.
@@ -259,6 +264,9 @@ def format_report(records: Sequence[PlacementRecord]) -> str:
     tables = sum(r.num_bytes for r in records if r.kind.startswith(KIND_TABLE))
     dense = sum(r.num_bytes for r in records if r.kind.startswith(KIND_DENSE))
     lines.append(f"  total: tables {tables / 2**20:.2f} MiB on PS, dense {dense / 2**20:.2f} MiB per worker")
+    if stack_fallbacks:
+        lines.append("  stack fallbacks (exact, as unstacked; slower than one apply per stack):")
+        lines.extend(f"    stack {name!r}: {text}" for name, text in stack_fallbacks)
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ later or replaced.
 """
 
 import functools
+import itertools
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -26,7 +27,7 @@ from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import shard_init
 
-__all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows"]
+__all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows", "trace_mark"]
 
 
 class TableSet:
@@ -44,6 +45,15 @@ class TableSet:
 
     def __iter__(self):
         return iter([t for t in (ref() for ref in list(self._refs.values())) if t is not None])
+
+
+# Numbers the traces that read a stack, in order, across stacks (`trace_mark`).
+_TRACE_MARKS = itertools.count(1)
+
+
+def trace_mark() -> int:
+    """A mark: traces recorded after it are newer (`Stack.drop_traces_since`)."""
+    return next(_TRACE_MARKS)
 
 
 class Stack:
@@ -76,11 +86,95 @@ class Stack:
         self.on_replace = on_replace
         self.sealed = False
         self.traced = False  # A traced function has used its variables (set by its shards).
+        # Who holds the variables: the outermost graph of each trace that read
+        # them (a weak reference; None for a graph that is not a FuncGraph,
+        # held for good) and each slot made for a shard (`TableStacks.seal`).
+        self._traces: Dict[int, tuple] = {}  # id(graph) -> (its weak ref or None, mark).
+        self._functions: Dict[int, "weakref.ref"] = {}  # id(graph) -> its ConcreteFunction.
+        self._slots: List["weakref.ref"] = []
+        # What the placement report says of this stack's fallbacks (`note_fallback`).
+        self.fallbacks: Dict[str, str] = {}
         self.materializations = 0
         self.tables = TableSet()
         # The tables whose rows are in `pending`, in order (one piece each per shard).
         self.pending_tables: List["weakref.ref"] = []
         self.owner: Optional["weakref.ref"] = None  # Set by TableStacks.
+
+    def record_trace(self) -> None:
+        """Records the graph being traced as one that holds the variables (`StackShard._v`)."""
+        self.traced = True
+        graph = tf.compat.v1.get_default_graph()
+        function = getattr(graph, "building_function", False)  # A tf.function's graph.
+        while function and getattr(getattr(graph, "outer_graph", None), "building_function",
+                                   False):
+            graph = graph.outer_graph
+        ref = self._traces.get(id(graph), (False, 0))[0]
+        if ref is False or (ref is not None and ref() is not graph):  # New (or an id reused).
+            self._traces[id(graph)] = (weakref.ref(graph) if function else None,
+                                       next(_TRACE_MARKS))
+            self._functions.pop(id(graph), None)
+
+    def traced_as(self, concrete) -> None:
+        """Records that the trace of `concrete`'s graph, if it read the stack, lives as `concrete`.
+
+        A traced graph can outlive its function (one whose trace failed was
+        seen still referenced after garbage collection): whether the function
+        is alive is what tells whether anything can still run on the stack's
+        variables.
+        """
+        graph = getattr(concrete, "graph", None)
+        entry = self._traces.get(id(graph)) if graph is not None else None
+        if entry is not None and (entry[0] is None or entry[0]() is graph):
+            self._functions[id(graph)] = weakref.ref(concrete)
+
+    def drop_traces_since(self, mark: int) -> None:
+        """Forgets the traces recorded after `mark` (`trace_mark`): they failed and were dropped."""
+        dropped = False
+        for key, (_, seq) in list(self._traces.items()):
+            if seq > mark:
+                del self._traces[key]
+                self._functions.pop(key, None)
+                dropped = True
+        if dropped and not self._traces:
+            self.traced = False  # Only the failed trace had read it.
+
+    def record_slot(self, slot) -> None:
+        """Records an optimizer's slot of a shard: it holds the stack's row layout."""
+        self.sealed = True
+        try:
+            self._slots.append(weakref.ref(slot))
+        except TypeError:  # Not weakly referable: held for good.
+            self._slots.append(lambda slot=slot: slot)
+
+    def held_by(self) -> Optional[str]:
+        """What still holds this stack's variables or row layout, or None.
+
+        A traced function that read them (its `ConcreteFunction` alive, if
+        known: `traced_as`; else its graph), or an optimizer's slot of a
+        shard. A trace that failed is forgotten (`drop_traces_since`); the
+        caller collects garbage first.
+        """
+        if self.traced and not self._traces:
+            return "a traced function uses its variables"  # Marked so without a record.
+        for key, (ref, _) in self._traces.items():
+            function = self._functions.get(key)
+            alive = function() is not None if function is not None else (
+                ref is None or ref() is not None)
+            if alive:
+                return "a traced function that is still alive uses its variables"
+        if any(ref() is not None for ref in self._slots):
+            return "an optimizer has slots for it"
+        if self.sealed and not self._slots:
+            return "an optimizer has slots for it"
+        return None
+
+    def release(self) -> None:
+        """Forgets the traces and slots that held the stack (`held_by` found none alive)."""
+        self._traces.clear()
+        self._functions.clear()
+        self._slots.clear()
+        self.traced = False
+        self.sealed = False
 
     @property
     def num_bytes(self) -> int:
@@ -186,8 +280,9 @@ class StackShard(ps_values.AggregatingVariable):
         if self._inner is None or self._stack.pending[self._index]:
             self._stack.materialize()
         if not tf.executing_eagerly():
-            # A traced function may now hold this variable: never split the stack.
-            self._stack.traced = True
+            # A traced function may now hold this variable: the stack is
+            # split only once that function is gone (`Stack.held_by`).
+            self._stack.record_trace()
         return self._inner
 
     @property

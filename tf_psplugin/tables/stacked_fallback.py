@@ -16,6 +16,11 @@ the optimizer's own update of the stack shard:
   gradient untouched, and so does this, bit for bit. The optimizer's
   distributed apply is given a strategy whose `update` wraps the shard's
   update function so (`keeping`).
+* **Tables split apart, the step traced again** (`trace_splitting`): a
+  legacy optimizer not known to update a stack elementwise applies through
+  the variable's handle, a view's being the whole stack shard's; its tables
+  get a stack each when the step's first trace meets them
+  (`SplitRequired`), and the step is traced again.
 * **Views applied on their own** (`applying_per_table`): a Keras
   (non-legacy) optimizer not known to update a stack as it updates each
   table gets each view with its own gradient; the strategy's update of a
@@ -24,19 +29,25 @@ the optimizer's own update of the stack shard:
   with Keras's own slots per view.
 """
 
+import threading
 import weakref
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
+from absl import logging
 import tensorflow as tf
 
+from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import ps_values
+from tf_psplugin.errors import StackingError
+from tf_psplugin.tables import stack_storage
 from tf_psplugin.tables import stacking
 
-__all__ = ["applying_per_table", "applying_per_table_scope", "keep_rows", "keeping",
-           "kept_rows", "record_slot", "set_kept_rows"]
+__all__ = ["SplitRequired", "applying_per_table", "applying_per_table_scope", "keep_rows",
+           "keeping", "kept_rows", "record_slot", "set_kept_rows", "take_split_request",
+           "trace_splitting"]
 
 
 # Stack shard -> [(first row, row count)]: the rows its next optimizer apply
@@ -196,3 +207,121 @@ def keeping(distribution, optimizer, grads_and_vars):
     if any(kept_rows(var) for _, var in grads_and_vars):
         return _KeepingStrategy(distribution, optimizer)
     return distribution
+
+
+class SplitRequired(StackingError):
+    """A legacy optimizer not known to update a stack elementwise met a shared stack.
+
+    Its kernels apply through the variable's handle, and a view's handle is
+    the whole stack shard's: its apply to a table is exact only if the table
+    is alone in its stack. Raised while a step is traced (before any slot
+    of it is made); the coordinator catches it, splits the tables apart
+    and traces the step again (`trace_splitting`). Anywhere else (a `tf.function` called without the
+    coordinator, or a stack something still holds) it is the error the user
+    sees, naming the fix.
+
+    Attributes:
+        tables: The tables the optimizer applies that share a stack.
+        why: Why they need storage of their own (for the placement report).
+    """
+
+    def __init__(self, name: str, tables, known: Sequence[str]):
+        self.tables = list({id(t): t for t in tables}.values())
+        self.why = (f"{name} (legacy) is not known to update a stack elementwise; "
+                    "its kernels apply through the whole stack's handle")
+        shown = ", ".join(sorted(t.display_name for t in self.tables))
+        super().__init__(
+            f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
+            "ClusterCoordinator.schedule (which splits them apart before the first step and "
+            "traces the step again), or once another live traced function or optimizer "
+            "holds the stack, they cannot be split. Fix: "
+            "HybridParameterServerStrategy(stack_tables=False), or compile the model with "
+            f"this optimizer before its first call (its tables are then stacked apart), or "
+            f"one of {', '.join(sorted(set(known)))} of tf.keras.optimizers or "
+            ".legacy, or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
+        # Autograph re-raises an error raised in a traced function as its own
+        # `StagingError` (the message kept, not this object): the request is
+        # also left here for the coordinator (`take_split_request`).
+        with _SPLIT_LOCK:
+            _SPLIT_REQUEST["value"] = (self.tables, self.why, str(self))
+
+
+# The last `SplitRequired`'s (tables, why, message), until taken. Not per
+# thread: a step's replica function runs in a thread of its own
+# (`mirrored_run`), not the one tracing the step.
+_SPLIT_REQUEST = {}
+_SPLIT_LOCK = threading.Lock()
+
+
+def take_split_request():
+    """(tables, why, message) of the last `SplitRequired` raised, not yet taken.
+
+    None if there is none.
+
+    The coordinator's tracing clears it before a trace (a call) and takes it
+    after a trace failed, whatever the error became on its way out
+    (autograph's `StagingError`).
+    """
+    with _SPLIT_LOCK:
+        return _SPLIT_REQUEST.pop("value", None)
+
+
+def trace_splitting(trace: Callable[[], object], function, stacks,
+                    traces_of: Callable[[object], list] = lambda result: []):
+    """`trace()`, done again after splitting the stacks a legacy optimizer needs apart.
+
+    A legacy optimizer not known to update a stack elementwise, applying
+    tables that share a stack (a custom loop), stops the trace of the step
+    (`SplitRequired`, before it makes any slot). The trace is dropped, the
+    tables are split apart (`stacking.split_apart`: each alone in a stack,
+    their current rows copied) and the step is traced again, as its first
+    call (`tf_objects.restart_first_trace`). Each split leaves fewer shared
+    stacks, so this ends. A stack that cannot be split (another live
+    traced function or optimizer slot holds it) raises the error, which
+    names the fix. The coordinator traces every step through this
+    (runtime/role_tracing.py).
+
+    Args:
+        trace: Traces the step (``function``, on each role); returns its result.
+        function: The `tf.function` being traced.
+        stacks: The strategy's `TableStacks` (None: `trace()` as it is).
+        traces_of: The `ConcreteFunction`s in `trace()`'s result: while they
+            live, they hold the stacks they read (`Stack.held_by`).
+
+    Returns:
+        What `trace()` returned.
+
+    Raises:
+        StackingError: the stacks cannot be split (see above).
+    """
+    done = set()
+    while True:
+        take_split_request()  # None left from an earlier trace.
+        mark = stack_storage.trace_mark()
+        try:
+            result = trace()
+        except Exception as error:  # pylint: disable=broad-except
+            # A `SplitRequired`, which autograph re-raises as its `StagingError`:
+            # known by the request it left. Any other error is the user's.
+            request = take_split_request()
+            if request is None or stacks is None:
+                raise
+            del error  # Only tables and text kept: its traceback holds the dropped trace.
+        else:
+            if stacks is not None:  # What holds the stacks from now on.
+                traced = list(traces_of(result)) + [tf_objects.first_trace_of(function)]
+                for stack in stacks.stacks():
+                    for concrete in traced:
+                        stack.traced_as(concrete)
+            return result
+        for stack in stacks.stacks():
+            stack.drop_traces_since(mark)  # The failed trace's: it is gone.
+        tf_objects.restart_first_trace(function)  # The retrace is its first call, as this was.
+        tables, why, message = request
+        key = frozenset(id(t) for t in tables)
+        held = "they were split already" if key in done else stacking.split_apart(tables, why)
+        if held:
+            raise StackingError(f"{message} ({held}.)")
+        done.add(key)
+        logging.warning("stack_tables=True: the step was traced again with tables %s each in a "
+                        "stack of its own (%s).", sorted(t.display_name for t in tables), why)

@@ -55,9 +55,14 @@ nothing for a variable list without views.
   stack shared by several tables): its
   `update_step` writes the view's rows through the view's methods, with
   Keras's own slots per view (`slot_build_list` builds them so too), as it
-  would an unstacked table's shard. Only a legacy one on a stack that
-  could not be split (a custom loop, or a recompile after the stack was
-  traced) is refused: its kernels would take the stack shard's handle.
+  would an unstacked table's shard. A legacy one on a stack that could
+  not be split before (a custom loop: no compiled model names it) stops
+  the step's first trace (`SplitRequired`; its kernels would take the
+  stack shard's handle): the coordinator splits its tables apart and
+  traces the step again (`stacked_fallback.trace_splitting`). Only a stack something still
+  holds (a recompile after a traced `fit`: Keras keeps that function) is
+  refused, naming the fix. The placement report lists each stack's
+  fallback (`note_fallback`).
 
 Private Keras API (registered in `_tf_internal.PRIVATE_ATTRIBUTES`, checked on
 Keras 2.15 and tf-keras 2.21): legacy `OptimizerV2._create_all_weights` and
@@ -78,10 +83,11 @@ from tf_psplugin.tables import stack_rows
 from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
+from tf_psplugin.tables.stacked_fallback import SplitRequired, take_split_request
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["PER_TABLE", "StackingError", "merge", "patch_keras_optimizers", "slot_build_list",
-           "substitute"]
+__all__ = ["PER_TABLE", "SplitRequired", "StackingError", "merge", "patch_keras_optimizers",
+           "slot_build_list", "substitute", "take_split_request"]
 
 
 def _legacy(name):
@@ -188,8 +194,8 @@ def merge(optimizer, grads_and_vars) -> list:
     shard's merged pair takes the place of its first view.
 
     Raises:
-        StackingError: the optimizer's one apply to a stack shard would not
-            equal its per-table applies (see the module docstring).
+        SplitRequired: a legacy optimizer's one apply to a stack shard would
+            not equal its per-table applies (see the module docstring).
     """
     grads_and_vars = list(grads_and_vars)
     if not any(isinstance(v, TableView) and g is not None for g, v in grads_and_vars):
@@ -253,9 +259,8 @@ def _check(optimizer, members):
         move them (it is not row-local, `keep_rows`); else nothing.
 
     Raises:
-        StackingError: the optimizer is not one whose one update of a stack
-            is known to equal its updates of each table, and the stack holds
-            other tables too.
+        SplitRequired: a legacy optimizer not known to update a stack as it
+            updates each table, and the stack holds other tables too.
     """
     view = members[0][1]
     kind = _kind(optimizer)
@@ -269,13 +274,7 @@ def _check(optimizer, members):
     if kind is None and len(tables) == 1 and tables[0] is view.table:
         return []  # A table alone in its stack: the one apply is its own, for any optimizer.
     if kind is None:
-        raise StackingError(
-            f"stack_tables=True: table {view.table.display_name!r} is stored in a stack, and "
-            f"{name} is not an optimizer whose one update of a stack is known to equal its "
-            "updates of each table (known: "
-            f"{', '.join(sorted(set(_ELEMENTWISE_NAMES)))} of tf.keras.optimizers and .legacy). "
-            "Fix: HybridParameterServerStrategy(stack_tables=False), or one of those optimizers "
-            "or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")
+        raise SplitRequired(name, [v.table for _, v in members], _ELEMENTWISE_NAMES)
     if kind == "row_local":
         return []
     present = {id(v) for _, v in members}
@@ -285,6 +284,29 @@ def _check(optimizer, members):
         return []
     _warn_once(view.stack, name, absent, members)
     return sorted((t.row_offsets[view.index], t.shard_counts[view.index]) for t in absent)
+
+
+def _needs_split(optimizer, grads_and_vars) -> None:
+    """Raises `SplitRequired` if a legacy unknown optimizer applies a view of a shared stack.
+
+    Checked when `apply_gradients` is entered, before the optimizer makes
+    any slot (which would hold the stack's row layout), also where the
+    merge comes later (``clipnorm``).
+    """
+    if _kind(optimizer) is not None or _is_new(optimizer):
+        return
+    shared = [v.table for g, v in grads_and_vars
+              if isinstance(v, TableView) and g is not None
+              and len(list(v.stack.tables)) > 1]
+    if shared:
+        raise SplitRequired(type(_unwrapped(optimizer)).__name__, shared, _ELEMENTWISE_NAMES)
+
+
+def note_fallback(stack, kind: str, text: str) -> None:
+    """Records a stack's fallback for the placement report (``stack.fallbacks``)."""
+    notes = getattr(stack, "fallbacks", None)
+    if notes is not None and kind not in notes:
+        notes[kind] = text
 
 
 # Stacks whose fallback was logged (by name, once per process).
@@ -302,10 +324,19 @@ def _is_new(optimizer) -> bool:
 
 
 def _warn_once(stack, name, absent, members, per_table=False) -> None:
+    trained = sorted({v.table.display_name for _, v in members})
+    if per_table:
+        note_fallback(stack, "per_table", (
+            f"tables {', '.join(sorted(t.display_name for t in stack.tables))} applied per "
+            f"table ({name} is not known to update a stack elementwise)"))
+    else:
+        note_fallback(stack, "keep_rows", (
+            f"tables {', '.join(sorted(t.display_name for t in absent))} kept as they were "
+            f"while {', '.join(trained)} train ({name} changes every row it updates; they "
+            "get no gradient)"))
     if stack.name in _WARNED:
         return
     _WARNED.add(stack.name)
-    trained = sorted({v.table.display_name for _, v in members})
     if per_table:
         logging.warning(
             "stack_tables=True: %s is not an optimizer whose one update of a stack is known to "
@@ -544,6 +575,8 @@ def _install_legacy(cls):
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
+        if has_views([v for _, v in grads_and_vars]):
+            _needs_split(self, grads_and_vars)
         if has_views([v for _, v in grads_and_vars]) and not _late(self):
             grads_and_vars = merge(self, grads_and_vars)
         return apply_gradients(self, grads_and_vars, *args, **kwargs)

@@ -71,6 +71,7 @@ Private TF API: `ShardedVariable`'s saving variable and type spec (the
 table's own checkpoint and `tf.nest` components), through `_internal`.
 """
 
+import gc
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -386,6 +387,45 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
                 owner.separate(stack, group_of, why_alone=apart or "")
 
 
+def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
+    """Gives each of `tables` storage of its own, after a trace that needed it was dropped.
+
+    A legacy optimizer not known to update a stack as it updates each table
+    (`stacked_fallback.SplitRequired`) found some of `tables` sharing a
+    stack with others while a step was traced: the coordinator dropped that
+    trace and calls this before tracing the step again. A stack is split
+    only if nothing holds it any more -- no live traced function reads its
+    variables, no optimizer has slots for it (`Stack.held_by`, after
+    garbage is collected): its tables' current rows are copied into the new
+    stacks' variables, as a split before the first step does.
+
+    Args:
+        tables: The tables the optimizer applies; each ends alone in a stack.
+        why: Why (the placement report shows it beside each table).
+
+    Returns:
+        None once split, else what holds a stack that had to be split.
+    """
+    gc.collect()  # Functions and slots (of a dead optimizer) that only cycles still held.
+    apart = {id(t) for t in tables}
+    stacks = {id(t.stack): t.stack for t in tables
+              if t.stack is not None and len(list(t.stack.tables)) > 1}
+    for stack in stacks.values():
+        held = stack.held_by()
+        if held:
+            return f"stack {stack.name!r} cannot be split: {held}"
+    for stack in stacks.values():
+        owner = stack.owner() if stack.owner is not None else None
+        if owner is None:
+            return f"stack {stack.name!r} has no registry"
+        names = sorted(t.display_name for t in stack.tables if id(t) in apart)
+        with tf.init_scope():
+            owner.separate(stack, lambda t: ("alone", id(t)) if id(t) in apart else "other",
+                           why_alone=why, released=True)
+        stack.fallbacks["split"] = f"tables {', '.join(names)} split out, each alone ({why})"
+    return None
+
+
 def is_stack_shard(variable) -> bool:
     """Whether `variable` is a stack's shard (what one apply per stack updates)."""
     return isinstance(variable, StackShard)
@@ -485,7 +525,7 @@ class TableStacks:
         return table
 
     def separate(self, stack: Stack, group_of: Callable[["StackedTable"], object],
-                 why_alone: str = "") -> None:
+                 why_alone: str = "", released: bool = False) -> None:
         """Splits a stack no traced function uses yet into one stack per group of its tables.
 
         `group_of(table)` names each table's group; the first group stays in
@@ -496,8 +536,11 @@ class TableStacks:
         once a slot exists or a traced function used the stack
         (`separate_by_model` runs this when a model starts a traced call).
         A table left alone in a stack by a split for `why_alone` is reported
-        as not stacked, for that reason.
+        as not stacked, for that reason. `released`: the caller found that
+        nothing holds the stack any more (`Stack.held_by`, `split_apart`).
         """
+        if released:
+            stack.release()
         if stack.sealed or stack.traced:
             return  # Slots exist, or a traced function holds its variables.
         n = len(stack.shards)
@@ -515,7 +558,8 @@ class TableStacks:
         for table, pieces in members:
             groups.setdefault(group_of(table), []).append((table, pieces))
         if len(groups) < 2 and not dead:
-            if why_alone and len(members) == 1:
+            key = next(iter(groups), None)
+            if why_alone and len(members) == 1 and isinstance(key, tuple) and key[0] == "alone":
                 self._on_restack(members[0][0], "", why_alone)
             return
         if not stack.never_made():
@@ -529,7 +573,8 @@ class TableStacks:
             for shard in stack.shards:
                 stack.on_replace(shard.inner, None)
                 shard.replace_inner(None)
-        for i, items in enumerate(groups.values()):
+        for i, (key, items) in enumerate(groups.items()):
+            alone = isinstance(key, tuple) and key[0] == "alone"
             if i == 0:
                 target = stack
             else:
@@ -549,7 +594,7 @@ class TableStacks:
                 if target is not stack:
                     stack.tables.discard(table)
                 table.rebind(target, offsets)
-                if why_alone and len(items) == 1:
+                if why_alone and alone:
                     self._on_restack(table, "", why_alone)
                 else:
                     self._on_restack(table, target.name, "")
@@ -564,11 +609,29 @@ class TableStacks:
                     return stack
         return None
 
-    def seal(self, var) -> None:
-        """No table joins the stack of shard `var` any more (its slots exist)."""
+    def seal(self, var, slot=None) -> None:
+        """No table joins the stack of shard `var` any more (its slots exist).
+
+        Args:
+            var: A stack's shard (or its variable, or a view).
+            slot: The optimizer's slot just made for it: the stack is not
+                split while it lives (`Stack.held_by`).
+        """
         stack = self.stack_of(var)
         if stack is not None:
-            stack.sealed = True
+            if slot is None:
+                stack.sealed = True
+            else:
+                stack.record_slot(slot)
+
+    def fallbacks(self) -> List[tuple]:
+        """(stack name, text) of every fallback a stack took, for the placement report.
+
+        Set where the fallback is decided (`stacked_updates`: rows kept,
+        applied per table; `split_apart`: tables split out).
+        """
+        return [(stack.name, text) for stack in self.stacks()
+                for _, text in sorted(stack.fallbacks.items())]
 
     def stacks(self) -> List[Stack]:
         """Every stack that still has a table, in creation order."""

@@ -22,9 +22,21 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   `tf.keras.optimizers.Optimizer` whose update is not elementwise: it
   scales each variable's step by the variable's RMS) and trained on.
 
+* ``legacy_loop``: a custom loop (``ClusterCoordinator.schedule`` of a
+  `tf.function` that calls ``apply_gradients``), no `compile`, with a
+  user's subclass of the legacy Adagrad whose sparse update is not
+  elementwise (its step scaled by the whole variable's RMS): the stack is
+  split apart when the step is first traced, and the step traced again.
+* ``legacy_recompile``: after a first `fit` with Keras Adam, the model is
+  compiled again with that legacy subclass and trained on. Stacked, this is
+  refused (``StackingError`` naming the fix, before the second fit's first
+  step): the first fit's traced function, which Keras keeps, still holds
+  the stack, so it cannot be split. The case then writes ``refused``.
+
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
-variable each optimizer lists (``opt<i>/<j>``), and prints ``DONE``.
+variable each optimizer lists (``opt<i>/<j>``), for legacy ones each
+table's slots (``opt<i>/<layer>/<slot>``, ``[V, D]``), and prints ``DONE``.
 """
 
 import os
@@ -36,7 +48,17 @@ import tensorflow as tf
 import tf_psplugin
 
 V = 40
-WIDTHS = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6, "custom_after": 7}
+WIDTHS = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6, "custom_after": 7,
+          "legacy_loop": 9, "legacy_recompile": 10}
+
+
+class RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
+    """A user's legacy optimizer: Adagrad whose step is scaled by the variable's RMS."""
+
+    def _resource_apply_sparse(self, grad, var, indices, apply_state=None):
+        scale = tf.sqrt(tf.reduce_mean(tf.square(tf.convert_to_tensor(var)))) + 0.1
+        return super()._resource_apply_sparse(grad * scale, var, indices,
+                                              apply_state=apply_state)
 
 
 class RmsScaledSGD(tf.keras.optimizers.Optimizer):
@@ -98,16 +120,63 @@ def weights(models, optimizers):
                 for i, w in enumerate(layer.get_weights()):
                     out[f"{layer.name}/{i}"] = w
     for i, optimizer in enumerate(optimizers):
-        if isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        if isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+            # Each table's slots, [V, D] in id order, however they are stored.
+            for layer in models[0].layers:
+                if isinstance(layer, tf.keras.layers.Embedding):
+                    for slot_name in optimizer.get_slot_names():
+                        out[f"opt{i}/{layer.name}/{slot_name}"] = legacy_slot(
+                            optimizer, layer.embeddings, slot_name)
+        elif isinstance(optimizer, tf.keras.optimizers.Optimizer):
             for j, var in enumerate(optimizer.variables):
                 out[f"opt{i}/{j}"] = np.asarray(tf.convert_to_tensor(var))
     return out
+
+
+def legacy_slot(optimizer, table, slot_name):
+    """A table's legacy slot as [V, D], from its shards' slots (interleaved rows)."""
+    shards = list(table.variables)
+    n = len(shards)
+    rows = np.zeros(table.shape.as_list(), np.float32)
+    for s, shard in enumerate(shards):
+        slot = np.asarray(tf.convert_to_tensor(optimizer.get_slot(shard, slot_name)))
+        start = table.row_offsets[s] if hasattr(table, "row_offsets") else 0
+        count = len(range(s, V, n))
+        rows[s::n] = slot[start:start + count]
+    return rows
+
+
+def custom_loop(model, optimizer, seed, steps=3):
+    """The PSS tutorial's custom loop: a scheduled tf.function that applies the gradients."""
+    strategy = tf.distribute.get_strategy()
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: data(seed)))
+
+    @tf.function
+    def step(iterator):
+        def replica_fn(batch):
+            ids, y = batch
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(ids, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        return strategy.run(replica_fn, args=(next(iterator),))
+
+    for _ in range(steps):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
 
 
 def run_case(case):
     dim = WIDTHS[case]
     tf.keras.utils.set_random_seed(dim)
     model, ids, user = two_tables(f"c{dim}", dim)
+    if case == "legacy_loop":
+        legacy = RmsScaledAdagrad(0.1)
+        custom_loop(model, legacy, 1)
+        return weights([model], [legacy])
     adam = (tf.keras.optimizers.legacy.Adam(0.05) if case == "frozen_after_legacy"
             else tf.keras.optimizers.Adam(0.05))
     model.compile(adam, "mse")
@@ -130,6 +199,18 @@ def run_case(case):
         model.compile(custom, "mse")
         fit(model, 2)
         optimizers = [adam, custom]
+    elif case == "legacy_recompile":
+        # The first optimizer is let go (as `model.compile(Adam())` does):
+        # while it lives, its slots of the stack keep it whole (an error).
+        del models, optimizers, adam
+        legacy = RmsScaledAdagrad(0.1)
+        model.compile(legacy, "mse")
+        try:
+            fit(model, 2)
+        except tf_psplugin.StackingError as e:  # Refused before the first step of this fit.
+            print("REFUSED", str(e).replace("\n", " "), flush=True)
+            return {"refused": np.asarray(1)}
+        return weights([model], [legacy])
     return weights(models, optimizers)
 
 
