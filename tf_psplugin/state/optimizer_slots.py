@@ -15,9 +15,21 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.tables import fusion
 from tf_psplugin.tables import sharded_slots
+from tf_psplugin.tables import slot_order
 from tf_psplugin.tables import stacked_updates
 
-__all__ = ["build_optimizer_slots", "build_slots"]
+__all__ = ["build_optimizer_slots", "build_slots", "install_checkpoint_listing"]
+
+
+def install_checkpoint_listing(optimizer) -> None:
+    """Makes `optimizer` checkpoint its table slots per table in logical row order.
+
+    Legacy optimizers through `sharded_slots`, Keras's new ones through
+    `slot_order` (with its format marker). Call before the optimizer makes
+    its slots; idempotent.
+    """
+    sharded_slots.install_interleaved_slot_lookup(optimizer)
+    slot_order.install(optimizer)
 
 
 def build_slots(model, optimizer, strategy) -> None:
@@ -57,11 +69,12 @@ def build_optimizer_slots(model) -> None:
     variable that training then discards (tensorflow 62215), so without this
     the embedding accumulators restart from their initial value. It also
     makes slots of interleaved tables checkpoint in logical row order, so
-    they restore into another number of PS tasks.
+    they restore into another number of PS tasks (legacy and new Keras
+    optimizers; call it before the first training step).
 
     Args:
         model: A compiled Keras model.
     """
     optimizer = getattr(model, "optimizer", None)
-    sharded_slots.install_interleaved_slot_lookup(optimizer)
+    install_checkpoint_listing(optimizer)
     build_slots(model, optimizer, getattr(model, "distribute_strategy", None))
