@@ -31,8 +31,7 @@ tools each get a piece of it wrong:
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
-  logical row order (legacy optimizers: `sharded_slots.install_interleaved_slot_lookup`;
-  Keras's new ones: `slot_order.install`), so they reshard.
+  logical row order (`optimizer_slots.install_checkpoint_listing`), so they reshard.
 
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
@@ -608,11 +607,8 @@ class ChiefCheckpointManager:
         """
         info, deltas = self._resolve_chain(checkpoint)
         optimizer_slots.build_slots(self._model, self._optimizer, self._strategy)
-        # Slots listed as the checkpoint lists them (an unmarked one: the old
-        # listing) until it and its deltas are restored.
-        optimizer = (self._optimizer if self._optimizer is not None
-                     else getattr(self._model, "optimizer", None))
-        slot_order.match_checkpoint(optimizer, info.path)
+        # Slots listed as `info` lists them until it and its deltas are restored.
+        optimizer = optimizer_slots.match_checkpoint(self._model, self._optimizer, info.path)
         join_steps(self._strategy)
         replicated = _replicated_variables(self._objects)
         for var in replicated:

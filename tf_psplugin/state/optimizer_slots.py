@@ -18,7 +18,8 @@ from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import slot_order
 from tf_psplugin.tables import stacked_updates
 
-__all__ = ["build_optimizer_slots", "build_slots", "install_checkpoint_listing"]
+__all__ = ["build_optimizer_slots", "build_slots", "install_checkpoint_listing",
+           "match_checkpoint"]
 
 
 def install_checkpoint_listing(optimizer) -> None:
@@ -30,6 +31,23 @@ def install_checkpoint_listing(optimizer) -> None:
     """
     sharded_slots.install_interleaved_slot_lookup(optimizer)
     slot_order.install(optimizer)
+
+
+def match_checkpoint(model, optimizer, path: str):
+    """Lists the optimizer's table slots as checkpoint `path` does (`slot_order.match_checkpoint`).
+
+    Args:
+        model: The model (its `optimizer` is used when `optimizer` is None).
+        optimizer: The optimizer restored into, or None.
+        path: The checkpoint prefix about to be restored.
+
+    Returns:
+        The optimizer (for `slot_order.end_restore` once the restore is done).
+    """
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    slot_order.match_checkpoint(optimizer, path)
+    return optimizer
 
 
 def build_slots(model, optimizer, strategy) -> None:

@@ -211,6 +211,10 @@ def install(optimizer):
     """
     if optimizer is None or _STATES.get(optimizer) is not None:
         return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)  # A LossScaleOptimizer's.
+    if inner is not None:
+        install(inner)
+        return optimizer
     if tf_objects.create_all_weights_of(optimizer) is not None:
         return optimizer  # A legacy optimizer.
     add = getattr(optimizer, "add_variable_from_reference", None)
@@ -259,6 +263,7 @@ def match_checkpoint(optimizer, path: str) -> bool:
     Returns:
         Whether the checkpoint holds the logical layout (has the marker).
     """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     state = _STATES.get(optimizer) if optimizer is not None else None
     marked = is_marked(tf.train.load_checkpoint(path).get_variable_to_shape_map())
     if state is not None:
@@ -268,6 +273,7 @@ def match_checkpoint(optimizer, path: str) -> bool:
 
 def end_restore(optimizer) -> None:
     """Lists `optimizer`'s slots in the logical layout again (after `match_checkpoint`)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     state = _STATES.get(optimizer) if optimizer is not None else None
     if state is not None:
         state.logical = state.complete
