@@ -201,7 +201,9 @@ def install(optimizer):
 
     Instance-level (the class is untouched) and idempotent; a no-op for a
     legacy optimizer (`sharded_slots.install_interleaved_slot_lookup` does
-    theirs) and for None. See the module docstring.
+    theirs) and for None; a `LossScaleOptimizer`'s inner optimizer is
+    installed (its marker then sits under ``optimizer/inner_optimizer/``).
+    See the module docstring.
 
     Args:
         optimizer: A Keras optimizer, or None.
