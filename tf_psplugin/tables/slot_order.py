@@ -45,8 +45,8 @@ from tf_psplugin._internal.tf_internal import sharded_variable, trackable_base
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import TableView
 
-__all__ = ["FORMAT_KEY", "LOGICAL", "end_restore", "install", "is_marked", "match_checkpoint",
-           "table_of"]
+__all__ = ["FORMAT_KEY", "LOGICAL", "end_restore", "install", "is_marked", "logical_slot",
+           "match_checkpoint", "table_of"]
 
 # The marker's child name, attribute and key under a checkpoint's optimizer.
 MARKER_NAME = "tf_psplugin_slot_order"
@@ -63,6 +63,17 @@ _TABLE_OF: IdentityMap = IdentityMap()
 def is_marked(checkpoint_keys) -> bool:
     """Whether a checkpoint's keys (``get_variable_to_shape_map()``) hold the logical layout."""
     return any(key.endswith("/" + FORMAT_KEY) or key == FORMAT_KEY for key in checkpoint_keys)
+
+
+def logical_slot(optimizer, table, slot_name: str) -> Optional[InterleavedShardedVariable]:
+    """The slot `slot_name` of `table` as the checkpoint lists it (logical rows); None if none.
+
+    For an `install`ed optimizer (or a `LossScaleOptimizer` over one) whose
+    slots of `table` are all made: reads, `numpy()` and checkpoints in
+    logical row order, as a single-process model's slot.
+    """
+    state = _STATES.get(getattr(optimizer, "inner_optimizer", optimizer))
+    return state.logical_wrapper(table, slot_name) if state is not None else None
 
 
 def table_of(slot) -> Optional[InterleavedShardedVariable]:
@@ -128,9 +139,9 @@ class _State:
                 return None
             found = self.records[id(parts[0])]
         _, table, _, name, _ = found
-        return self._wrapper(table, name)
+        return self.logical_wrapper(table, name)
 
-    def _wrapper(self, table, name: str) -> Optional[InterleavedShardedVariable]:
+    def logical_wrapper(self, table, name: str) -> Optional[InterleavedShardedVariable]:
         storages: List[Optional[tf.Variable]] = [None] * len(table.variables)
         for _, t, index, slot_name, storage in self.records.values():
             if t is table and slot_name == name:
