@@ -13,9 +13,11 @@ import pytest
 import tensorflow as tf
 
 from tests.unit import test_table_stacking
+from tf_psplugin._internal.tf_internal import sharded_variable
 from tests.unit.test_table_stacking import _batches, _model, _stacked_updates, _train  # noqa: F401
 from tf_psplugin.state import export
 from tf_psplugin.tables import slot_order
+from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.stacking import TableStacks
 
 OPTIMIZERS = {
@@ -182,3 +184,37 @@ def test_optimizer_built_before_install_keeps_the_old_listing(tmp_path):
     slot_order.install(optimizer)
     keys = tf.train.load_checkpoint(_write(model, optimizer, tmp_path / "c")).get_variable_to_shape_map()
     assert not slot_order.is_marked(keys)
+
+
+def test_contiguous_table_slots_load_into_a_plain_model(tmp_path, plain_model, monkeypatch):
+    """A contiguous table (TF's own `ShardedVariable`, 3 row ranges): listed per table too."""
+
+    def contiguous(stacks, num_shards=3):
+        del stacks
+
+        def creator(next_creator, **kwargs):
+            if "embeddings" not in (kwargs.get("name") or ""):
+                return next_creator(**kwargs)
+            value = kwargs["initial_value"]
+            full = tf.convert_to_tensor(value() if callable(value) else value)
+            # TF's "div" sizes: the first V % n shards one row more.
+            cuts = np.cumsum([0] + shard_rows(int(full.shape[0]), num_shards, "contiguous"))
+            return sharded_variable.ShardedVariable([next_creator(**{
+                **kwargs, "initial_value": full[a:b], "shape": None,
+                "name": f"{kwargs['name']}/part_{s}"}) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+
+        return creator
+
+    with monkeypatch.context() as patch:
+        patch.setattr(test_table_stacking, "_table_creator", contiguous)
+        model = _model(None)
+    optimizer = _installed("adagrad", model)
+    assert any(isinstance(layer.embeddings, sharded_variable.ShardedVariable)
+               for layer in model.layers if isinstance(layer, tf.keras.layers.Embedding))
+    _train(model, optimizer, _batches(4))
+    path = _write(model, optimizer, tmp_path / "contiguous")
+    plain = plain_model(seed=3)
+    plain_opt = OPTIMIZERS["adagrad"]()
+    plain_opt.build(plain.trainable_variables)
+    tf.train.Checkpoint(model=plain, optimizer=plain_opt).read(path).assert_existing_objects_matched()
+    _assert_same_training(plain, plain_opt, model, optimizer, tmp_path)

@@ -117,8 +117,9 @@ class _State:
                                       variable_name, storage)
             return
         table = tf_objects.sharded_container(model_variable)
-        if not isinstance(table, InterleavedShardedVariable) or table.shares_shards:
-            return
+        if not isinstance(table, sharded_variable.ShardedVariable) or getattr(
+                table, "shares_shards", False):
+            return  # (A contiguous table is TF's own `ShardedVariable`.)
         index = next((s for s, shard in enumerate(table.variables) if shard is model_variable),
                      None)
         if index is not None:
@@ -152,8 +153,11 @@ class _State:
         cached = self.wrappers.get(key)
         if cached is not None and all(a is b for a, b in zip(cached[1], storages)):
             return cached[0]
-        shard_name = storages[0].name.split(":")[0]
-        wrapper = table.with_variables(storages, name=shard_name.rsplit("/part_", 1)[0])
+        name = storages[0].name.split(":")[0].rsplit("/part_", 1)[0]
+        if isinstance(table, InterleavedShardedVariable):
+            wrapper = table.with_variables(storages, name=name)
+        else:  # Contiguous: TF's own saves its shards as row ranges, in logical order.
+            wrapper = sharded_variable.ShardedVariable(storages, name=name)
         self.wrappers[key] = (wrapper, storages)
         _TABLE_OF[wrapper] = table
         return wrapper
