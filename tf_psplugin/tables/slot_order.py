@@ -117,9 +117,11 @@ class _State:
                                       variable_name, storage)
             return
         table = tf_objects.sharded_container(model_variable)
-        if not isinstance(table, sharded_variable.ShardedVariable) or getattr(
-                table, "shares_shards", False):
-            return  # (A contiguous table is TF's own `ShardedVariable`.)
+        # (A contiguous table is TF's own `ShardedVariable`; a stacked one's
+        # slots are its views', recorded above.)
+        if not isinstance(table, sharded_variable.ShardedVariable) or (
+                isinstance(table, InterleavedShardedVariable) and table.shares_shards):
+            return
         index = next((s for s, shard in enumerate(table.variables) if shard is model_variable),
                      None)
         if index is not None:
