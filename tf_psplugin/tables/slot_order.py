@@ -14,13 +14,14 @@ what it applies): in each of its lists, a table's slots of one kind become
 ONE object at the position of the table's first shard slot, the table's
 own wrapper over those slots (`with_variables`: a table's
 `InterleavedShardedVariable`, a stacked table's `StackedTable` over its
-stack shards' slots), which saves the logical ``[V, D]`` slot under the key
+stack shards' slots; TF's `ShardedVariable` for a contiguous table), which saves the logical ``[V, D]`` slot under the key
 an unstacked single-process model gives it, and restores from a tensor
 saved whole or sliced into any number of shards (as tables do,
 `sharded._LogicalTableSaveable`). Next to the lists, a marker
 (``optimizer/tf_psplugin_slot_order/.ATTRIBUTES/FORMAT``, `FORMAT_KEY`)
 tells a reader the layout: a checkpoint without it holds the old listing,
-which `match_checkpoint` keeps for the restore (same PS count only).
+which `match_checkpoint` shows for its restore (same PS count only) until
+`end_restore`.
 
 Which table and shard a slot belongs to is recorded when the optimizer
 makes it (`add_variable_from_reference`, patched on the instance), so the
