@@ -9,19 +9,20 @@ delta-15. The tables must stay in one stack (full_every no longer gives each
 its own), and the deltas hold each table's own rows: all of ``b`` after its
 reset, only the changed rows of ``a`` and ``c`` (every row a step changed
 is in the next delta). With Keras's (new) Adagrad, each table's slots are
-its rows of the stack shards' slot (`stacked_slots.SlotView`): the deltas
-hold them by the table's own changed rows too (local ids, as an unstacked
-table shard's slot), also after writes through the views (an ``assign`` of
-b's, a ``scatter_update`` of two rows of a's), and a delta stays a small
+its rows of the stack shards' slot (`stacked_slots.SlotView`), checkpointed
+per table in logical order (`slot_order`, as legacy slots): the deltas
+hold them by the table's own changed rows too (logical ids, as legacy
+slots), also after writes through the views (an ``assign`` of b's, a
+``scatter_update`` of two rows of a's), and a delta stays a small
 fraction of a full save. The chain (full + 2 deltas) is restored
 
 * into a fresh stacked model on the cluster: equal to a full save of step
   15 restored the same way, and to the live model (tables, every optimizer
   variable, step);
-* (legacy Adagrad, whose slots are saved per table) into an unstacked
-  model (``stack_tables=False``) on the cluster, by a second chief;
-* into a plain single-process model (`load_into`: one variable per table,
-  another PS count);
+* into an unstacked model (``stack_tables=False``) on the cluster, by a
+  second chief, slots included;
+* into a plain single-process model (`load_into(include_optimizer=True)`:
+  one variable per table, another PS count), slots included;
 
 each time equal, bit for bit, to the full save restored the same way. A
 model built after the manager whose tables join its stack makes the next
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.cluster
 MODEL = COMMON + """
 from tf_psplugin.state import incremental
 from tf_psplugin.state import model_dir as model_dir_lib
-from tf_psplugin.tables import stacked_slots, stacking
+from tf_psplugin.tables import slot_order, stacked_slots, stacking
 # Large enough that a delta (5 steps of 2 x 8 examples) touches a few percent of the rows.
 TABLES = {{"a": 20000, "b": 200, "c": 6000}}
 
@@ -73,6 +74,18 @@ def tables(model):
     return {{n: model.get_layer(n).embeddings for n in TABLES}}
 
 
+def accumulator(opt, t):
+    \"\"\"Table `t`'s accumulator in logical row order (legacy: get_slot; Keras's: slot_order).\"\"\"
+    if hasattr(opt, "get_slot"):
+        return opt.get_slot(t, "accumulator")
+    slot = slot_order.logical_slot(opt, t, "accumulator")  # A cluster model's.
+    if slot is not None:
+        return slot
+    name = "accumulator/" + t.name.split(":")[0]  # A plain model's: one variable.
+    found, = [v for v in opt.variables if name in v.name]
+    return found
+
+
 def logical(model, with_slots):
     \"\"\"Layout-free values: each table, its legacy slots, the dense weights, the step.\"\"\"
     opt = model.optimizer
@@ -80,8 +93,7 @@ def logical(model, with_slots):
     for n, t in tables(model).items():
         values[n] = tf.convert_to_tensor(t).numpy()
         if with_slots:
-            values[n + "/accumulator"] = tf.convert_to_tensor(
-                opt.get_slot(t, "accumulator")).numpy()
+            values[n + "/accumulator"] = tf.convert_to_tensor(accumulator(opt, t)).numpy()
     for w in model.get_layer("out").weights:
         values[w.name.split(":")[0]] = w.numpy()
     return values
@@ -157,7 +169,7 @@ def delta_ids(model_dir, name):
 
 
 def delta_slot_ids_match(model_dir, name):
-    \"\"\"Whether each per-shard slot's ids in a delta are its table's local ids of the shard.\"\"\"
+    \"\"\"Whether each slot's rows in a delta are its table's (per-shard slots: local ids).\"\"\"
     marker = model_dir_lib.read_json(os.path.join(model_dir, name + ".commit"))
     result = []
     for row_file in marker["manifest"]["row_files"]:
@@ -168,6 +180,9 @@ def delta_slot_ids_match(model_dir, name):
             slot_names = [k + "/.DELTA/" for k in meta.get("shard_slots", [])]
             slot_names += [f"{{k}}/.DELTA/part-{{s}}/" for k in meta.get("sharded_slots", {{}})
                            for s in range(2)]
+            # Slots saved per table (legacy; Keras's listed by slot_order): the table's ids.
+            result += [len(reader.get_tensor(k + "/.DELTA/rows")) == len(table_ids)
+                       for k in meta["slots"] if reader.has_tensor(k + "/.DELTA/rows")]
             for slot_name in slot_names:
                 if reader.has_tensor(slot_name + "ids"):
                     slot_ids = reader.get_tensor(slot_name + "ids").tolist()
@@ -222,7 +237,7 @@ report["slots"] = {{  # Per table: its slots, per-shard slots (Keras's new optim
     n: [len(t["slots"]), len(t.get("shard_slots", [])), sum(t.get("sharded_slots", {{}}).values())]
     for n, t in markers["delta-15"]["manifest"]["tables"].items()}}
 live_values = snapshot(model)
-np.savez(os.path.join(out, "live.npz"), **logical(model, legacy))
+np.savez(os.path.join(out, "live.npz"), **logical(model, True))
 full_dir = os.path.join(root, "full")
 ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(15)
 chain_model, info = restored(model_dir)
@@ -272,9 +287,9 @@ assert "TF_CONFIG" not in os.environ
 result = {{}}
 for name in ("incr", "full"):
     model = stacked_model(optimizer_src)
-    info = ckpt_lib.load_into(model, os.path.join(root, name), include_optimizer=legacy)
+    info = ckpt_lib.load_into(model, os.path.join(root, name), include_optimizer=True)
     result[name] = [info.name, info.kind]
-    np.savez(os.path.join(out, f"plain_{{name}}.npz"), **logical(model, legacy))
+    np.savez(os.path.join(out, f"plain_{{name}}.npz"), **logical(model, True))
 print("RESULT", json.dumps(result))
 """
 
@@ -313,18 +328,17 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
     # Every slot row-tracked: a delta is a few percent of a full save (a
     # slot saved whole would make it more than half of one).
     assert ratio < 0.1, report["bytes"]
+    # The accumulator of each table, under the table's slot key, by the
+    # table's logical ids: legacy slots, and Keras's new optimizers' (each
+    # table's rows of the stack shards' slot, listed per table in logical
+    # order by slot_order; writes through the per-table views of it,
+    # stacked_slots, are stamped: the table's rows).
     slots = sorted(report["slots"].values())
-    if legacy == "1":  # The accumulator of each table, under the table's slot key.
-        assert slots == [[1, 0, 0]] * 3, report["slots"]
-    else:
-        # Keras's new optimizers list each table's slots as its rows of the
-        # stack shards' slot (stacked_slots): one view per shard (Keras 2.15)
-        # or the table's whole slot of 2 parts (tf-keras 2.16+), each saved
-        # by the table's own changed rows, by the table's local ids.
+    assert slots == [[1, 0, 0]] * 3, report["slots"]
+    assert report["delta_slot_ids_match"] and all(report["delta_slot_ids_match"]), report
+    if legacy == "0":
         assert report["views_b"] == 2, report
-        assert slots == ([[0, 0, 2]] * 3 if TF_VERSION >= (2, 16) else [[0, 2, 0]] * 3), slots
         assert report["view_rows_a"] or TF_VERSION >= (2, 16), report
-        assert report["delta_slot_ids_match"] and all(report["delta_slot_ids_match"]), report
     # Restored stacked on the cluster: the full save's and the live model's values.
     assert report["restored"] == ["delta-15", 15], report["restored"]
     assert report["chain_stacked"] is True
@@ -332,14 +346,14 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
     assert report["chain_vs_live"] == [], report["chain_vs_live"]
     assert report["joined_same_stack"] is True
     assert "another table joined its stack" in (report["late_join"] or ""), report["late_join"]
-    if legacy == "1":  # Slots saved per table: an unstacked model restores them too.
-        res = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, UNSTACKED, "unstacked.py"),
-                                 str(root), str(out), OPTIMIZERS[optimizer]], timeout=200)
-        assert res.returncode == 0, res.stdout[-6000:]
-        assert json.loads(cu.result_line(res.stdout)) == {
-            "incr": ["delta-15", False], "full": ["ckpt-15", False]}
-        cu.assert_same_npz(out / "unstacked_incr.npz", out / "unstacked_full.npz")
-        cu.assert_same_npz(out / "unstacked_incr.npz", out / "live.npz")
+    # Slots saved per table: an unstacked model restores them too.
+    res = cluster.run_chief([cu.PYTHON, cu.script(tmp_path, UNSTACKED, "unstacked.py"),
+                             str(root), str(out), OPTIMIZERS[optimizer]], timeout=200)
+    assert res.returncode == 0, res.stdout[-6000:]
+    assert json.loads(cu.result_line(res.stdout)) == {
+        "incr": ["delta-15", False], "full": ["ckpt-15", False]}
+    cu.assert_same_npz(out / "unstacked_incr.npz", out / "unstacked_full.npz")
+    cu.assert_same_npz(out / "unstacked_incr.npz", out / "live.npz")
     cluster.stop()
     # One process, one variable per table (another PS count): same as the full save.
     res = procs.run([cu.PYTHON, cu.script(tmp_path, PLAIN, "plain.py"), str(root), str(out),

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tf_psplugin.keras import checkpoint_callback
 from tf_psplugin.state import checkpoint as ckpt_lib
 from tf_psplugin.state import model_dir as md
+from tf_psplugin.tables import slot_order
 
 VOCAB, DIM = 20, 3
 
@@ -320,22 +321,42 @@ def test_non_chief_never_writes(tmp_path, monkeypatch):
 
 
 
-def test_load_into_refuses_new_optimizer_table_slots_and_loads_the_tables(tmp_path):
-    # A committed checkpoint may come from a cluster job, where Keras's new
-    # optimizers save a table's slots per shard or in shard order: never
-    # loaded into a plain table's rows (the legacy optimizers' are, above).
+def test_load_into_new_optimizer_table_slots_marked_or_refused(tmp_path):
+    # Keras's new optimizers' table slots: a manager made before the
+    # optimizer's slots writes them per table in row order with the
+    # `slot_order` marker, and `load_into` restores them; a checkpoint
+    # without the marker (as before that layout: slots made before the
+    # manager) may come from a cluster job that saved a table's slots per
+    # shard or in shard order, and is refused with the fix.
     model = tiny_model()
     model.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
+    manager = ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model,
+                                              optimizer=model.optimizer)
     train(model, 2)
-    ckpt_lib.ChiefCheckpointManager(tmp_path / "m", model=model, optimizer=model.optimizer).save(2)
+    manager.save(2)
+    assert slot_order.is_marked(tf.train.load_checkpoint(manager.latest.path)
+                                .get_variable_to_shape_map())
+    plain = tiny_model(seed=5)
+    plain.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
+    assert ckpt_lib.load_into(plain, tmp_path / "m", include_optimizer=True).step == 2
+    assert len(plain.optimizer.variables) == len(model.optimizer.variables)
+    for got, want in zip(plain.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+    unmarked = tiny_model()
+    unmarked.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
+    train(unmarked, 2)  # Slots made before the manager: Keras's own listing, no marker.
+    ckpt_lib.ChiefCheckpointManager(tmp_path / "u", model=unmarked,
+                                    optimizer=unmarked.optimizer).save(2)
     plain = tiny_model(seed=5)
     plain.compile(tf.keras.optimizers.Adagrad(0.5), "mse")
     with pytest.raises(ckpt_lib.CheckpointError, match=r"cannot restore Adagrad's slots.*"
-                       r"Fix: include_optimizer=False"):
-        ckpt_lib.load_into(plain, tmp_path / "m", include_optimizer=True)
-    assert ckpt_lib.load_into(plain, tmp_path / "m").step == 2
-    for got, want in zip(plain.trainable_variables, model.trainable_variables):
+                       r"no slot-order marker.*Fix: include_optimizer=False"):
+        ckpt_lib.load_into(plain, tmp_path / "u", include_optimizer=True)
+    assert ckpt_lib.load_into(plain, tmp_path / "u").step == 2
+    for got, want in zip(plain.trainable_variables, unmarked.trainable_variables):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
 
 def test_load_into_plain_model_and_save_weights_format(saved, tmp_path):
     model_dir, refs = saved

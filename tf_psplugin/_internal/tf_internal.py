@@ -235,6 +235,8 @@ PRIVATE_ATTRIBUTES = {
     "_distribute_strategy": "resource_variable_ops.BaseResourceVariable",
     "_serialize_to_tensors": "trackable_base.Trackable",
     "_restore_from_tensors": "trackable_base.Trackable",
+    # tables/slot_order.py: what a checkpoint lists for a Keras (new) optimizer.
+    "_trackable_children": "trackable_base.Trackable",
     # -- tables/sharded.py: the table type extends ShardedVariable (lookups routed by
     # layout, sliced saveables, its TypeSpec); optimizers create its slots.
     "_variables": "sharded_variable.ShardedVariableMixin",

@@ -327,6 +327,26 @@ def set_sharded_slot_creator(optimizer, fn: Callable) -> None:
     optimizer._create_slots_for_sharded_variables = fn  # pylint: disable=protected-access
 
 
+def trackable_children(obj, save_type: str = "checkpoint") -> dict:
+    """A trackable's `_trackable_children`: {name: child} as a checkpoint lists them (TF
+    2.15-2.21); tables/slot_order.py reads an optimizer's lists by position through it.
+    """
+    return obj._trackable_children(save_type)  # pylint: disable=protected-access
+
+
+def trackable_children_method(obj) -> Callable:
+    """A trackable's bound `_trackable_children` (TF 2.15-2.21), to wrap on one instance."""
+    return obj._trackable_children  # pylint: disable=protected-access
+
+
+def set_instance_method(obj, name: str, fn: Callable) -> None:
+    """Sets `fn` as attribute `name` of one instance, untracked (`object.__setattr__`: an
+    AutoTrackable would otherwise inspect the value). Used for a Keras (new) optimizer's
+    `add_variable_from_reference` and `_trackable_children` (tf.keras 2.15, tf-keras 2.21).
+    """
+    object.__setattr__(obj, name, fn)
+
+
 def create_all_weights_of(optimizer) -> Optional[Callable]:
     """Legacy OptimizerV2's `_create_all_weights` (makes every slot now), or None for new
     optimizers (tf.keras 2.15, tf-keras 2.21).

@@ -31,7 +31,7 @@ tools each get a piece of it wrong:
 * Optimizer slots must be created before restoring: Keras defers the restore
   of slots that do not exist yet, and a sharded table's deferred slot restore
   is lost (tensorflow 62215). Slots of interleaved tables are saved in
-  logical row order (see `sharded_slots.install_interleaved_slot_lookup`), so they reshard.
+  logical row order (`optimizer_slots.install_checkpoint_listing`), so they reshard.
 
 Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
@@ -73,7 +73,7 @@ from tf_psplugin.state.plain_model import load_into  # noqa: F401  (re-exported)
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.sync.replicated import ReplicatedVariable
 from tf_psplugin.tables import fusion
-from tf_psplugin.tables import sharded_slots
+from tf_psplugin.tables import slot_order
 from tf_psplugin.tables import stacking
 
 __all__ = [
@@ -349,7 +349,7 @@ class ChiefCheckpointManager:
         # The model's own optimizer too when none is passed: Keras saves it
         # with the model, and its table slots must save in logical order
         # (for stacked tables: each table's rows of its stack's slots).
-        sharded_slots.install_interleaved_slot_lookup(
+        optimizer_slots.install_checkpoint_listing(
             optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._options = tf.train.CheckpointOptions(
             experimental_io_device=_CHIEF_CPU if write_on_chief else None)
@@ -607,6 +607,8 @@ class ChiefCheckpointManager:
         """
         info, deltas = self._resolve_chain(checkpoint)
         optimizer_slots.build_slots(self._model, self._optimizer, self._strategy)
+        # Slots listed as `info` lists them until it and its deltas are restored.
+        optimizer = optimizer_slots.match_checkpoint(self._model, self._optimizer, info.path)
         join_steps(self._strategy)
         replicated = _replicated_variables(self._objects)
         for var in replicated:
@@ -622,6 +624,7 @@ class ChiefCheckpointManager:
                 "sizes) that wrote it, or start from an empty model_dir.") from None
         for delta in deltas:
             incremental.apply_delta(self._root, delta)
+        slot_order.end_restore(optimizer)  # The next save is in the logical layout.
         if deltas:
             info = deltas[-1]
             self._state.step, self._state.input_position = info.step, info.input_position

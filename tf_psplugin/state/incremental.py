@@ -137,7 +137,7 @@ from tf_psplugin.state import incremental_dynamic, incremental_slots
 from tf_psplugin.state import model_dir as model_dir_lib
 from tf_psplugin.state.model_dir import CheckpointError
 from tf_psplugin.state.row_stamps import RowStamps, row_local_refusal
-from tf_psplugin.tables import half_precision, stacked_slots
+from tf_psplugin.tables import half_precision, slot_order, stacked_slots
 
 __all__ = ["DELTA_SUFFIX", "IncrementalSaver", "RowStamps", "apply_delta", "object_keys"]
 
@@ -417,8 +417,9 @@ class IncrementalSaver:
         skip = [paths[id(obj)] + "/" for obj in self._python_state if id(obj) in paths]
         skip += [d.key_index_path + "/" for d in self.dynamic]  # Written as key changes.
         names = tf.train.load_checkpoint(full_checkpoint).get_variable_to_shape_map()
-        missing = sorted(k for k in names
+        missing = sorted(k for k in names  # (The slot-order marker is a constant.)
                          if k not in handled and k != "_CHECKPOINTABLE_OBJECT_GRAPH"
+                         and not slot_order.is_marked([k])
                          and not any(k.startswith(prefix) for prefix in skip))
         if missing:
             raise CheckpointError(

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import sharded_variable
+from tf_psplugin.tables import slot_order
 from tf_psplugin.tables import stacked_slots
 
 __all__ = ["find_slots"]
@@ -28,7 +29,8 @@ def find_slots(tables: Sequence[Any], variables: Mapping[str, Any],
     """Finds each table's optimizer slots, and stamps the rows any write to them touches.
 
     Legacy optimizers' slots are checkpoint slot variables (one logical
-    slot per table). Keras's new optimizers make one plain variable per
+    slot per table), and so are Keras's new optimizers' slots listed per
+    table (`slot_order.table_of`). Keras's new optimizers make one plain variable per
     table shard, named ``[<optimizer>/]<slot name>/<shard name>``, on
     the shard's device (`add_variable_from_reference`); a variable whose
     name ends with one shard's name (the longest match), with its shape
@@ -64,6 +66,14 @@ def find_slots(tables: Sequence[Any], variables: Mapping[str, Any],
     slot_ids = {id(variables[k]) for k in slots if k in variables}
     table_ids = {id(s) for t in tables for s in t.shards}
     table_ids.update(id(t.container) for t in tables)
+    # Keras's new optimizers' slots listed per table in logical order
+    # (`slot_order`): like a legacy slot, the table's logical slot.
+    key_of_table = {id(t.container): t.key for t in tables}
+    for key, var in sorted(variables.items()):
+        table = slot_order.table_of(var)
+        if table is not None and id(table) in key_of_table:
+            slots_of.setdefault(key_of_table[id(table)], []).append((key, key))
+            slot_ids.add(id(var))
     for table in tables:
         table.slot_keys = slots_of.get(table.key, [])
         table.shard_slot_keys = [[] for _ in table.shards]

@@ -15,9 +15,39 @@ import tensorflow as tf
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.tables import fusion
 from tf_psplugin.tables import sharded_slots
+from tf_psplugin.tables import slot_order
 from tf_psplugin.tables import stacked_updates
 
-__all__ = ["build_optimizer_slots", "build_slots"]
+__all__ = ["build_optimizer_slots", "build_slots", "install_checkpoint_listing",
+           "match_checkpoint"]
+
+
+def install_checkpoint_listing(optimizer) -> None:
+    """Makes `optimizer` checkpoint its table slots per table in logical row order.
+
+    Legacy optimizers through `sharded_slots`, Keras's new ones through
+    `slot_order` (with its format marker). Call before the optimizer makes
+    its slots; idempotent.
+    """
+    sharded_slots.install_interleaved_slot_lookup(optimizer)
+    slot_order.install(optimizer)
+
+
+def match_checkpoint(model, optimizer, path: str):
+    """Lists the optimizer's table slots as checkpoint `path` does (`slot_order.match_checkpoint`).
+
+    Args:
+        model: The model (its `optimizer` is used when `optimizer` is None).
+        optimizer: The optimizer restored into, or None.
+        path: The checkpoint prefix about to be restored.
+
+    Returns:
+        The optimizer (for `slot_order.end_restore` once the restore is done).
+    """
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    slot_order.match_checkpoint(optimizer, path)
+    return optimizer
 
 
 def build_slots(model, optimizer, strategy) -> None:
@@ -57,11 +87,12 @@ def build_optimizer_slots(model) -> None:
     variable that training then discards (tensorflow 62215), so without this
     the embedding accumulators restart from their initial value. It also
     makes slots of interleaved tables checkpoint in logical row order, so
-    they restore into another number of PS tasks.
+    they restore into another number of PS tasks (legacy and new Keras
+    optimizers; call it before the first training step).
 
     Args:
         model: A compiled Keras model.
     """
     optimizer = getattr(model, "optimizer", None)
-    sharded_slots.install_interleaved_slot_lookup(optimizer)
+    install_checkpoint_listing(optimizer)
     build_slots(model, optimizer, getattr(model, "distribute_strategy", None))

@@ -7,7 +7,9 @@ TF's own `tf.train.Checkpoint` does; this adds what a cluster job's model
 directory needs on top: the latest committed checkpoint (never an
 uncommitted one), its chain of deltas (`incremental`), slots made before
 the restore (`optimizer_slots`), and the refusal of slots saved out of a
-single-process table's row order.
+single-process table's row order (checkpoints without `slot_order`'s
+format marker, written before Keras's new optimizers' table slots were
+saved per table in logical order).
 """
 
 import tensorflow as tf
@@ -21,20 +23,23 @@ from tf_psplugin.state.model_dir import (CheckpointError, CheckpointInfo, checkp
                                          resolve_checkpoint)
 from tf_psplugin.tables import dynamic as dynamic_lib
 from tf_psplugin.tables import sharded_slots
+from tf_psplugin.tables import slot_order
 
 __all__ = ["load_into"]
 
 
-def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> bool:
+def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo, names) -> bool:
     """Whether `optimizer` would restore table slots a cluster job saved out of row order.
 
-    Keras's new optimizers list a sharded table's slots as the strategy made
-    them: one per table shard on Keras 2.15, one `ShardedVariable` per table
-    saved shard after shard on tf-keras 2.16+ (rows ``i % n == s`` of an
-    interleaved table are not a contiguous slice). A plain model's table
-    slot is one variable in row order: on Keras 2.15 the shapes differ; on
-    tf-keras 2.16+ they match and the rows would be silently permuted
-    (measured on tf-keras 2.21; docs/composition.md, "Known gaps"). Legacy
+    A checkpoint with `slot_order`'s marker holds each table's slots of
+    Keras's new optimizers as one logical ``[V, D]`` tensor under a plain
+    model's key. One without it (written before that layout) lists them as
+    the strategy made them: one per table shard on Keras 2.15, one
+    `ShardedVariable` per table saved shard after shard on tf-keras 2.16+
+    (rows ``i % n == s`` of an interleaved table are not a contiguous
+    slice). A plain model's table slot is one variable in row order: on
+    Keras 2.15 the shapes differ; on tf-keras 2.16+ they match and the rows
+    would be silently permuted (measured on tf-keras 2.21). Legacy
     optimizers' table slots are saved per table in row order
     (`sharded_slots.install_interleaved_slot_lookup`). Only checkpoints a
     `ChiefCheckpointManager` committed are asked about (``model.save_weights``
@@ -42,6 +47,8 @@ def _table_slots_out_of_row_order(model, optimizer, info: CheckpointInfo) -> boo
     """
     if tf_objects.create_all_weights_of(optimizer) is not None:
         return False  # A legacy optimizer.
+    if slot_order.is_marked(names):
+        return False
     if not tf.io.gfile.exists(info.path + model_dir_lib.COMMIT_SUFFIX):
         return False
     return any(isinstance(m, (keras.layers.Embedding, dynamic_lib.DynamicEmbedding))
@@ -85,16 +92,17 @@ def load_into(model, source: str, include_optimizer: bool = False) -> Checkpoint
     names = tf.train.load_checkpoint(info.path).get_variable_to_shape_map()
     wrapped = any(name.startswith("model/") for name in names)
     optimizer = getattr(model, "optimizer", None) if include_optimizer else None
-    if optimizer is not None and _table_slots_out_of_row_order(model, optimizer, info):
+    if optimizer is not None and _table_slots_out_of_row_order(model, optimizer, info, names):
         raise CheckpointError(
             f"load_into({source!r}, include_optimizer=True) cannot restore "
-            f"{type(optimizer).__name__}'s slots of the embedding tables: Keras's new "
-            "optimizers save a sharded table's slots per table shard (TF 2.15) or in the "
-            "shards' row order (tf-keras 2.16+), not in the row order of a single-process "
-            "table, so they would not load, or would load into the wrong rows. Fix: "
-            "include_optimizer=False (the tables, dense weights and the optimizer's step "
-            "load; the slots start afresh), or train with a tf.keras.optimizers.legacy "
-            "optimizer, whose table slots are saved per table in row order.")
+            f"{type(optimizer).__name__}'s slots of the embedding tables: this checkpoint "
+            "was written before tf_psplugin saved Keras's new optimizers' table slots per "
+            "table in row order (it has no slot-order marker): they are saved per table "
+            "shard (TF 2.15) or in the shards' row order (tf-keras 2.16+), so they would "
+            "not load, or would load into the wrong rows. Fix: include_optimizer=False "
+            "(the tables, dense weights and the optimizer's step load; the slots start "
+            "afresh), or resume the job once with the same PS count and let it write a "
+            "new checkpoint.")
     if optimizer is not None:
         sharded_slots.install_interleaved_slot_lookup(optimizer)
         optimizer_slots.build_slots(model, optimizer, None)

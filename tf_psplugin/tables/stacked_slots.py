@@ -28,6 +28,9 @@ one `SlotView` over all of the table's rows (`SlotView.pieces`).
 
 So the checkpoint holds, under the unstacked run's keys, each table's own
 slot rows, and restores into the other stacking; the apply is unchanged.
+With a `ChiefCheckpointManager` or `build_optimizer_slots`, `slot_order`
+lists them one step further: one logical ``[V, D]`` tensor per table slot,
+as a single-process model does (any PS count).
 
 Private Keras API (registered in `tf_internal.PRIVATE_ATTRIBUTES`, checked
 on Keras 2.15 and tf-keras 2.21): the optimizer's ``_variables`` list (no

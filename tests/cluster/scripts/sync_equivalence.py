@@ -335,34 +335,48 @@ def set_logical_weights(model, weights):
         weights = weights[n:]
 
 
-def stacked_checkpoint(model, got):
-    """The stack checkpointed table by table: what a plain model loads of it.
+def stacked_checkpoint_manager(model):
+    """The manager `stacked_checkpoint` saves with, made before `fit` as `ChiefCheckpoint` is.
 
-    A plain model (one variable per table, no cluster) loads the tables and,
-    with a legacy optimizer, their Adagrad accumulators. Keras's new
-    optimizers save a sharded table's slots per shard (Keras 2.15) or in
-    the shards' row order (tf-keras 2.16+), stacked or not (the known gap of
-    docs/composition.md): `load_into(include_optimizer=True)` refuses them;
-    the refusal is recorded and the tables are loaded alone.
+    Made before the optimizer's slots, it lists Keras's new optimizers'
+    table slots per table in logical row order (`slot_order`, with its
+    marker), which a plain model loads.
     """
     import os  # pylint: disable=g-import-not-at-top
 
     model_dir = os.path.join(os.path.dirname(OUT), "stacked_ckpt")
-    tf_psplugin.CheckpointManager(model_dir, model=model).save(STEPS, final=True)
+    return model_dir, tf_psplugin.CheckpointManager(model_dir, model=model)
+
+
+def stacked_checkpoint(model, got, manager, ref):
+    """The stack checkpointed table by table: what a plain model loads of it.
+
+    A plain model (one variable per table, no cluster) loads the tables and
+    their optimizer slots: a legacy optimizer's Adagrad accumulators (which
+    training moved off their initial 0.1) compared with the cluster's;
+    Keras's new Adam's moments of both tables (`slot_order`'s logical
+    layout) compared with those of `ref`, the single-process model trained
+    on the same data (rows in the wrong order would differ by their size).
+    """
+    model_dir, manager = manager
+    manager.save(STEPS, final=True)
     plain = make_model()
     plain.compile(make_optimizer(), "mse")
     out = {}
+    tf_psplugin.load_into(plain, model_dir, include_optimizer=True)
     if OPT == "adam_new":
-        try:
-            tf_psplugin.load_into(plain, model_dir, include_optimizer=True)
-            out["new_optimizer_slots_gap"] = None
-        except tf_psplugin.CheckpointError as e:
-            out["new_optimizer_slots_gap"] = str(e)
-        plain = make_model()
-        plain.compile(make_optimizer(), "mse")
-        tf_psplugin.load_into(plain, model_dir)
+        def moments(m):
+            inner = getattr(m.optimizer, "inner_optimizer", m.optimizer)
+            return [v.numpy() for v in inner.variables if "table_" in v.name
+                    and ("/m/" in "/" + v.name or "/v/" in "/" + v.name)]
+
+        loaded, reference = moments(plain), moments(ref)
+        out["adam_slots"] = len(loaded)
+        # Per slot, the largest difference relative to the slot's largest value.
+        out["adam_slots_vs_reference"] = max(
+            float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+            for a, b in zip(loaded, reference))
     else:
-        tf_psplugin.load_into(plain, model_dir, include_optimizer=True)
         slot = model.optimizer.get_slot(model.get_layer("table_b").embeddings, "accumulator")
         plain_slot = plain.optimizer.get_slot(plain.get_layer("table_b").embeddings,
                                               "accumulator")
@@ -392,6 +406,7 @@ def main():
         model = make_model()
         model.compile(make_optimizer(), "mse", metrics=make_metrics(), steps_per_execution=SPE)
     init = logical_weights(model)
+    manager = stacked_checkpoint_manager(model) if STACKED else None
     hist = model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH),
                      epochs=1, steps_per_epoch=STEPS, verbose=2)
     got = logical_weights(model)
@@ -417,7 +432,7 @@ def main():
     diffs = {w: float(np.abs(a - b).max())
              for a, b, w in zip(got, logical_weights(ref), weight_names(ref))}
     table = model.get_layer("table_a").embeddings
-    checkpoint = stacked_checkpoint(model, got) if STACKED else {}
+    checkpoint = stacked_checkpoint(model, got, manager, ref) if STACKED else {}
     float16 = {}
     if MIXED == "mixed_float16":
         float16 = {
