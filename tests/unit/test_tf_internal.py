@@ -258,13 +258,14 @@ def test_the_other_object_check_catches_each_kind_of_use(tmp_path, monkeypatch):
                      (13, "sets", "_concrete_function"), (15, "reads", "_output_type_spec")]
 
 
-def test_every_tf_objects_function_is_used_outside_the_adapter():
-    with open(os.path.join(PACKAGE, TF_OBJECTS), encoding="utf-8") as f:
+@pytest.mark.parametrize("module", ["tf_objects", "keras_members"])
+def test_every_tf_objects_function_is_used_outside_the_adapter(module):
+    with open(os.path.join(PACKAGE, "_internal", module + ".py"), encoding="utf-8") as f:
         defined = [node.name for node in ast.parse(f.read()).body
                    if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
     sources = "".join(open(path, encoding="utf-8").read() for rel, path in _modules()
                       if not rel.startswith(INTERNAL))
     unused = sorted(name for name in defined
-                    if not re.search(r"tf_objects\." + re.escape(name) + r"\b", sources))
+                    if not re.search(module + r"\." + re.escape(name) + r"\b", sources))
     assert defined and not unused, (
-        f"_internal/tf_objects.py defines functions nothing uses: {unused}")
+        f"_internal/{module}.py defines functions nothing uses: {unused}")

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.keras import checkpoint_callback
 
@@ -284,8 +285,8 @@ def patch_keras_progress():
     training = _tf_internal.keras_private_module("engine.training")
     callbacks = _tf_internal.keras_private_module("callbacks")
     io_utils = _tf_internal.keras_private_module("utils.io_utils")
-    original_verbosity = tf_objects.keras_get_verbosity(training)
-    original_add_defaults = tf_objects.add_default_callbacks(callbacks.CallbackList)
+    original_verbosity = keras_members.keras_get_verbosity(training)
+    original_add_defaults = keras_members.add_default_callbacks(callbacks.CallbackList)
 
     def _get_verbosity(verbose, distribute_strategy):
         if _uses_plugin(distribute_strategy) and verbose in (1, "auto"):
@@ -297,22 +298,22 @@ def patch_keras_progress():
     def _add_default_callbacks(self, add_history, add_progbar):
         passed = list(self.callbacks)
         original_add_defaults(self, add_history, add_progbar)
-        default = tf_objects.callback_list_progbar(self)
+        default = keras_members.callback_list_progbar(self)
         if (default is not None and not any(default is cb for cb in passed)
                 and type(default) is callbacks.ProgbarLogger
                 and _uses_plugin(tf.distribute.get_strategy())):
             replacement = ProgressBar()
             self.callbacks[self.callbacks.index(default)] = replacement
-            tf_objects.set_callback_list_progbar(self, replacement)
+            keras_members.set_callback_list_progbar(self, replacement)
         if _uses_plugin(tf.distribute.get_strategy()):
             self.callbacks.extend([cb.train_end_last() for cb in list(self.callbacks)
                                    if isinstance(cb, checkpoint_callback.ChiefCheckpoint)])
 
-    tf_objects.set_keras_get_verbosity(training, _get_verbosity)
-    tf_objects.set_add_default_callbacks(callbacks.CallbackList, _add_default_callbacks)
+    keras_members.set_keras_get_verbosity(training, _get_verbosity)
+    keras_members.set_add_default_callbacks(callbacks.CallbackList, _add_default_callbacks)
 
     def undo():
-        tf_objects.set_keras_get_verbosity(training, original_verbosity)
-        tf_objects.set_add_default_callbacks(callbacks.CallbackList, original_add_defaults)
+        keras_members.set_keras_get_verbosity(training, original_verbosity)
+        keras_members.set_add_default_callbacks(callbacks.CallbackList, original_add_defaults)
 
     return undo

@@ -22,7 +22,7 @@ checkpoint holding other `PythonState` objects, or asked for an async write,
 is written by TF's own path unchanged. Keras's dynamic loss scale
 (`mixed_float16`) lists as its checkpoint children only the variables of
 the graph being built: while the write is traced, its eager variables are
-listed as the trace's too (`tf_objects.eager_loss_scale_weights_in_graph`),
+listed as the trace's too (`keras_members.eager_loss_scale_weights_in_graph`),
 so the loss scale is saved as TF's eager write saves it.
 
 Checkpoints written this way are byte-for-byte the same format: TF's eager
@@ -36,7 +36,7 @@ from typing import Any, List, Optional
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
-from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 
 
 class FedPythonState(tf.train.experimental.PythonState):
@@ -136,7 +136,7 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
                 state.feed(value)
             try:
                 # Keras's loss scale lists only the current graph's variables.
-                with tf.device(host), tf_objects.eager_loss_scale_weights_in_graph(
+                with tf.device(host), keras_members.eager_loss_scale_weights_in_graph(
                         loss_scales, tf.compat.v1.get_default_graph()):
                     return base_write(prefix, options=options)
             finally:
@@ -149,7 +149,7 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
 def _loss_scales(objects) -> list:
     """Keras's dynamic loss scales (`mixed_float16`) among checkpointed `objects`."""
     try:
-        state_cls = tf_objects.dynamic_loss_scale_state(
+        state_cls = keras_members.dynamic_loss_scale_state(
             _tf_internal.keras_private_module("mixed_precision.loss_scale_optimizer"))
     except (ImportError, AttributeError):  # No Keras, or one without it.
         return []

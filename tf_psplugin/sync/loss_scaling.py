@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_psplugin._internal import tf_internal as _tf_internal
-from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 from tf_psplugin.errors import StrategyError
 from tf_psplugin.sync import replicated
 
@@ -174,8 +174,8 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
     """
     module = _tf_internal.keras_private_module("mixed_precision.loss_scale_optimizer")
     supports = module.strategy_supports_loss_scaling
-    is_all_finite = tf_objects.loss_scale_is_all_finite(module)
-    state_cls = tf_objects.dynamic_loss_scale_state(module)
+    is_all_finite = keras_members.loss_scale_is_all_finite(module)
+    state_cls = keras_members.dynamic_loss_scale_state(module)
     update = state_cls.update
     v3_apply = module.LossScaleOptimizerV3.apply_gradients
 
@@ -216,13 +216,13 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
 
     module.strategy_supports_loss_scaling = strategy_supports_loss_scaling
     module.LossScaleOptimizer.apply_gradients = legacy_apply_gradients
-    tf_objects.set_loss_scale_is_all_finite(module, _is_all_finite)
+    keras_members.set_loss_scale_is_all_finite(module, _is_all_finite)
     state_cls.update = _update
     module.LossScaleOptimizerV3.apply_gradients = apply_gradients
 
     def undo():
         module.strategy_supports_loss_scaling = supports
-        tf_objects.set_loss_scale_is_all_finite(module, is_all_finite)
+        keras_members.set_loss_scale_is_all_finite(module, is_all_finite)
         state_cls.update = update
         module.LossScaleOptimizerV3.apply_gradients = v3_apply
         module.LossScaleOptimizer.apply_gradients = legacy_apply

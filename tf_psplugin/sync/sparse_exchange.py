@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
-from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 from tf_psplugin.cluster.devices import ps_device
 from tf_psplugin.sync import collectives
 
@@ -93,7 +93,7 @@ def patch_keras_dedup():
     """
     optimizer_module = _tf_internal.keras_private_module("optimizers.optimizer")
     cls = optimizer_module.Optimizer
-    original = tf_objects.deduplicate_sparse_grad(cls)
+    original = keras_members.deduplicate_sparse_grad(cls)
 
     def _deduplicate_sparse_grad(self, grads):
         result = []
@@ -109,10 +109,10 @@ def patch_keras_dedup():
                 result.extend(original(self, [grad]))
         return result
 
-    tf_objects.set_deduplicate_sparse_grad(cls, _deduplicate_sparse_grad)
+    keras_members.set_deduplicate_sparse_grad(cls, _deduplicate_sparse_grad)
 
     def undo():
-        tf_objects.set_deduplicate_sparse_grad(cls, original)
+        keras_members.set_deduplicate_sparse_grad(cls, original)
 
     return undo
 

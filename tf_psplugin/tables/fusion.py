@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin.tables import host
@@ -192,7 +193,7 @@ def patch_keras_functional():
     """
     functional = _tf_internal.keras_private_module("engine.functional").Functional
     node_cls = _tf_internal.keras_private_module("engine.node").Node
-    run_graph = tf_objects.functional_run_internal_graph(functional)
+    run_graph = keras_members.functional_run_internal_graph(functional)
     map_arguments = node_cls.map_arguments
     model_call = vars(keras.Model)["__call__"]  # Keras 2.15, tf-keras 2.16-2.21: Model's own.
 
@@ -227,12 +228,12 @@ def patch_keras_functional():
                 _separate(self)
             return model_call(self, *args, **kwargs)
 
-    tf_objects.set_functional_run_internal_graph(functional, _run_internal_graph)
+    keras_members.set_functional_run_internal_graph(functional, _run_internal_graph)
     node_cls.map_arguments = _map_arguments
     keras.Model.__call__ = functools.wraps(model_call)(_model_call)
 
     def undo():
-        tf_objects.set_functional_run_internal_graph(functional, run_graph)
+        keras_members.set_functional_run_internal_graph(functional, run_graph)
         node_cls.map_arguments = map_arguments
         keras.Model.__call__ = model_call
 

@@ -77,6 +77,7 @@ from absl import logging
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
+from tf_psplugin._internal import keras_members
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
 from tf_psplugin.tables import stack_rows
@@ -413,9 +414,9 @@ def _install_new(cls):
             known.build = _substituting_build(vars(known)["build"])
     apply_gradients = cls.apply_gradients
     add_variable_from_reference = cls.add_variable_from_reference
-    distributed_apply = tf_objects.distributed_apply_gradients_fn(cls)
+    distributed_apply = keras_members.distributed_apply_gradients_fn(cls)
 
-    update_average, overwrite_with_average = tf_objects.moving_average_functions(cls)
+    update_average, overwrite_with_average = keras_members.moving_average_functions(cls)
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -477,8 +478,8 @@ def _install_new(cls):
 
     cls.apply_gradients = _apply_gradients
     cls.add_variable_from_reference = _add_variable_from_reference
-    tf_objects.set_distributed_apply_gradients_fn(cls, _distributed_apply_gradients_fn)
-    tf_objects.set_moving_average_functions(cls, _update_model_variables_moving_average,
+    keras_members.set_distributed_apply_gradients_fn(cls, _distributed_apply_gradients_fn)
+    keras_members.set_moving_average_functions(cls, _update_model_variables_moving_average,
                                             _overwrite_model_variables_with_average_value)
     return lambda: [r() for r in reversed(restore)]
 
@@ -517,14 +518,14 @@ def _view_rows(view) -> tf.Tensor:
 
 def _average_of_view(optimizer, view) -> tf.Tensor:
     """The view's rows of its stack shard's moving average (`use_ema`)."""
-    average = tf_objects.moving_average_of(optimizer, view.stack_shard)
+    average = keras_members.moving_average_of(optimizer, view.stack_shard)
     with tf.device(average.device):
         return average.sparse_read(_view_rows(view))
 
 
 def _average_rows(optimizer, view) -> None:
     """Keras's moving-average update of one table: its rows of the stack shard's average."""
-    average = tf_objects.moving_average_of(optimizer, view.stack_shard)
+    average = keras_members.moving_average_of(optimizer, view.stack_shard)
     momentum = optimizer.ema_momentum
     with tf.device(average.device):
         new = momentum * _average_of_view(optimizer, view) + (1 - momentum) * view.value()
@@ -571,7 +572,7 @@ def _install_legacy(cls):
     restore = _restorer(cls, ("apply_gradients", "_create_all_weights", "_distributed_apply"))
     apply_gradients = cls.apply_gradients
     create_all_weights = tf_objects.create_all_weights_of(cls)
-    distributed_apply = tf_objects.distributed_apply(cls)
+    distributed_apply = keras_members.distributed_apply(cls)
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
@@ -590,7 +591,7 @@ def _install_legacy(cls):
                                  grads_and_vars, *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
-    tf_objects.set_create_all_weights(cls, _create_all_weights)
-    tf_objects.set_distributed_apply(cls, _distributed_apply)
+    keras_members.set_create_all_weights(cls, _create_all_weights)
+    keras_members.set_distributed_apply(cls, _distributed_apply)
     return restore
 
