@@ -104,8 +104,8 @@ class Updates:
         if self._row_stamps.get(key, stamps) is not stamps:
             raise StrategyError(
                 f"incremental checkpoints: {shard.name!r} is already tracked for another "
-                "CheckpointManager(full_every=...); steps traced for that one would not update "
-                "this one's record. Fix: one incremental manager per model.")
+                "ChiefCheckpointManager(full_every_saves=...); steps traced for that one would not "
+                "update this one's record. Fix: one incremental manager per model.")
         self._row_stamps[key] = stamps
 
     def admits_after_update(self) -> bool:
