@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
 from benchmarks.procs import (  # noqa: E402
-    SOAK_PROGRESS_PREFIX, cpu_seconds, strategy_kwargs, write_result)
+    SOAK_PROGRESS_PREFIX, cpu_seconds, strategy_arguments, write_result)
 
 
 _KEEP = []  # Objects that must live as long as the process (row tracking).
@@ -173,7 +173,7 @@ def _build_ps_chief(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            log_placement=False, **strategy_kwargs(job))
+            **strategy_arguments(job, tf_psplugin))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.

@@ -56,7 +56,9 @@ flags.DEFINE_integer("steps_per_execution", 10, "Steps per tf.function call.")
 flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate.")
 flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
 flags.DEFINE_integer("save_every_steps", 50, "Save every N steps.")
-flags.DEFINE_integer("full_every", 5, "Every N-th save is full; the saves between are deltas.")
+flags.DEFINE_integer("full_every_saves", 5, "Every N-th save is full; the saves between are "
+                     "deltas.")
+flags.DEFINE_alias("full_every", "full_every_saves")  # Its former name.
 flags.DEFINE_integer("keep_checkpoints", 2, "Full checkpoints (with their deltas) kept.")
 flags.DEFINE_integer("eval_steps", 10, "Evaluator: batches per evaluation.")
 flags.DEFINE_integer("eval_batch_size", 512, "Evaluator: examples per batch.")

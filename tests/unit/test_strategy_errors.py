@@ -88,16 +88,18 @@ def test_worker_resolver_rejected():
         tf_psplugin.HybridParameterServerStrategy(resolver)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"embedding_updates": "eventually"}, "embedding_updates"),
-    ({"dense_placement": "gpu"}, "dense_placement"),
-    ({"sharding": "random"}, "sharding"),
-    ({"sparse_exchange": "gossip"}, "sparse_exchange"),
-])
-def test_bad_options(kwargs, needle):
+@pytest.mark.parametrize("arguments,needle", [
+    (lambda: {"options": tf_psplugin.HybridOptions(embedding_updates="eventually")},
+     "embedding_updates"),
+    (lambda: {"options": tf_psplugin.HybridOptions(dense_placement="gpu")}, "dense_placement"),
+    (lambda: {"placement": tf_psplugin.PlacementPolicy(sharding="random")}, "sharding"),
+    (lambda: {"options": tf_psplugin.HybridOptions(experimental_sparse_exchange="gossip")},
+     "experimental_sparse_exchange"),
+], ids=["embedding_updates", "dense_placement", "sharding", "experimental_sparse_exchange"])
+def test_bad_options(arguments, needle):
     resolver = _resolver({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
     with pytest.raises(ValueError, match=rf"{needle}.*Fix:"):
-        tf_psplugin.HybridParameterServerStrategy(resolver, **kwargs)
+        tf_psplugin.HybridParameterServerStrategy(resolver, **arguments())
 
 
 def test_unreachable_tasks_named_within_timeout():
