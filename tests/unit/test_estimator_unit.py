@@ -118,7 +118,7 @@ def test_run_config_ps_async_fallback_from_tf_config(monkeypatch):
         "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"],
                     "ps": ["localhost:3", "localhost:4"]},
         "task": {"type": "worker", "index": 0}}))
-    config = est.RunConfig(mode=est.MODE_PS_ASYNC, flag_values=_flag_values())
+    config = est.RunConfig(dense_placement="ps", flag_values=_flag_values())
     assert config.placement_mode == "ps_async"
     assert isinstance(config.train_distribute,
                       tf.compat.v1.distribute.experimental.ParameterServerStrategy)

@@ -106,7 +106,8 @@ def test_unreachable_tasks_named_within_timeout():
     worker, ps = _addr(), _addr()
     resolver = _resolver({"chief": [_addr()], "worker": [worker], "ps": [ps]})
     with pytest.raises(tf_psplugin.StrategyError) as info:
-        tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)
+        tf_psplugin.HybridParameterServerStrategy(
+            resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))
     message = str(info.value)
     assert f"worker:0 at {worker}" in message and f"ps:0 at {ps}" in message
     assert "Fix:" in message
@@ -125,7 +126,7 @@ def test_unreachable_tasks_uncaught_exit_with_the_retryable_status(tmp_path):
         "resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(\n"
         "    spec, task_type='chief', task_id=0, rpc_layer='grpc')\n"
         "try:\n"
-        "    tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)\n"
+        "    tf_psplugin.HybridParameterServerStrategy(resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))\n"
         "finally:\n"
         "    print('finally ran', flush=True)\n")
     path = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))

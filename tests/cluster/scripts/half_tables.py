@@ -5,7 +5,7 @@ and 2 PS. Arguments: ``<mode> <table_dtype|none> <model_dir> <out_dir>
 [<target_dir>]``. Modes:
 
 * ``train``: fits a two-table functional model (Keras Adagrad, lr 0.1) for
-  12 steps with ``ChiefCheckpoint(save_every_steps=4, full_every=4)`` (a
+  12 steps with ``ChiefCheckpoint(save_every_steps=4, full_every_saves=4)`` (a
   full checkpoint, then deltas), and compares it with single-process
   training on the global batch that rounds as the PS does (`emulate`) and
   with float32 training. Then the checkpoint chain is loaded into a plain
@@ -13,7 +13,7 @@ and 2 PS. Arguments: ``<mode> <table_dtype|none> <model_dir> <out_dir>
   (`export_from_checkpoint`) and served (`ServingModel`), which follows a
   delta written by 4 more steps. Writes ``report.json`` and ``weights.npz``.
 * ``convert``: a strategy with `table_dtype` restores the latest checkpoint
-  of `model_dir` (`CheckpointManager.restore`, full and deltas), writes the
+  of `model_dir` (`ChiefCheckpointManager.restore`, full and deltas), writes the
   restored weights and slots to ``restored.npz``, trains 4 steps, saves
   into `target_dir` and writes ``weights.npz`` (the trained weights).
 """
@@ -145,7 +145,8 @@ def shard_dtypes(model):
 
 
 def train(table_dtype, model_dir, out_dir):
-    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     ids, y = data(num_workers, STEPS + 4, seed=0)
     with strategy.scope():
@@ -153,7 +154,7 @@ def train(table_dtype, model_dir, out_dir):
         model.compile(tf.keras.optimizers.Adagrad(LR), "mse")
     init = weights(model)
     first = STEPS * num_workers * BATCH
-    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every=4)
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every_saves=4)
     model.fit(tf.data.Dataset.from_tensor_slices((ids[:first], y[:first])).batch(BATCH),
               epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[callback])
     got = weights(model)
@@ -198,14 +199,15 @@ def train(table_dtype, model_dir, out_dir):
 
 
 def convert(table_dtype, model_dir, out_dir, target_dir):
-    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     with strategy.scope():
         model = make_model()
         model.compile(tf.keras.optimizers.Adagrad(LR), "mse")
     # As the job that wrote it (full_every: each table in a stack of its own).
-    manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=model.optimizer,
-                                            full_every=4)
+    manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer,
+                                                 full_every_saves=4)
     info = manager.restore()
     restored = weights(model)
     np.savez(os.path.join(out_dir, "restored.npz"), **restored)
@@ -213,7 +215,7 @@ def convert(table_dtype, model_dir, out_dir, target_dir):
     ids, y = data(num_workers, 4, seed=7)
     model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
               steps_per_epoch=4, verbose=0)
-    tf_psplugin.CheckpointManager(target_dir, model=model, optimizer=model.optimizer).save(
+    tf_psplugin.ChiefCheckpointManager(target_dir, model=model, optimizer=model.optimizer).save(
         info.step + 4, final=True)
     np.savez(os.path.join(out_dir, "weights.npz"), **weights(model))
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
