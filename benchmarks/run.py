@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "adagrad / sgd: Keras's new Adagrad / SGD, lr 0.05")
     p.add_argument("--track_rows", action="store_true",
                    help="hybrid setups track updated table rows for incremental checkpoints "
-                        "(ChiefCheckpointManager(full_every_saves=...)), to measure its step-time cost")
+                        "(ChiefCheckpointManager(full_every_saves=...)), to measure its step-time "
+                        "cost")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1,

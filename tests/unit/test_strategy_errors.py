@@ -126,7 +126,8 @@ def test_unreachable_tasks_uncaught_exit_with_the_retryable_status(tmp_path):
         "resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(\n"
         "    spec, task_type='chief', task_id=0, rpc_layer='grpc')\n"
         "try:\n"
-        "    tf_psplugin.HybridParameterServerStrategy(resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))\n"
+        "    tf_psplugin.HybridParameterServerStrategy(\n"
+        "        resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))\n"
         "finally:\n"
         "    print('finally ran', flush=True)\n")
     path = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))

@@ -4,8 +4,9 @@ Used by tests/cluster/test_conformance.py. Every point here holds in one
 process and under stock ParameterServerStrategy; the strategy is
 ``HybridParameterServerStrategy()`` (its default stacks the tables: issues
 29 and 40, table stacking that Keras cannot tell apart), or with the
-argument ``unstacked`` ``HybridParameterServerStrategy(options=HybridOptions(stack_tables=False))``. Each check prints
-`CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
+argument ``unstacked``
+``HybridParameterServerStrategy(options=HybridOptions(stack_tables=False))``.
+Each check prints `CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
 `DONE`. The tables are small `Embedding` layers of one width (what table
 stacking would put in one variable), in a functional model and in a second
 model built in the same scope, trained with `model.fit`.

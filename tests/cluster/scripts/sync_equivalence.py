@@ -373,8 +373,9 @@ def main():
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(
             embedding_updates=UPDATES, experimental_sparse_exchange=EXCHANGE,
-            experimental_fuse_lookups=FUSED, stack_tables=STACKED),
-            placement=tf_psplugin.PlacementPolicy(sharding=SHARDING))  # Off: the other cases keep two tables.
+            experimental_fuse_lookups=FUSED,
+            stack_tables=STACKED),  # Off: the other cases keep two tables.
+        placement=tf_psplugin.PlacementPolicy(sharding=SHARDING))
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
