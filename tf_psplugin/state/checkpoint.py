@@ -292,21 +292,18 @@ class ChiefCheckpointManager:
             dataset from its start, with no offset. Settable later as the
             `input_iterator` attribute.
         save_every_secs: Deprecated name of `save_every_seconds`.
-        full_every_saves: Incremental checkpoints: every
-            `full_every_saves`-th save is full, the ones between are deltas
-            holding only the table rows (and their slots) updated since the
-            previous save, plus the dense state
+        full_every_saves: Incremental checkpoints: every K-th save is full,
+            the ones between are deltas holding only the table rows (and their
+            slots) updated since the previous save, plus the dense state
             (`tf_psplugin.state.incremental`). The first save of a manager is
             always full. Build the manager before the first training step.
-            None (default) or 1: every save is full.
-        full_every: Deprecated name of `full_every_saves`.
+            None (default) or 1: every save is full. (Formerly `full_every`.)
 
     Raises:
         ModelDirError: if the chief cannot write `model_dir`.
         CheckpointError: `full_every_saves` is given for a model it cannot
             save as deltas (the message says why).
-        ValueError: `full_every` and `full_every_saves` both given, with
-            different values.
+        ValueError: a former name and its new name given different values.
     """
 
     def __init__(self, model_dir: str, model=None, optimizer=None,
@@ -321,9 +318,8 @@ class ChiefCheckpointManager:
         save_every_seconds = _deprecation.renamed(
             type(self).__name__, "save_every_secs", save_every_secs, "save_every_seconds",
             save_every_seconds, None)
-        full_every_saves = _deprecation.renamed(
-            type(self).__name__, "full_every", full_every, "full_every_saves", full_every_saves,
-            None)
+        full_every_saves = _deprecation.renamed(type(self).__name__, "full_every", full_every,
+                                                "full_every_saves", full_every_saves, None)
         for name, value in (("save_every_steps", save_every_steps),
                             ("save_every_seconds", save_every_seconds),
                             ("max_to_keep", max_to_keep), ("full_every_saves", full_every_saves)):
