@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import time_to_auc as tta  # noqa: E402
-from benchmarks.procs import strategy_kwargs, write_result  # noqa: E402
+from benchmarks.procs import strategy_arguments, write_result  # noqa: E402
 
 _INFINITE = 1 << 62  # Batches of an endless stream (SyntheticCTR's own bound).
 
@@ -113,7 +113,7 @@ def build(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            log_placement=False, **strategy_kwargs(job))
+            **strategy_arguments(job, tf_psplugin))
         data = SyntheticCTR(vocab_size=job["vocab_size"], seed=job["seed"]).dataset(b)
         examples_per_step = b * w  # One batch per worker per (global) step.
     with strategy.scope():

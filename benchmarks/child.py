@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import model as model_lib  # noqa: E402
 from benchmarks.procs import (  # noqa: E402
-    SOAK_PROGRESS_PREFIX, cpu_seconds, strategy_kwargs, write_result)
+    SOAK_PROGRESS_PREFIX, cpu_seconds, strategy_arguments, write_result)
 
 
 _KEEP = []  # Objects that must live as long as the process (row tracking).
@@ -173,7 +173,7 @@ def _build_ps_chief(job):
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            log_placement=False, **strategy_kwargs(job))
+            **strategy_arguments(job, tf_psplugin))
         per_step_batch = job["global_batch"] // job["num_workers"]
         examples_per_step = per_step_batch * job["num_workers"]
         pool = job["pool_batches"] * job["num_workers"]  # The coordinator shards by batch.
@@ -183,15 +183,15 @@ def _build_ps_chief(job):
         model_lib.compile_model(model, spec, job["steps_per_execution"])
     if job.get("track_rows") and setup != "stock_pss":
         # Incremental checkpoints' row tracking (one scatter per table shard
-        # per step), as CheckpointManager(full_every=...) installs it; no saves.
+        # per step), as ChiefCheckpointManager(full_every_saves=...) installs it; no saves.
         import tempfile  # pylint: disable=g-import-not-at-top
 
         import tf_psplugin  # pylint: disable=g-import-not-at-top
 
         scratch = tempfile.TemporaryDirectory(prefix="tf_psplugin_track_rows_")  # Removed at exit.
         _KEEP.append(scratch)
-        _KEEP.append(tf_psplugin.CheckpointManager(
-            scratch.name, model=model, optimizer=model.optimizer, full_every=1000))
+        _KEEP.append(tf_psplugin.ChiefCheckpointManager(
+            scratch.name, model=model, optimizer=model.optimizer, full_every_saves=1000))
     # epoch_pass (soak): one pass over the pool per epoch, so Keras makes
     # new per-worker iterators every epoch.
     ds = model_lib.make_dataset(spec, per_step_batch, pool, repeat=not job.get("epoch_pass"))

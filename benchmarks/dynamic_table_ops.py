@@ -145,7 +145,8 @@ def _chief(args) -> int:
     import tf_psplugin  # pylint: disable=g-import-not-at-top
 
     tf_psplugin.start_server()  # The ps/worker tasks serve here.
-    tf_psplugin.HybridParameterServerStrategy(log_placement=False)  # Connects the cluster.
+    tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(log_placement=False))  # Connects the cluster.
     with tempfile.TemporaryDirectory() as tmp:
         for record in measure(args, "/job:ps/replica:0/task:0/device:CPU:0", tmp):
             sys.stdout.write("RECORD " + json.dumps(record) + "\n")

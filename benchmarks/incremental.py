@@ -1,7 +1,7 @@
 """`python -m benchmarks.incremental`: delta vs full saves of a 10M-row table; serving freshness.
 
-Why this module exists: incremental checkpoints (`CheckpointManager(
-full_every=K)`, `tf_psplugin.state.incremental`) are worth having only if a delta
+Why this module exists: incremental checkpoints (`ChiefCheckpointManager(
+full_every_saves=K)`, `tf_psplugin.state.incremental`) are worth having only if a delta
 of the rows a job touched between saves is much smaller and faster than a
 full save, and restores exactly. This measures both on one loopback
 cluster (chief, 1 worker, 2 PS): one table of ``--rows`` x ``--dim``
@@ -12,7 +12,7 @@ small dense layer. ``--stack_tables`` is passed to the strategy (a 10M-row
 table is too large to be stacked either way: ``table_stacked`` says).
 
 For each fraction of rows touched (default 1% and 10%), with
-``full_every=2`` and ``max_to_keep=1``: a full save (timed), one training
+``full_every_saves=2`` and ``max_to_keep=1``: a full save (timed), one training
 step whose gradient touches exactly that fraction of the rows (evenly
 spread ids, so every PS has its share), a delta save (timed), then a second
 model on the same cluster (built for the check and dropped after it, so it
@@ -98,8 +98,8 @@ rows, dim, fractions, model_dir = (int(sys.argv[1]), int(sys.argv[2]), json.load
 serving_script, export_dir, poll_seconds = sys.argv[5], sys.argv[6], float(sys.argv[7])
 optimizer_name, stack_tables, full_every = sys.argv[8], sys.argv[9] == "true", int(sys.argv[10])
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False,
-                                                     stack_tables=stack_tables)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False, stack_tables=stack_tables))
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 
@@ -144,8 +144,8 @@ def optimizer_mismatches(a, b):
 
 
 model, optimizer = build(1)
-manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
-                                        full_every=full_every, max_to_keep=1)
+manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=optimizer,
+                                             full_every_saves=full_every, max_to_keep=1)
 
 
 # Row i of a step is (start + i * STRIDE) % rows: distinct rows (STRIDE is a
@@ -288,7 +288,7 @@ try:
                 os.path.join(model_dir, f[:-len(".index")])).get_variable_to_shape_map().items()
             if name.endswith("/.DELTA/ids") and name[:-len("/.DELTA/ids")] in delta_tables)
         other = build(2)  # Dropped after the check: it never coexists with a full save.
-        restorer = tf_psplugin.CheckpointManager(model_dir, model=other[0], optimizer=other[1])
+        restorer = tf_psplugin.ChiefCheckpointManager(model_dir, model=other[0], optimizer=other[1])
         start = time.perf_counter()
         restored = restorer.restore()
         restore_seconds = time.perf_counter() - start
@@ -369,14 +369,15 @@ from benchmarks.procs import current_rss_mb
 
 saves, model_dir, rows = int(sys.argv[1]), sys.argv[2], 200_000
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 with strategy.scope():
     model = tf.keras.Sequential([tf.keras.layers.Embedding(rows, 16), tf.keras.layers.Dense(1)])
     model.build((None, None))
     optimizer = tf.keras.optimizers.legacy.Adagrad(0.1)
-manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
-                                        full_every=10 ** 9, max_to_keep=1)
+manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=optimizer,
+                                             full_every_saves=10 ** 9, max_to_keep=1)
 
 
 @tf.function

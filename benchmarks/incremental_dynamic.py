@@ -9,7 +9,7 @@ costs, on one loopback cluster (chief, 1 worker, 2 PS).
 
 The layer: ``--capacity`` rows x ``--dim`` float32 (default 1M x 16),
 ``admit_after=2`` (so a sketch of ``2 x 4 x capacity`` int64 counters),
-LRU eviction, Keras legacy Adagrad, under `CheckpointManager(full_every=2)`.
+LRU eviction, Keras legacy Adagrad, under `ChiefCheckpointManager(full_every_saves=2)`.
 The table is filled first (every key seen twice). Then, per fraction of the
 capacity (default 1% and 10%): a full save (timed), one training step whose
 keys are that fraction of the rows: 90% keys the table holds, 10% new keys
@@ -47,7 +47,8 @@ capacity, dim, fractions, model_dir = (int(sys.argv[1]), int(sys.argv[2]),
                                        json.loads(sys.argv[3]), sys.argv[4])
 FEATURES, BATCH = 16, 4096
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 with strategy.scope():
     inp = tf.keras.Input((FEATURES,), dtype=tf.int64)
     x = layers.DynamicEmbedding(dim, capacity=capacity, admit_after=2, eviction="lru",
@@ -55,8 +56,8 @@ with strategy.scope():
     out = tf.keras.layers.Dense(1, name="out")(tf.keras.layers.Flatten()(x))
     model = tf.keras.Model(inp, out)
     model.compile(tf.keras.optimizers.legacy.Adagrad(0.1), "mse")
-manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=model.optimizer,
-                                        full_every=2, max_to_keep=1)
+manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer,
+                                             full_every_saves=2, max_to_keep=1)
 dyn = model.get_layer("dyn")
 
 

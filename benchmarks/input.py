@@ -44,7 +44,8 @@ import tf_psplugin
 import os
 files, policy, batch, go = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 spec = {"ids": tf.io.FixedLenFeature([8], tf.int64), "label": tf.io.FixedLenFeature([], tf.float32),
         "pad": tf.io.FixedLenFeature([], tf.string)}

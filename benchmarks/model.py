@@ -19,7 +19,7 @@ Variants used by the profile (`--variant`):
   one lookup (and one sparse gradient) per step instead of 26.
 * ``multitable``: the 26 tables of the baseline, looked up together with
   `tf_psplugin.tables.lookups.lookup_tables` (one round trip per PS for all
-  of them): what `fuse_lookups=True` does for the baseline model.
+  of them): what `experimental_fuse_lookups=True` does for the baseline model.
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
 

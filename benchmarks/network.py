@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence
 
 from benchmarks import procs
 
-# hybrid_sync_allgather: sync mode with sparse_exchange="allgather" (the
+# hybrid_sync_allgather: sync mode with experimental_sparse_exchange="allgather" (the
 # earlier design), to show what summing the sparse gradients on the PS saves.
 NETWORK_SETUPS = ("stock_pss", "hybrid_sync", "hybrid_sync_allgather", "hybrid_async")
 QUICK_SETUPS = ("stock_pss", "hybrid_sync")

@@ -68,6 +68,33 @@ def strategy_kwargs(job: dict) -> Dict[str, object]:
     return options
 
 
+def strategy_arguments(job: dict, plugin, log_placement: bool = False) -> Dict[str, object]:
+    """`strategy_kwargs` in the spelling of `plugin`, the tf_psplugin the job imports.
+
+    The current plugin takes its knobs as ``options=HybridOptions(...)`` and
+    sharding as ``placement=PlacementPolicy(sharding=...)`` (knobs as
+    keywords are deprecated); a plugin copy from before `HybridOptions`
+    (``run --plugin_path`` at an older commit) takes them as keywords.
+
+    Args:
+        job: The benchmark job.
+        plugin: The imported ``tf_psplugin`` module.
+        log_placement: The strategy's placement log.
+
+    Returns:
+        Keyword arguments of ``plugin.HybridParameterServerStrategy``.
+    """
+    knobs = dict(strategy_kwargs(job), log_placement=log_placement)
+    if not hasattr(plugin, "HybridOptions"):
+        return knobs
+    sharding = knobs.pop("sharding", None)
+    knobs["experimental_sparse_exchange"] = knobs.pop("sparse_exchange")
+    arguments: Dict[str, object] = {"options": plugin.HybridOptions(**knobs)}
+    if sharding is not None:
+        arguments["placement"] = plugin.PlacementPolicy(sharding=sharding)
+    return arguments
+
+
 def log_name(job: dict) -> str:
     """The job's log file name (without ``.log``): its setup, policy and table dtype.
 

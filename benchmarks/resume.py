@@ -47,7 +47,8 @@ from tf_psplugin.state import input_state
 files, batch, positions, scratch = (json.loads(sys.argv[1]), int(sys.argv[2]),
                                     json.loads(sys.argv[3]), sys.argv[4])
 tf_psplugin.start_server()
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
 

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without that slot (benchmarks/model.py's SlotlessSGD)")
     p.add_argument("--track_rows", action="store_true",
                    help="hybrid setups track updated table rows for incremental checkpoints "
-                        "(CheckpointManager(full_every=...)), to measure its step-time cost")
+                        "(ChiefCheckpointManager(full_every_saves=...)), to measure its step-time "
+                        "cost")
     p.add_argument("--num_workers", type=int, default=2)
     p.add_argument("--num_ps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1,

@@ -4,7 +4,7 @@ A CTR model trained continuously on an endless generated stream
 (`tf_psplugin.data.SyntheticCTR`; Keras needs `--steps_per_epoch` for
 endless data, and an "epoch" is just a reporting period). The chief saves
 every `--save_every_steps` with incremental checkpoints: every
-`--full_every`-th save is a full checkpoint, the saves between are deltas
+`--full_every_saves`-th save is a full checkpoint, the saves between are deltas
 holding only the table rows updated since the previous save. Beside
 training:
 
@@ -56,7 +56,9 @@ flags.DEFINE_integer("steps_per_execution", 10, "Steps per tf.function call.")
 flags.DEFINE_float("learning_rate", 0.3, "Adagrad learning rate.")
 flags.DEFINE_integer("seed", 0, "Data and initialisation seed.")
 flags.DEFINE_integer("save_every_steps", 50, "Save every N steps.")
-flags.DEFINE_integer("full_every", 5, "Every N-th save is full; the saves between are deltas.")
+flags.DEFINE_integer("full_every_saves", 5, "Every N-th save is full; the saves between are "
+                     "deltas.")
+flags.DEFINE_alias("full_every", "full_every_saves")  # Its former name.
 flags.DEFINE_integer("keep_checkpoints", 2, "Full checkpoints (with their deltas) kept.")
 flags.DEFINE_integer("eval_steps", 10, "Evaluator: batches per evaluation.")
 flags.DEFINE_integer("eval_batch_size", 512, "Evaluator: examples per batch.")
@@ -154,13 +156,14 @@ def train(config):
         model = compile_model(build_model())
     # tf_psplugin: chief-only checkpoints; every full_every-th save full, deltas between.
     checkpoints = tf_psplugin.ChiefCheckpoint(
-        FLAGS.model_dir, save_every_steps=FLAGS.save_every_steps, full_every=FLAGS.full_every,
+        FLAGS.model_dir, save_every_steps=FLAGS.save_every_steps,
+        full_every_saves=FLAGS.full_every_saves,
         max_to_keep=FLAGS.keep_checkpoints, final_step=final_step())
     serving = start_serving_process() if FLAGS.serve else None
     print(f"online_ctr: {FLAGS.epochs} x {FLAGS.steps_per_epoch} steps of an endless stream on "
           f"{config.num_workers} worker(s) x {FLAGS.batch_size} examples, {config.num_ps} PS "
           f"task(s); a save every {FLAGS.save_every_steps} steps, one in "
-          f"{FLAGS.full_every} full", flush=True)
+          f"{FLAGS.full_every_saves} full", flush=True)
     try:
         # An endless dataset: Keras needs steps_per_epoch.
         model.fit(generator().dataset(FLAGS.batch_size), epochs=FLAGS.epochs,

@@ -98,7 +98,8 @@ def features():  # Not at import: the strategy must come before any TF op.
 TRAIN = COMMON + """
 config = tf_psplugin.start_server()
 model_dir, out = sys.argv[1], sys.argv[2]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 gen = SyntheticCTR(vocab_size=V, seed=5)
 report = {{}}
 
@@ -113,7 +114,7 @@ report["done_after_3"] = os.path.exists(os.path.join(model_dir, "TRAINING_DONE")
 # m2 is a fresh model: the callback restores ckpt-3 at train begin; the
 # input resumes at the recorded position.
 m2 = new_model(strategy)
-latest = ckpt_lib.latest_checkpoint(model_dir)
+latest = ckpt_lib.latest_checkpoint_info(model_dir)
 report["resume_from"] = [latest.step, latest.input_position]
 
 
@@ -155,11 +156,12 @@ print("RESULT ok")
 RESTORE = COMMON + """
 config = tf_psplugin.start_server()
 out = sys.argv[1]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 report = {{}}
 for name, model_dir in zip(sys.argv[2::2], sys.argv[3::2]):
     model = new_model(strategy)
-    manager = ckpt_lib.CheckpointManager(model_dir, model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer)
     info = manager.restore_or_initialize()
     np.savez(os.path.join(out, name + ".npz"), **state(model))
     report[name] = {{"step": info.step, "path": info.path, "shards": table_shards(model),
@@ -188,7 +190,8 @@ print("RESULT", json.dumps({{"step": info.step, "devices": sorted({{v.device for
 STOCK = COMMON + """
 config = tf_psplugin.start_server()
 work = sys.argv[1]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 gen = SyntheticCTR(vocab_size=V, seed=5)
 wpath, backup = os.path.join(work, "weights", "w"), os.path.join(work, "backup")
 report, snap = {{}}, {{}}
@@ -248,13 +251,13 @@ report["load_weights_no_helper_weights_exact"] = all(
     for i, w in enumerate(logical_trainables(m4)))
 
 # write_on_chief: the chief writes every file; restore is exact too.
-manager = ckpt_lib.CheckpointManager(os.path.join(work, "on_chief"), model=m3,
-                                     optimizer=m3.optimizer, write_on_chief=True)
+manager = ckpt_lib.ChiefCheckpointManager(os.path.join(work, "on_chief"), model=m3,
+                                          optimizer=m3.optimizer, write_on_chief=True)
 info = manager.save(int(m3.optimizer.iterations.numpy()), final=True)
 expected = state(m3)
 m5 = new_model(strategy)
-ckpt_lib.CheckpointManager(info.path.rsplit("/", 1)[0], model=m5, optimizer=m5.optimizer,
-                           write_on_chief=True).restore()
+ckpt_lib.ChiefCheckpointManager(info.path.rsplit("/", 1)[0], model=m5, optimizer=m5.optimizer,
+                                write_on_chief=True).restore()
 report["write_on_chief_files"] = sorted(info.files)
 report["write_on_chief_exact"] = all(np.array_equal(v, expected[k])
                                      for k, v in state(m5).items())

@@ -53,7 +53,7 @@ def metrics(model_dir):
 def test_ctr_demo_trains_checkpoints_evaluates_and_exports(procs, tmp_path):
     model_dir, export_dir = tmp_path / "model", tmp_path / "export"
     out = launch(procs, model_dir, 20, extra=["--export_dir", str(export_dir)])
-    latest = ckpt_lib.latest_checkpoint(model_dir)
+    latest = ckpt_lib.latest_checkpoint_info(model_dir)
     assert latest.step == 20 and latest.input_position == 40  # 20 steps x 2 workers.
     with open(model_dir / "TRAINING_DONE") as f:
         assert json.load(f)["step"] == 20
@@ -107,7 +107,7 @@ def test_ctr_demo_resumes_from_its_model_dir(procs, tmp_path):
     assert "[chief] ctr: training steps 10..20" in out
     # The input continues where each worker's stood (no re-read, no skip).
     assert f"each worker's input continues where it stood at {model_dir}/ckpt-10" in out
-    assert ckpt_lib.latest_checkpoint(model_dir).step == 20
+    assert ckpt_lib.latest_checkpoint_info(model_dir).step == 20
     with open(model_dir / "TRAINING_DONE") as f:
         assert json.load(f)["step"] == 20
     # The second run's evaluator did not take run 1's TRAINING_DONE for its own.

@@ -162,7 +162,7 @@ def test_online_ctr_with_deltas_evaluator_and_serving(procs, tmp_path):
     cmd = [cu.PYTHON, "-m", "tf_psplugin.launch", "--workers", "2", "--ps", "1", "--evaluator",
            "--timeout", "130", "--", cu.PYTHON, os.path.join(EXAMPLES, "online_ctr.py"),
            "--model_dir", str(model_dir), "--epochs", "3", "--steps_per_epoch", "10",
-           "--save_every_steps", "5", "--full_every", "3", "--steps_per_execution", "5",
+           "--save_every_steps", "5", "--full_every_saves", "3", "--steps_per_execution", "5",
            "--batch_size", "64", "--vocab_size", "1000", "--serve",
            "--serving_poll_seconds", "0.3", "--serving_timeout_seconds", "100",
            "--wait_for_evaluator_seconds", "100", "--eval_steps", "2",

@@ -154,7 +154,7 @@ _SMALL_JOB = '''
     from tf_psplugin.fault import failover
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        collective_timeout_seconds=10,
+        options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
         failover=failover.FailoverPolicy(recovery_timeout_seconds=5, task_restarts={restarts}))
     ids = np.zeros((64, 2), "int64"); y = np.zeros((64, 1), "float32")
     ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
@@ -180,7 +180,8 @@ _UNCAUGHT_JOB = '''
     from tf_psplugin.fault import failover
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        collective_timeout_seconds=10, failover=failover.FailoverPolicy(task_restarts=True))
+        options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
+        failover=failover.FailoverPolicy(task_restarts=True))
     ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
     with strategy.scope():
         m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
@@ -210,7 +211,7 @@ _ELASTIC_JOB = '''
         attempt = os.environ["TF_PSPLUGIN_CHIEF_RESTARTS"]
         say("ATTEMPT", attempt, os.getpid(), threading.active_count())
         strategy = tf_psplugin.HybridParameterServerStrategy(
-            collective_timeout_seconds=10,
+            options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
             failover=failover.FailoverPolicy(task_restarts={restarts}))
         ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
         with strategy.scope():

@@ -3,7 +3,7 @@
 A chief + 2 workers + 2 PS (and, in other runs, 1 PS: the table is then
 one variable; 2 PS with contiguous sharding: TF's row-range layout) train
 keras_examples/ctr.py's tiny model with
-`ChiefCheckpoint(full_every=3, save_every_steps=2)`: ckpt-2 (full), then
+`ChiefCheckpoint(full_every_saves=3, save_every_steps=2)`: ckpt-2 (full), then
 delta-4 and delta-6. The same model is then saved in full at step 6 into
 another directory (the reference). The test checks that
 
@@ -29,14 +29,17 @@ pytestmark = pytest.mark.cluster
 TRAIN = COMMON + """
 config = tf_psplugin.start_server()
 incr_dir, full_dir, out, sharding = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False, sharding=sharding)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False),
+    placement=tf_psplugin.PlacementPolicy(sharding=sharding))
 gen = SyntheticCTR(vocab_size=V, seed=5)
 report = {{}}
 model = new_model(strategy)
-callback = tf_psplugin.ChiefCheckpoint(incr_dir, save_every_steps=2, full_every=3, final_step=6)
+callback = tf_psplugin.ChiefCheckpoint(incr_dir, save_every_steps=2, full_every_saves=3,
+                                       final_step=6)
 model.fit(gen.dataset(B), epochs=1, steps_per_epoch=6, verbose=0, callbacks=[callback])
 np.savez(os.path.join(out, "live6.npz"), **state(model))
-full = ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer)
+full = ckpt_lib.ChiefCheckpointManager(full_dir, model=model, optimizer=model.optimizer)
 full.save(6)
 report["listing"] = sorted(os.listdir(incr_dir))
 markers = {{}}
@@ -61,8 +64,8 @@ import shutil
 copy_dir = incr_dir + "_copy"
 shutil.copytree(incr_dir, copy_dir)
 restored = new_model(strategy)
-manager = ckpt_lib.CheckpointManager(copy_dir, model=restored, optimizer=restored.optimizer,
-                                     full_every=3, max_to_keep=1)
+manager = ckpt_lib.ChiefCheckpointManager(copy_dir, model=restored, optimizer=restored.optimizer,
+                                          full_every_saves=3, max_to_keep=1)
 info = manager.restore_or_initialize()
 report["restored"] = [info.path.rsplit("/", 1)[-1], info.step, info.kind]
 np.savez(os.path.join(out, "restored.npz"), **state(restored))
@@ -84,12 +87,12 @@ def refusal(make):
     return None
 
 
-report["second_manager"] = refusal(lambda: ckpt_lib.CheckpointManager(
-    copy_dir + "_2", model=restored, optimizer=restored.optimizer, full_every=3))
+report["second_manager"] = refusal(lambda: ckpt_lib.ChiefCheckpointManager(
+    copy_dir + "_2", model=restored, optimizer=restored.optimizer, full_every_saves=3))
 late = new_model(strategy)
 late.fit(gen.dataset(B), epochs=1, steps_per_epoch=1, verbose=0)
-report["after_a_step"] = refusal(lambda: ckpt_lib.CheckpointManager(
-    copy_dir + "_3", model=late, optimizer=late.optimizer, full_every=3))
+report["after_a_step"] = refusal(lambda: ckpt_lib.ChiefCheckpointManager(
+    copy_dir + "_3", model=late, optimizer=late.optimizer, full_every_saves=3))
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)
 print("RESULT ok")

@@ -4,7 +4,7 @@ A chief + 2 workers + 2 PS train a model whose only table is a
 `DynamicEmbedding` (capacity 16: 8 rows per PS, admission after 2
 sightings, LRU eviction, expiry after 2 steps) on a key pool that drifts
 every 2 steps, so keys are admitted, evicted and expired between every two
-saves. `CheckpointManager(full_every=4)` saves at steps 2 (full), 4, 6 and
+saves. `ChiefCheckpointManager(full_every_saves=4)` saves at steps 2 (full), 4, 6 and
 8 (deltas); the live model is then saved in full at step 8 into another
 directory (the reference). The test checks that
 
@@ -19,7 +19,7 @@ holds for the layer (rows, Adagrad slots, last use, hits, admission sketch,
 clock), its key -> row pairs, the dense weights and slots, and the
 optimizer step; and that the restored maps are consistent.
 
-A second test trains the same model with `ChiefCheckpoint(full_every=3)`
+A second test trains the same model with `ChiefCheckpoint(full_every_saves=3)`
 while a `ServingModel` in a separate process (no cluster) follows the
 model directory: after every save (full, delta, delta, full, delta) the
 served predictions for raw keys (mapped, newly admitted, evicted or
@@ -102,11 +102,12 @@ def state(model):
 TRAIN = COMMON + """
 config = tf_psplugin.start_server()
 incr_dir, full_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 with strategy.scope():
     model = make_model()
-manager = ckpt_lib.CheckpointManager(incr_dir, model=model, optimizer=model.optimizer,
-                                     full_every=ROUNDS)
+manager = ckpt_lib.ChiefCheckpointManager(incr_dir, model=model, optimizer=model.optimizer,
+                                          full_every_saves=ROUNDS)
 report = {"kinds": [], "stats": []}
 for k in range(ROUNDS):
     model.fit(round_data(k), epochs=1, steps_per_epoch=STEPS_PER_ROUND, verbose=0)
@@ -117,7 +118,7 @@ for k in range(ROUNDS):
                             for name in ("admitted", "evicted", "expired")})
 np.savez(os.path.join(out, "live.npz"), **state(model))
 report["live_problems"] = model.get_layer("dyn").check_consistency()
-ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(
+ckpt_lib.ChiefCheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(
     ROUNDS * STEPS_PER_ROUND)
 
 # What the deltas hold: freed rows (held False) and sketch counters.
@@ -141,8 +142,8 @@ for name in sorted(os.listdir(incr_dir)):
 # A fresh model on the same cluster restores the chain.
 with strategy.scope():
     restored = make_model()
-again = ckpt_lib.CheckpointManager(incr_dir, model=restored, optimizer=restored.optimizer,
-                                   full_every=ROUNDS)
+again = ckpt_lib.ChiefCheckpointManager(incr_dir, model=restored, optimizer=restored.optimizer,
+                                        full_every_saves=ROUNDS)
 info = again.restore()
 report["restored"] = [info.name, info.kind]
 np.savez(os.path.join(out, "restored.npz"), **state(restored))
@@ -155,11 +156,12 @@ print("RESULT ok")
 RESTORE = COMMON + """
 config = tf_psplugin.start_server()
 incr_dir, out = sys.argv[1], sys.argv[2]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 with strategy.scope():
     model = make_model()
-manager = ckpt_lib.CheckpointManager(incr_dir, model=model, optimizer=model.optimizer,
-                                     full_every=ROUNDS)
+manager = ckpt_lib.ChiefCheckpointManager(incr_dir, model=model, optimizer=model.optimizer,
+                                          full_every_saves=ROUNDS)
 info = manager.restore()
 dyn = model.get_layer("dyn")
 np.savez(os.path.join(out, "restored3.npz"), **state(model))
@@ -275,10 +277,12 @@ def wait_for(path, seconds):
 SERVE_TRAIN = SERVE_COMMON + """
 config = tf_psplugin.start_server()
 model_dir, out = sys.argv[1], sys.argv[2]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 with strategy.scope():
     model = make_model()
-callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=STEPS_PER_ROUND, full_every=3)
+callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=STEPS_PER_ROUND,
+                                       full_every_saves=3)
 report = {"kinds": [], "stats": []}
 for k in range(SERVE_ROUNDS):
     model.fit(round_data(k), epochs=1, steps_per_epoch=STEPS_PER_ROUND, verbose=0,

@@ -2,7 +2,7 @@
 
 A chief + 2 workers + 2 PS train a model of three same-width tables, which
 ``stack_tables=True`` (the default) stores in ONE stack, with
-`ChiefCheckpoint(save_every_steps=5, full_every=100)`: ckpt-5 (full), then,
+`ChiefCheckpoint(save_every_steps=5, full_every_saves=100)`: ckpt-5 (full), then,
 after a write outside the optimizer to one table of the stack (a reset of
 table ``b``, a `scatter_update` of two rows of table ``c``), delta-10 and
 delta-15. The tables must stay in one stack (full_every no longer gives each
@@ -102,7 +102,8 @@ def logical(model, with_slots):
 TRAIN = MODEL + """
 config = tf_psplugin.start_server()
 root, out, optimizer_src, legacy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 report = {{}}
 
 
@@ -148,8 +149,8 @@ def diff(a, b):
 
 def restored(model_dir):
     model = make()
-    info = ckpt_lib.CheckpointManager(model_dir, model=model,
-                                      optimizer=model.optimizer).restore()
+    info = ckpt_lib.ChiefCheckpointManager(model_dir, model=model,
+                                           optimizer=model.optimizer).restore()
     return model, info
 
 
@@ -193,7 +194,7 @@ def delta_slot_ids_match(model_dir, name):
 
 model_dir = os.path.join(root, "incr")
 model = make()
-callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
+callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every_saves=100)
 fit = lambda steps, offset: model.fit(dataset(offset), epochs=1, steps_per_epoch=steps,
                                       verbose=0, callbacks=[callback])
 fit(5, 0)  # ckpt-5 (full)
@@ -239,7 +240,7 @@ report["slots"] = {{  # Per table: its slots, per-shard slots (Keras's new optim
 live_values = snapshot(model)
 np.savez(os.path.join(out, "live.npz"), **logical(model, True))
 full_dir = os.path.join(root, "full")
-ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(15)
+ckpt_lib.ChiefCheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(15)
 chain_model, info = restored(model_dir)
 full_model, _ = restored(full_dir)
 report["restored"] = [info.name, info.step]
@@ -250,8 +251,8 @@ report["chain_vs_live"] = diff(snapshot(chain_model), live_values)
 # A model built after the manager whose tables join the tracked stack: the
 # stamps no longer cover the stack's rows, so the save refuses (not a wrong delta).
 fresh = make()
-late = ckpt_lib.CheckpointManager(os.path.join(root, "late"), model=fresh,
-                                  optimizer=fresh.optimizer, full_every=3)
+late = ckpt_lib.ChiefCheckpointManager(os.path.join(root, "late"), model=fresh,
+                                       optimizer=fresh.optimizer, full_every_saves=3)
 joined = make()
 report["joined_same_stack"] = any(t.stack is tables(fresh)["a"].stack
                                   for t in tables(joined).values())
@@ -268,13 +269,14 @@ print("RESULT ok")
 UNSTACKED = MODEL + """
 config = tf_psplugin.start_server()
 root, out, optimizer_src = sys.argv[1], sys.argv[2], sys.argv[3]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False, stack_tables=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False, stack_tables=False))
 result = {{}}
 for name in ("incr", "full"):
     with strategy.scope():
         model = stacked_model(optimizer_src)
-    info = ckpt_lib.CheckpointManager(os.path.join(root, name), model=model,
-                                      optimizer=model.optimizer).restore()
+    info = ckpt_lib.ChiefCheckpointManager(os.path.join(root, name), model=model,
+                                           optimizer=model.optimizer).restore()
     result[name] = [info.name, any(isinstance(t, stacking.StackedTable)
                                    for t in tables(model).values())]
     np.savez(os.path.join(out, f"unstacked_{{name}}.npz"), **logical(model, True))

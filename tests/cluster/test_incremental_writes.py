@@ -1,7 +1,7 @@
 """Incremental checkpoints lose no write and survive a crash at any file (issue 41).
 
 A chief + 2 workers + 2 PS train keras_examples/ctr.py's tiny model with
-`ChiefCheckpoint(save_every_steps=5, full_every=100)` (a full save at step 5,
+`ChiefCheckpoint(save_every_steps=5, full_every_saves=100)` (a full save at step 5,
 deltas after), with each optimizer incremental checkpoints accept, and write
 the tables outside the optimizer between saves:
 
@@ -11,7 +11,7 @@ the tables outside the optimizer between saves:
   weights of epoch 1 back after delta-10, so the train-end save writes step
   10 again, in full (ckpt-10: a delta of the same step would not follow its
   parent), then 5 more steps (delta-15 on ckpt-10);
-* ``mid_chain``: `CheckpointManager.restore` of delta-10 after delta-15
+* ``mid_chain``: `ChiefCheckpointManager.restore` of delta-10 after delta-15
   was written, then 10 more steps (a full ckpt-15, delta-20).
 
 Each chain, restored into a fresh model on the cluster, must equal bit for
@@ -46,7 +46,8 @@ import shutil
 from tf_psplugin.state import model_dir as model_dir_lib
 config = tf_psplugin.start_server()
 root, out, optimizer_src, scenarios = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+strategy = tf_psplugin.HybridParameterServerStrategy(
+    options=tf_psplugin.HybridOptions(log_placement=False))
 gen = SyntheticCTR(vocab_size=V, seed=5)
 report = {{}}
 
@@ -79,7 +80,7 @@ def diff(a, b):
 
 def restored(model_dir, checkpoint=None):
     model = make()
-    manager = ckpt_lib.CheckpointManager(model_dir, model=model, optimizer=model.optimizer)
+    manager = ckpt_lib.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer)
     info = manager.restore(checkpoint)
     return model, info
 
@@ -92,7 +93,7 @@ def fit(model, steps, offset, callbacks=(), epochs=1):
 def check(name, model, model_dir, step):
     live = snapshot(model)
     full_dir = model_dir + "_full"
-    ckpt_lib.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(step)
+    ckpt_lib.ChiefCheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(step)
     chain_model, info = restored(model_dir)
     full_model, _ = restored(full_dir)
     chain, full = snapshot(chain_model), snapshot(full_model)
@@ -104,7 +105,7 @@ def check(name, model, model_dir, step):
 for scenario in scenarios:
     model_dir = os.path.join(root, scenario)
     model = make()
-    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every=100)
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=5, full_every_saves=100)
     if scenario == "reset":
         fit(model, 5, 0, [callback])  # ckpt-5 (full)
         table = model.get_layer("embedding").embeddings

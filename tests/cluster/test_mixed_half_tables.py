@@ -3,7 +3,7 @@
 ``mixed_bfloat16`` with bfloat16 tables and ``mixed_float16`` with float16
 tables (tests/cluster/scripts/half_tables.py, ``<dtype>+<policy>``): 2
 workers, 2 PS, a two-table model trained by `fit` with
-``ChiefCheckpoint(save_every_steps=4, full_every=4)`` for 12 steps, then
+``ChiefCheckpoint(save_every_steps=4, full_every_saves=4)`` for 12 steps, then
 
 (a) compared with one process under the same policy on the global batch,
     its tables rounded to the same dtype as the PS rounds them;

@@ -34,7 +34,7 @@ PORT = 2222  # every host has its own port space
 
 
 def _variables(model_dir):
-    path = ckpt_lib.latest_checkpoint(model_dir).path
+    path = ckpt_lib.latest_checkpoint_info(model_dir).path
     reader = tf.train.load_checkpoint(path)
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
             if "save_counter" not in name and "_CHECKPOINTABLE_OBJECT_GRAPH" not in name}

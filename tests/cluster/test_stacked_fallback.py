@@ -83,8 +83,8 @@ def test_case_ends_like_unstacked(results, case):
         # the second fit's first trace, naming the fix, as documented.
         assert sorted(stacked) == ["refused"], sorted(stacked)
         refused = [line for line in results["stacked_log"].splitlines() if "REFUSED" in line]
-        assert refused and "Fix: HybridParameterServerStrategy(stack_tables=False)" in \
-            refused[0] and "cannot be split" in refused[0], refused
+        fix = "Fix: HybridParameterServerStrategy(options=HybridOptions(stack_tables=False))"
+        assert refused and fix in refused[0] and "cannot be split" in refused[0], refused
         return
     assert sorted(stacked) == sorted(unstacked)
     for name, value in unstacked.items():

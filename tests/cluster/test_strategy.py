@@ -40,7 +40,7 @@ def run_chief_script(cluster_factory, tmp_path, script, args, num_workers=2, num
         ("adagrad", "interleaved", 1, "plain", 2, "ps"),
         ("adagrad", "contiguous", 1, "plain", 2, "ps"),
         ("adagrad", "interleaved", 5, "plain", 2, "ps"),
-        # Both tables looked up together (fuse_lookups=True), in a loop of 5.
+        # Both tables looked up together (experimental_fuse_lookups=True), in a loop of 5.
         ("adagrad", "interleaved", 5, "fused", 2, "ps"),
         # Both tables stored as one stack (stack_tables=True) and looked up
         # together: one gather and one Adagrad apply per PS and step.
@@ -101,7 +101,7 @@ def test_sync_matches_single_process_on_global_batch(shared_cluster, tmp_path, o
     assert report["replicas_identical"], "dense replicas diverged across workers"
     if mixed == "mixed_float16":
         check_loss_scaling(report)
-    # With fuse_lookups=True the two tables are looked up together
+    # With experimental_fuse_lookups=True the two tables are looked up together
     # (tables/fusion.py), so the comparison below covers fused lookups.
     if parts & {"fused", "stacked"}:
         assert report["fused_lookup_gathers"] > 0, report["fused_lookup_gathers"]

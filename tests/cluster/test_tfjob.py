@@ -136,7 +136,7 @@ def test_the_manifest_job_runs_to_the_end_on_emulated_hosts(procs, tmp_path):
     assert sorted(stopped) == ["ps-0", "ps-1", "worker-0", "worker-1"], stopped
     assert set(stopped.values()) == {0}, {h: text[h][-2000:] for h in stopped}
 
-    latest = ckpt_lib.latest_checkpoint(model_dir)
+    latest = ckpt_lib.latest_checkpoint_info(model_dir)
     assert latest is not None and latest.step == STEPS
     # One data file per task holding variables: the chief's and each PS task's
     # table shards, which the PS tasks wrote into the shared directory.

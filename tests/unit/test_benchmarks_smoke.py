@@ -159,6 +159,23 @@ def test_strategy_kwargs_leave_the_default_table_dtype_out():
     assert procs.strategy_options(job)["dense_bucket_bytes"] is None
     assert "dense_bucket_bytes" not in procs.strategy_kwargs(job)
     assert procs.strategy_kwargs(dict(job, dense_bucket_bytes=0))["dense_bucket_bytes"] == 0
+    # The current plugin gets them as HybridOptions and a PlacementPolicy (no knob as a
+    # keyword: deprecated); a plugin copy without HybridOptions as keywords.
+    import types
+
+    import tf_psplugin
+
+    arguments = procs.strategy_arguments(
+        dict(job, sharding="contiguous", sparse_exchange="allgather"), tf_psplugin)
+    assert set(arguments) == {"options", "placement"}
+    assert arguments["options"] == tf_psplugin.HybridOptions(
+        stack_tables=True, experimental_sparse_exchange="allgather", log_placement=False)
+    assert arguments["placement"].sharding == "contiguous"
+    assert procs.strategy_arguments(job, tf_psplugin) == {
+        "options": tf_psplugin.HybridOptions(log_placement=False)}
+    old_plugin = types.SimpleNamespace(HybridParameterServerStrategy=None)
+    assert procs.strategy_arguments(job, old_plugin) == dict(
+        procs.strategy_kwargs(job), log_placement=False)
     # One log per variant of a run (not one per setup, overwritten by the next variant).
     assert procs.log_name(job) == "hybrid_sync"
     assert procs.log_name(dict(job, mixed_precision="mixed_float16", table_dtype="bfloat16")) \

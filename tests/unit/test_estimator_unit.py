@@ -118,7 +118,7 @@ def test_run_config_ps_async_fallback_from_tf_config(monkeypatch):
         "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"],
                     "ps": ["localhost:3", "localhost:4"]},
         "task": {"type": "worker", "index": 0}}))
-    config = est.RunConfig(mode=est.MODE_PS_ASYNC, flag_values=_flag_values())
+    config = est.RunConfig(dense_placement="ps", flag_values=_flag_values())
     assert config.placement_mode == "ps_async"
     assert isinstance(config.train_distribute,
                       tf.compat.v1.distribute.experimental.ParameterServerStrategy)
@@ -147,9 +147,14 @@ def test_run_config_takes_the_strategys_names_and_the_old_ones_with_a_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # The new names warn about nothing.
         config = est.RunConfig(flag_values=_flag_values(), placement=policy, **new)
-    with pytest.warns(DeprecationWarning, match=r"RunConfig\(mode=...\) is deprecated: use "
-                      r"dense_placement=..."):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         old_config = est.RunConfig(flag_values=_flag_values(), placement_policy=policy, **old)
+    messages = {str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)}
+    renames = {"mode": "dense_placement", "table_update": "embedding_updates",
+               "placement_policy": "placement"}
+    assert messages == {f"tf_psplugin.estimator.RunConfig({name}=...) is deprecated: use "
+                        f"{renames[name]}=..." for name in [*old, "placement_policy"]}
     for c in (config, old_config):
         assert {name: getattr(c, name) for name in properties} == properties
         assert c.placement is policy and c.placement_policy is policy
@@ -179,10 +184,15 @@ def test_run_config_names_the_keyword_in_errors(monkeypatch, kwargs, match):
     ({"train_distribute": "anything"}, "train_distribute"),
 ])
 def test_run_config_rejects_conflicting_arguments(monkeypatch, kwargs, match):
+    import contextlib
+
     import tf_psplugin.estimator as est
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ValueError, match=match):
+    former = {"mode", "table_update"} & set(kwargs)  # Former names: they warn, then refuse.
+    with pytest.raises(ValueError, match=match), (
+            pytest.warns(DeprecationWarning, match="is deprecated") if former
+            else contextlib.nullcontext()):
         est.RunConfig(flag_values=_flag_values(), **kwargs)
 
 

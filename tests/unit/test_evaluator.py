@@ -136,8 +136,10 @@ def test_newest_only_by_default_and_every_one_on_request(tmp_path):
 
 def test_former_secs_names_still_work_with_a_warning_and_clash_with_the_new_ones(tmp_path):
     fake = FakeTime()
+    # Two former names, two warnings (pytest.warns re-raises a warning it does not match).
     with pytest.warns(DeprecationWarning, match=r"run_evaluator\(idle_timeout_secs=...\) is "
-                      r"deprecated: use idle_timeout_seconds=..."):
+                      r"deprecated: use idle_timeout_seconds=..."), \
+            pytest.warns(DeprecationWarning, match=r"run_evaluator\(poll_interval_secs=...\)"):
         assert ev.run_evaluator(lambda: build(), dataset, str(tmp_path / "nothing"),
                                 clock=fake.clock, sleep=fake.sleep, poll_interval_secs=1.0,
                                 idle_timeout_secs=4.0) == []

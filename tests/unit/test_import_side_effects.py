@@ -116,7 +116,8 @@ def test_building_a_strategy_installs_the_exit_hook_and_the_keras_hooks():
                    for job, i in (("ps", 0), ("worker", 0), ("worker", 1))]
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             cluster, task_type="chief", task_id=0, rpc_layer="grpc")
-        tf_psplugin.HybridParameterServerStrategy(resolver, log_placement=False)
+        tf_psplugin.HybridParameterServerStrategy(
+            resolver, options=tf_psplugin.HybridOptions(log_placement=False))
         after = state()
     """))
     result = _run(code)

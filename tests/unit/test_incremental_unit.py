@@ -323,13 +323,13 @@ def test_full_every_needs_the_hybrid_strategy(tmp_path):
     model = tiny_model()
     with pytest.raises(ckpt_lib.CheckpointError, match="HybridParameterServerStrategy"):
         ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
-                                   full_every=3)
+                                   full_every_saves=3)
     with pytest.raises(ValueError, match="full_every"):
         ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model, optimizer=model.optimizer,
-                                   full_every=0)
-    # full_every=1 (or None): every save is full, no tracking needed.
+                                   full_every_saves=0)
+    # full_every_saves=1 (or None): every save is full, no tracking needed.
     manager = ckpt_lib.ChiefCheckpointManager(str(tmp_path), model=model,
-                                         optimizer=model.optimizer, full_every=1)
+                                         optimizer=model.optimizer, full_every_saves=1)
     assert manager.save(1).kind == "full"
 
 

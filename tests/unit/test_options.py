@@ -9,6 +9,7 @@ combinations name the fields and the fix. The constructor cases stop at the
 connection (closed ports, short timeout), as in test_stock_constructor.py.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -35,9 +36,14 @@ _resolver = chief_worker_ps_resolver
     ("dense_bucket_bytes", True, tf_psplugin.StrategyError),
 ])
 def test_an_unsupported_knob_is_refused_when_the_options_are_made(knob, value, error):
-    with pytest.raises(error, match=rf"{knob}.*Fix:"):
+    # HybridOptions(sharding=) is deprecated (PlacementPolicy's): it warns, then refuses.
+    def deprecated():
+        return (pytest.warns(DeprecationWarning, match="sharding has one home")
+                if knob == "sharding" else contextlib.nullcontext())
+
+    with pytest.raises(error, match=rf"{knob}.*Fix:"), deprecated():
         tf_psplugin.HybridOptions(**{knob: value})
-    with pytest.raises(error, match=rf"{knob}.*Fix:"):
+    with pytest.raises(error, match=rf"{knob}.*Fix:"), deprecated():
         tf_psplugin.HybridOptions().replace(**{knob: value})
 
 
@@ -67,14 +73,16 @@ def test_knobs_alone_change_the_defaults():
 
 def test_a_knob_given_twice_with_the_same_value_is_accepted():
     options = tf_psplugin.HybridOptions(stack_tables=False)
-    assert options_lib.resolve(options, {"stack_tables": False}) is options
+    with pytest.warns(DeprecationWarning, match="tuning knobs as keywords"):
+        assert options_lib.resolve(options, {"stack_tables": False}) is options
 
 
 def test_a_knob_given_twice_with_different_values_names_both():
     options = tf_psplugin.HybridOptions(stack_tables=False)
-    with pytest.raises(tf_psplugin.StrategyError,
-                       match=r"options=HybridOptions\(stack_tables=False\), stack_tables=True\)"
-                             r".*given twice.*Fix:"):
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            tf_psplugin.StrategyError,
+            match=r"options=HybridOptions\(stack_tables=False\), stack_tables=True\)"
+                  r".*given twice.*Fix:"):
         options_lib.resolve(options, {"stack_tables": True})
 
 
@@ -101,7 +109,8 @@ def test_the_strategy_takes_its_knobs_from_options():
 
 def test_the_strategy_refuses_conflicting_knobs_before_connecting():
     start = time.monotonic()
-    with pytest.raises(tf_psplugin.StrategyError, match=r"connect_timeout_seconds is given twice"):
+    with pytest.warns(DeprecationWarning, match="tuning knobs as keywords"), pytest.raises(
+            tf_psplugin.StrategyError, match=r"connect_timeout_seconds is given twice"):
         tf_psplugin.HybridParameterServerStrategy(
             _resolver(), options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5),
             connect_timeout_seconds=300.0)

@@ -46,10 +46,12 @@ def test_v1_parameters_are_accepted():
 
 @pytest.mark.parametrize("call", [
     lambda r, p: tf_psplugin.HybridParameterServerStrategy(
-        r, variable_partitioner=p, connect_timeout_seconds=0.5),
-    lambda r, p: tf_psplugin.HybridParameterServerStrategy(r, p, connect_timeout_seconds=0.5),
+        r, variable_partitioner=p, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5)),
     lambda r, p: tf_psplugin.HybridParameterServerStrategy(
-        cluster_resolver=r, variable_partitioner=p, connect_timeout_seconds=0.5),
+        r, p, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5)),
+    lambda r, p: tf_psplugin.HybridParameterServerStrategy(
+        cluster_resolver=r, variable_partitioner=p,
+        options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5)),
 ])
 def test_stock_call_forms_get_to_the_connection(call):
     """The arguments are accepted: the only error is that no task answers."""

@@ -88,23 +88,26 @@ def test_worker_resolver_rejected():
         tf_psplugin.HybridParameterServerStrategy(resolver)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"embedding_updates": "eventually"}, "embedding_updates"),
-    ({"dense_placement": "gpu"}, "dense_placement"),
-    ({"sharding": "random"}, "sharding"),
-    ({"sparse_exchange": "gossip"}, "sparse_exchange"),
-])
-def test_bad_options(kwargs, needle):
+@pytest.mark.parametrize("arguments,needle", [
+    (lambda: {"options": tf_psplugin.HybridOptions(embedding_updates="eventually")},
+     "embedding_updates"),
+    (lambda: {"options": tf_psplugin.HybridOptions(dense_placement="gpu")}, "dense_placement"),
+    (lambda: {"placement": tf_psplugin.PlacementPolicy(sharding="random")}, "sharding"),
+    (lambda: {"options": tf_psplugin.HybridOptions(experimental_sparse_exchange="gossip")},
+     "experimental_sparse_exchange"),
+], ids=["embedding_updates", "dense_placement", "sharding", "experimental_sparse_exchange"])
+def test_bad_options(arguments, needle):
     resolver = _resolver({"chief": [_addr()], "worker": [_addr()], "ps": [_addr()]})
     with pytest.raises(ValueError, match=rf"{needle}.*Fix:"):
-        tf_psplugin.HybridParameterServerStrategy(resolver, **kwargs)
+        tf_psplugin.HybridParameterServerStrategy(resolver, **arguments())
 
 
 def test_unreachable_tasks_named_within_timeout():
     worker, ps = _addr(), _addr()
     resolver = _resolver({"chief": [_addr()], "worker": [worker], "ps": [ps]})
     with pytest.raises(tf_psplugin.StrategyError) as info:
-        tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)
+        tf_psplugin.HybridParameterServerStrategy(
+            resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))
     message = str(info.value)
     assert f"worker:0 at {worker}" in message and f"ps:0 at {ps}" in message
     assert "Fix:" in message
@@ -123,7 +126,8 @@ def test_unreachable_tasks_uncaught_exit_with_the_retryable_status(tmp_path):
         "resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(\n"
         "    spec, task_type='chief', task_id=0, rpc_layer='grpc')\n"
         "try:\n"
-        "    tf_psplugin.HybridParameterServerStrategy(resolver, connect_timeout_seconds=0.5)\n"
+        "    tf_psplugin.HybridParameterServerStrategy(\n"
+        "        resolver, options=tf_psplugin.HybridOptions(connect_timeout_seconds=0.5))\n"
         "finally:\n"
         "    print('finally ran', flush=True)\n")
     path = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))

@@ -5,6 +5,11 @@ Keras and Estimator front-ends, and gives every duration in seconds as
 ``*_seconds``. Earlier releases used other names (``*_secs``, the
 Estimator's ``mode``/``table_update``/``placement_policy``); scripts that
 pass them keep running and are told the new name once per call site.
+
+Every deprecation of the package warns with `PluginDeprecationWarning` (a
+`DeprecationWarning`), so that a test suite can turn the plugin's own
+deprecations into errors without touching TensorFlow's or Keras's (this
+project's setup.cfg does).
 """
 
 import warnings
@@ -21,6 +26,20 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+class PluginDeprecationWarning(DeprecationWarning):
+    """A former tf_psplugin name or spelling was used; the message names the new one."""
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """Warns with `PluginDeprecationWarning`, attributed `stacklevel` frames up.
+
+    Args:
+        message: What is deprecated and what to use instead.
+        stacklevel: As for `warnings.warn`, counted from the caller of `warn`.
+    """
+    warnings.warn(message, PluginDeprecationWarning, stacklevel=stacklevel + 1)
+
+
 def renamed(owner: str, old: str, old_value: Any, new: str, new_value: Any,
             new_default: Any) -> Any:
     """The value of keyword `new`, taking `old` (its former name) if that was passed.
@@ -34,7 +53,8 @@ def renamed(owner: str, old: str, old_value: Any, new: str, new_value: Any,
         new_default: Its default, to tell whether both names were given.
 
     Returns:
-        `old_value` if it was passed (after a DeprecationWarning), else `new_value`.
+        `old_value` if it was passed (after a `PluginDeprecationWarning`), else
+        `new_value`.
 
     Raises:
         ValueError: if both names were passed, with different values.
@@ -45,6 +65,5 @@ def renamed(owner: str, old: str, old_value: Any, new: str, new_value: Any,
         raise ValueError(
             f"{owner}: {old}={old_value!r} and {new}={new_value!r} are the same option (`{old}` "
             f"is its former name). Fix: pass only {new}=...")
-    warnings.warn(f"{owner}({old}=...) is deprecated: use {new}=...", DeprecationWarning,
-                  stacklevel=3)
+    warn(f"{owner}({old}=...) is deprecated: use {new}=...", stacklevel=3)
     return old_value

@@ -336,7 +336,7 @@ class FailoverController:
                 f"{names} failed; {tasks} run in this process (an in-process cluster), where "
                 f"nothing can restart them, so training stopped and every task was left "
                 f"running; {resume}. Fix: if a step is legitimately slow, raise "
-                "HybridParameterServerStrategy(collective_timeout_seconds=...); to survive "
+                "HybridOptions(collective_timeout_seconds=...); to survive "
                 "task failures, run each task in its own process (python -m "
                 "tf_psplugin.launch --restart-failed).") from error
         raise FailoverError(

@@ -73,8 +73,10 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             continue from it on resume (see above).
         clock: Seconds clock (injectable for tests).
         save_every_secs: Deprecated name of `save_every_seconds`.
-        full_every: Every `full_every`-th save is full, the saves between are
-            deltas (see `ChiefCheckpointManager`); None: every save is full.
+        full_every_saves: Every `full_every_saves`-th save is full, the saves
+            between are deltas (see `ChiefCheckpointManager`); None: every
+            save is full.
+        full_every: Deprecated name of `full_every_saves`.
     """
 
     def __init__(self, model_dir: str, save_every_steps: Optional[int] = None,
@@ -83,12 +85,15 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
                  save_input_position: bool = False,
                  clock: Callable[[], float] = time.monotonic,
-                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
+                 save_every_secs: Any = _deprecation.UNSET,
+                 full_every_saves: Optional[int] = None, full_every: Any = _deprecation.UNSET):
         super().__init__()
         self._supports_tf_logs = True  # Allowed with PSS; logs are never read.
         save_every_seconds = _deprecation.renamed(
             "ChiefCheckpoint", "save_every_secs", save_every_secs, "save_every_seconds",
             save_every_seconds, None)
+        full_every_saves = _deprecation.renamed(
+            "ChiefCheckpoint", "full_every", full_every, "full_every_saves", full_every_saves, None)
         if save_every_seconds is not None and save_every_seconds < 0:
             raise ValueError(
                 f"save_every_seconds must be >= 0 or None, got {save_every_seconds!r}.")
@@ -100,7 +105,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
                             save_every_seconds=save_every_seconds,
                             batches_per_step=batches_per_step,
                             write_on_chief=write_on_chief, clock=clock,
-                            full_every=full_every)
+                            full_every_saves=full_every_saves)
         self._restore = restore
         self.final_step = final_step
         self.save_input_position = bool(save_input_position)

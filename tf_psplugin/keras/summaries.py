@@ -84,7 +84,7 @@ class TrainingSummaries(keras.callbacks.Callback):
     def every_n_steps(self) -> int:
         """Deprecated: `write_every_steps`."""
         warnings.warn("TrainingSummaries.every_n_steps is deprecated: read write_every_steps",
-                      DeprecationWarning, stacklevel=2)
+                      _deprecation.PluginDeprecationWarning, stacklevel=2)
         return self.write_every_steps
 
     def _implements_train_batch_hooks(self):

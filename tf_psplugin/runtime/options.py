@@ -186,7 +186,7 @@ class HybridOptions:
             warnings.warn(
                 f"HybridOptions(sharding={sharding!r}) is deprecated: sharding has one home. Fix: "
                 f"HybridParameterServerStrategy(placement=tf_psplugin.PlacementPolicy("
-                f"sharding={sharding!r}))", DeprecationWarning, stacklevel=2)
+                f"sharding={sharding!r}))", _deprecation.PluginDeprecationWarning, stacklevel=2)
         values = dict(
             embedding_updates=embedding_updates, dense_placement=dense_placement,
             sharding=sharding, collective_timeout_seconds=collective_timeout_seconds,
@@ -228,7 +228,8 @@ class HybridOptions:
         """
         for old in set(changes) & set(RENAMED):
             warnings.warn(f"HybridOptions.replace({old}=...) is deprecated: use "
-                          f"{RENAMED[old]}=...", DeprecationWarning, stacklevel=2)
+                          f"{RENAMED[old]}=...", _deprecation.PluginDeprecationWarning,
+                          stacklevel=2)
             changes[RENAMED[old]] = changes.pop(old)
         return dataclasses.replace(self, **changes)
 
@@ -289,7 +290,7 @@ def resolve(options: Optional[HybridOptions], knobs: Mapping[str, object],
         warnings.warn(
             f"{caller}({', '.join(f'{k}=...' for k in knobs)}): tuning knobs as keywords of the "
             f"strategy are deprecated. Fix: {caller}(options=tf_psplugin.HybridOptions({given}))",
-            DeprecationWarning, stacklevel=3)
+            _deprecation.PluginDeprecationWarning, stacklevel=3)
         knobs = named
     if options is None:
         return HybridOptions(**knobs)
@@ -325,7 +326,7 @@ def _check_combinations(options: HybridOptions) -> None:
 
 def _warn_read(old: str) -> None:
     warnings.warn(f"HybridOptions.{old} is deprecated: read HybridOptions.{RENAMED[old]}",
-                  DeprecationWarning, stacklevel=3)
+                  _deprecation.PluginDeprecationWarning, stacklevel=3)
 
 
 def _check_one_of(name: str, value, allowed) -> None:

@@ -104,8 +104,8 @@ class Updates:
         if self._row_stamps.get(key, stamps) is not stamps:
             raise StrategyError(
                 f"incremental checkpoints: {shard.name!r} is already tracked for another "
-                "CheckpointManager(full_every=...); steps traced for that one would not update "
-                "this one's record. Fix: one incremental manager per model.")
+                "ChiefCheckpointManager(full_every_saves=...); steps traced for that one would not "
+                "update this one's record. Fix: one incremental manager per model.")
         self._row_stamps[key] = stamps
 
     def admits_after_update(self) -> bool:
@@ -146,7 +146,8 @@ class Updates:
                 f"stack_tables=True: {getattr(fn, '__qualname__', fn)} updates "
                 f"{var.name}, a stacked table's rows, with a gradient directly; only Keras 2 "
                 "optimizers (tf.keras.optimizers, .legacy) update stacked tables. Fix: "
-                "HybridParameterServerStrategy(stack_tables=False), or a Keras optimizer.")
+                "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)), "
+                "or a Keras optimizer.")
         # A legacy optimizer under a mixed-precision policy updates the layer's
         # AutoCastVariable: the variable inside it decides where the update goes.
         if isinstance(tf_objects.autocast_inner(var), replicated.ReplicatedVariable):

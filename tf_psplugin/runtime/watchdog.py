@@ -211,9 +211,9 @@ def _fix(creating: List[int]) -> str:
     if creating:
         return ("make the dataset function return sooner (read files instead of slicing large "
                 "in-memory arrays; a smaller shuffle buffer), or raise "
-                "HybridParameterServerStrategy(collective_timeout_seconds=...): input creation "
+                "HybridOptions(collective_timeout_seconds=...): input creation "
                 f"may take {INPUT_LIMIT_FACTOR:g} times that, at least "
                 f"{MIN_INPUT_LIMIT_SECONDS:g} s.")
     return ("check those workers and their input (and the network between them); if steps are "
             "legitimately that slow, raise "
-            "HybridParameterServerStrategy(collective_timeout_seconds=...).")
+            "HybridOptions(collective_timeout_seconds=...).")

@@ -37,7 +37,7 @@ Checkpoints hold full logical tables (each shard saves its rows as a slice of
 the ``[V, D]`` tensor), so they restore into any number of PS tasks, any
 number of workers, and plain single-process Keras models (`load_into`).
 
-With ``full_every=K``, only every K-th save is a full checkpoint; the saves
+With ``full_every_saves=K``, only every K-th save is a full checkpoint; the saves
 between are deltas holding the table rows updated since the previous save
 (`tf_psplugin.state.incremental`), and a restore applies the latest full
 checkpoint's chain of deltas. TF's manager keeps `max_to_keep` full
@@ -292,17 +292,18 @@ class ChiefCheckpointManager:
             dataset from its start, with no offset. Settable later as the
             `input_iterator` attribute.
         save_every_secs: Deprecated name of `save_every_seconds`.
-        full_every: Incremental checkpoints: every `full_every`-th save is
-            full, the ones between are deltas holding only the table rows
-            (and their slots) updated since the previous save, plus the
-            dense state (`tf_psplugin.state.incremental`). The first save of a
-            manager is always full. Build the manager before the first
-            training step. None (default) or 1: every save is full.
+        full_every_saves: Incremental checkpoints: every K-th save is full,
+            the ones between are deltas holding only the table rows (and their
+            slots) updated since the previous save, plus the dense state
+            (`tf_psplugin.state.incremental`). The first save of a manager is
+            always full. Build the manager before the first training step.
+            None (default) or 1: every save is full. (Formerly `full_every`.)
 
     Raises:
         ModelDirError: if the chief cannot write `model_dir`.
-        CheckpointError: `full_every` is given for a model it cannot save
-            as deltas (the message says why).
+        CheckpointError: `full_every_saves` is given for a model it cannot
+            save as deltas (the message says why).
+        ValueError: a former name and its new name given different values.
     """
 
     def __init__(self, model_dir: str, model=None, optimizer=None,
@@ -312,13 +313,16 @@ class ChiefCheckpointManager:
                  batches_per_step: Optional[int] = None, write_on_chief: bool = False,
                  strategy=None, clock: Callable[[], float] = time.monotonic,
                  input_iterator=None, _root: Optional[tf.train.Checkpoint] = None,
-                 save_every_secs: Any = _deprecation.UNSET, full_every: Optional[int] = None):
+                 save_every_secs: Any = _deprecation.UNSET,
+                 full_every_saves: Optional[int] = None, full_every: Any = _deprecation.UNSET):
         save_every_seconds = _deprecation.renamed(
             type(self).__name__, "save_every_secs", save_every_secs, "save_every_seconds",
             save_every_seconds, None)
+        full_every_saves = _deprecation.renamed(type(self).__name__, "full_every", full_every,
+                                                "full_every_saves", full_every_saves, None)
         for name, value in (("save_every_steps", save_every_steps),
                             ("save_every_seconds", save_every_seconds),
-                            ("max_to_keep", max_to_keep), ("full_every", full_every)):
+                            ("max_to_keep", max_to_keep), ("full_every_saves", full_every_saves)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}.")
         self.model_dir = model_dir_lib.resolve(model_dir)
@@ -363,7 +367,7 @@ class ChiefCheckpointManager:
         self._base_step = 0  # Step and input position at the last restore.
         self._base_position = 0
         self.latest: Optional[CheckpointInfo] = None
-        self._full_every = int(full_every or 1)
+        self._full_every = int(full_every_saves or 1)
         self._incremental: Optional[incremental.IncrementalSaver] = None
         # (base full checkpoint name, name of the last save, saves in this chain).
         self._chain: Optional[tuple] = None
@@ -684,7 +688,7 @@ class CheckpointManager(ChiefCheckpointManager):
         warnings.warn("tf_psplugin.CheckpointManager is deprecated: use "
                       "tf_psplugin.ChiefCheckpointManager (the same arguments); the former "
                       "name shadowed tf.train.CheckpointManager, whose contract it does not have",
-                      DeprecationWarning, stacklevel=2)
+                      _deprecation.PluginDeprecationWarning, stacklevel=2)
         super().__init__(*args, **kwargs)
 
 
@@ -695,5 +699,5 @@ def latest_checkpoint(model_dir: str) -> Optional[CheckpointInfo]:
     warnings.warn("tf_psplugin.latest_checkpoint is deprecated: use "
                   "tf_psplugin.latest_checkpoint_info (the same call; it returns a "
                   "CheckpointInfo, not tf.train.latest_checkpoint's path)",
-                  DeprecationWarning, stacklevel=2)
+                  _deprecation.PluginDeprecationWarning, stacklevel=2)
     return latest_checkpoint_info(model_dir)

@@ -7,7 +7,7 @@ process that connects to the cluster becomes part of its failure domain.
 So the evaluator task never connects to anything: no strategy, no servers.
 It watches ``model_dir`` for committed checkpoints (see checkpoint.py: only
 checkpoints with an intact commit marker count; with incremental
-checkpoints, ``full_every``, also the deltas of the latest full
+checkpoints, ``full_every_saves``, also the deltas of the latest full
 checkpoint's chain), loads each into a local
 copy of the model (tables as full tensors, optimizer state ignored),
 evaluates it on its own dataset, and records the result:
@@ -255,7 +255,7 @@ def run_evaluator(model_fn: Callable[[], tf.keras.Model],
 
 
 def _committed(model_dir: str) -> List[checkpoint_lib.CheckpointInfo]:
-    """Full checkpoints and the deltas of the latest one's chain (`full_every`), by step."""
+    """Full checkpoints and the deltas of the latest one's chain (`full_every_saves`), by step."""
     _, deltas = model_dir_lib.checkpoint_chain(model_dir)
     return sorted(checkpoint_lib.list_checkpoints(model_dir) + deltas, key=lambda i: i.step)
 

@@ -6,8 +6,8 @@ every row every time; between full saves, a delta writes only the rows (and
 their optimizer slots; for a `DynamicEmbedding`, also their per-row state
 and key changes) that changed since the previous save, plus the dense
 state, which is small and changes every step. Opt in with
-``CheckpointManager(..., full_every=K)`` or ``ChiefCheckpoint(...,
-full_every=K)``: every K-th save is full, the K-1 saves between are deltas.
+``ChiefCheckpointManager(..., full_every_saves=K)`` or ``ChiefCheckpoint(...,
+full_every_saves=K)``: every K-th save is full, the K-1 saves between are deltas.
 
 Tracking which rows changed (on the PS, in the step). `RowStamps` gives each
 table shard an int32 stamp per row on the shard's own PS, and each PS task
@@ -267,11 +267,11 @@ class _Table:
                 or list(self.container.row_offsets) != self.offsets
                 or [int(s.shape[0]) for s in self.shards] != self.shard_rows):
             raise CheckpointError(
-                f"incremental checkpoints (full_every): table {self.container.name} was moved "
-                "to another stack, or another table joined its stack, after the checkpoint "
+                f"incremental checkpoints (full_every_saves): table {self.container.name} was "
+                "moved to another stack, or another table joined its stack, after the checkpoint "
                 "manager began tracking its rows. Fix: build every model before the "
                 "ChiefCheckpoint/CheckpointManager (after compile, before the first step), or "
-                "HybridParameterServerStrategy(stack_tables=False).")
+                "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)).")
 
     def logical_ids(self, shard_index: int, local: tf.Tensor) -> tf.Tensor:
         """Logical row ids of `local` rows of shard `shard_index`."""
@@ -288,7 +288,7 @@ class IncrementalSaver:
     """Tracks updated table rows on the PS tasks and writes deltas for `CheckpointManager`.
 
     Build it before the first training step (each step's trace must contain
-    the row stamps). Used by `tf_psplugin.CheckpointManager(full_every=K)`;
+    the row stamps). Used by `tf_psplugin.ChiefCheckpointManager(full_every_saves=K)`;
     not meant to be called directly.
 
     Args:
@@ -306,8 +306,8 @@ class IncrementalSaver:
         extended = getattr(strategy, "extended", None)
         if extended is None or not hasattr(extended, "track_updated_rows"):
             raise CheckpointError(
-                "incremental checkpoints (full_every) need HybridParameterServerStrategy: it "
-                "records which table rows each step updates. Fix: drop full_every.")
+                "incremental checkpoints (full_every_saves) need HybridParameterServerStrategy: it "
+                "records which table rows each step updates. Fix: drop full_every_saves.")
         self._root = root
         self._extended = extended
         self._optimizer = optimizer
@@ -320,8 +320,8 @@ class IncrementalSaver:
         self.tables = self._find_tables(
             variables, skip=set().union(*[d.not_tables() for d in self.dynamic]))
         if not self.tables:
-            raise CheckpointError("incremental checkpoints (full_every): the model has no "
-                                  "sharded embedding table. Fix: drop full_every.")
+            raise CheckpointError("incremental checkpoints (full_every_saves): the model has no "
+                                  "sharded embedding table. Fix: drop full_every_saves.")
         self._generations: Dict[str, tf.Variable] = {}
         # One RowStamps per shard variable: the tables of a stack share them.
         stamps_of: Dict[int, RowStamps] = {}
@@ -347,7 +347,7 @@ class IncrementalSaver:
             if not {_task_name(d) for d in dynamic.sketch_devices()} <= table_tasks:
                 raise CheckpointError(
                     f"incremental checkpoints: the admission sketch of {dynamic.layer.name} "
-                    "is not on its table's PS tasks. Fix: drop full_every for this model.")
+                    "is not on its table's PS tasks. Fix: drop full_every_saves for this model.")
             dynamic.install(table.stamps, extended.create_plain_variable)
         # Rows stamped at or after `since[device]` are dirty.
         self._since = {device: 1 for device in self._generations}
@@ -359,7 +359,7 @@ class IncrementalSaver:
     def _check_optimizer(optimizer) -> None:
         why = row_local_refusal(optimizer)
         if why is not None:
-            raise CheckpointError(f"incremental checkpoints (full_every): {why}")
+            raise CheckpointError(f"incremental checkpoints (full_every_saves): {why}")
 
     def _find_tables(self, variables: Mapping[str, Any], skip=frozenset()) -> List[_Table]:
         """The row tables among `variables`, except those whose id is in `skip`."""
@@ -423,9 +423,9 @@ class IncrementalSaver:
                          and not any(k.startswith(prefix) for prefix in skip))
         if missing:
             raise CheckpointError(
-                f"incremental checkpoints (full_every) cannot save {len(missing)} value(s) of "
-                f"the full checkpoint as deltas (not variables): {', '.join(missing[:5])}. "
-                "Fix: drop full_every for this model.")
+                f"incremental checkpoints (full_every_saves) cannot save {len(missing)} value(s) "
+                f"of the full checkpoint as deltas (not variables): {', '.join(missing[:5])}. "
+                "Fix: drop full_every_saves for this model.")
         self._checked_against = full_checkpoint
 
     def write_delta(self, prefix: str, model_dir: str,

@@ -98,8 +98,9 @@ def find_layers(root, paths: Mapping[int, str]) -> List[Tuple[str, Any]]:
         if isinstance(obj, DynamicEmbedding) and id(obj) in paths:
             if not obj.built:
                 raise CheckpointError(
-                    f"incremental checkpoints (full_every): DynamicEmbedding {obj.name} is not "
-                    "built yet. Fix: build the model before creating the CheckpointManager.")
+                    f"incremental checkpoints (full_every_saves): DynamicEmbedding {obj.name} is "
+                    "not built yet. Fix: build the model before creating the "
+                    "ChiefCheckpointManager.")
             out.append((paths[id(obj)], obj))
     return out
 

@@ -134,7 +134,7 @@ def row_local_refusal(optimizer) -> Optional[str]:
     """
     from tf_psplugin._internal.compat import keras  # pylint: disable=g-import-not-at-top
 
-    fix = " Fix: use one of those, or drop full_every."
+    fix = " Fix: use one of those, or drop full_every_saves."
     allowed = ("a sparse update must change only the gradient's rows: Keras's legacy "
                "SGD/Adagrad/Ftrl, Keras's Adagrad, "
                "tf_psplugin.LazyAdam, or an optimizer class with row_local_sparse_updates = "
@@ -158,14 +158,14 @@ def row_local_refusal(optimizer) -> Optional[str]:
             return ("tf.keras.optimizers.legacy.Adam decays every table row's moments each "
                     "step, so every delta would hold whole tables. Fix: "
                     "tf_psplugin.LazyAdam (moments updated only for the looked-up rows), or "
-                    "drop full_every.")
+                    "drop full_every_saves.")
         return f"{name}: " + allowed + fix
     extras = [f"{attr}={getattr(optimizer, attr)!r}" for attr in ("weight_decay", "use_ema")
               if getattr(optimizer, attr, None)]
     if extras:
         return (f"{name}({', '.join(extras)}) writes every row of every table each step. "
                 f"Fix: drop {' and '.join(e.split('=')[0] for e in extras)}, or drop "
-                "full_every.")
+                "full_every_saves.")
     kind = type(optimizer)
     if kind is keras.optimizers.Adagrad:
         return None
@@ -175,14 +175,14 @@ def row_local_refusal(optimizer) -> Optional[str]:
         return ("Keras's SGD (tf.keras.optimizers.SGD) assigns every table row and its "
                 "momentum slot each step, even with momentum=0. Fix: "
                 "tf.keras.optimizers.legacy.SGD (row-local sparse update, also with momentum), "
-                "or drop full_every.")
+                "or drop full_every_saves.")
     if kind is keras.optimizers.Adam or name == "Adam":
         return ("Keras's Adam (tf.keras.optimizers.Adam) decays every table row's moments "
                 "each step, so every delta would hold whole tables. Fix: "
                 "tf_psplugin.LazyAdam (moments updated only for the looked-up rows; see "
-                "docs/checkpoints.md for how it differs), or drop full_every.")
+                "docs/checkpoints.md for how it differs), or drop full_every_saves.")
     if kind is keras.optimizers.Ftrl:
         return ("Keras's Ftrl (tf.keras.optimizers.Ftrl) computes its update densely and "
                 "assigns every table row each step. Fix: tf.keras.optimizers.legacy.Ftrl "
-                "(row-local sparse update), or drop full_every.")
+                "(row-local sparse update), or drop full_every_saves.")
     return f"{name}: " + allowed + fix

@@ -4,7 +4,7 @@ Why this module exists: Keras's Adam, given a sparse gradient, still decays
 the first and second moments of *every* row of a table each step
 (``m = beta_1 * m`` on the whole slot) and then moves every row whose
 moment is not zero. A step that looks up 1% of a table writes all of it:
-incremental checkpoints (``full_every``) would write whole tables in every
+incremental checkpoints (``full_every_saves``) would write whole tables in every
 delta, and a table on a PS is read and written in full per step. TF Addons'
 ``LazyAdam`` and TFRA's lazy Adam instead update, for a sparse gradient,
 only the rows it holds: those rows get exactly Adam's update from their
@@ -30,7 +30,7 @@ class LazyAdam(keras.optimizers.Adam):
 
     Drop-in for ``tf.keras.optimizers.Adam`` (same arguments, except
     ``amsgrad``, which it does not support). Incremental checkpoints
-    (``full_every``) accept it: its sparse update is row-local.
+    (``full_every_saves``) accept it: its sparse update is row-local.
 
     Example:
 

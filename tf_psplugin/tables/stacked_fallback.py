@@ -235,7 +235,8 @@ class SplitRequired(StackingError):
             "ClusterCoordinator.schedule (which splits them apart before the first step and "
             "traces the step again), or once another live traced function or optimizer "
             "holds the stack, they cannot be split. Fix: "
-            "HybridParameterServerStrategy(stack_tables=False), or compile the model with "
+            "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)), "
+            "or compile the model with "
             f"this optimizer before its first call (its tables are then stacked apart), or "
             f"one of {', '.join(sorted(set(known)))} of tf.keras.optimizers or "
             ".legacy, or a subclass of tf.keras.optimizers.Optimizer (not .legacy).")

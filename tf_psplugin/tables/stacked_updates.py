@@ -344,7 +344,8 @@ def _warn_once(stack, name, absent, members, per_table=False) -> None:
             "equal its updates of each table, and stack %s holds several tables (%s, ...): "
             "it updates each table's rows of the stack on its own, with slots of its own "
             "(exact, as unstacked; one apply per table). "
-            "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+            "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)) "
+            "avoids that cost.",
             name, stack.name, trained)
         return
     logging.warning(
@@ -353,7 +354,8 @@ def _warn_once(stack, name, absent, members, per_table=False) -> None:
         "model's), and %s changes every row of a variable it updates: after its one apply "
         "to the stack, their rows and slot rows are written back as they were (exact, as "
         "unstacked; one read and one write of those rows per step). "
-        "HybridParameterServerStrategy(stack_tables=False) avoids that cost.",
+        "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)) "
+        "avoids that cost.",
         sorted(t.display_name for t in absent), stack.name, trained, name)
 
 

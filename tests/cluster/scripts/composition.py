@@ -24,7 +24,7 @@ Modes:
   ``resume`` (a new chief process) restarts each killed job as the
   docs/checkpoints.md recipe does: restore at train begin, the data from
   the checkpoint's step, ``initial_epoch`` from it.
-* ``full_every``: `ChiefCheckpoint(save_every_steps=2, full_every=3)`
+* ``full_every``: `ChiefCheckpoint(save_every_steps=2, full_every_saves=3)`
   (ckpt-2, deltas 4 and 6, ckpt-8); the chain is then restored into a new
   model, which must equal the live one bit for bit (``restore_diff``).
 * ``export``: after `fit`, `export_saved_model` and a `ServingModel`
@@ -133,7 +133,7 @@ def dataset(offset_batches=0):
 
 def checkpoint_tensors(model_dir):
     """Every tensor of the latest checkpoint, keyed ``ckpt/<key>`` (tables, slots, dense)."""
-    info = tf_psplugin.latest_checkpoint(model_dir)
+    info = tf_psplugin.latest_checkpoint_info(model_dir)
     reader = tf.train.load_checkpoint(info.path)
     return {f"ckpt/{key}": reader.get_tensor(key)
             for key in reader.get_variable_to_shape_map()
@@ -210,13 +210,13 @@ class Cell:
         every = 2 if self.mode == "full_every" else STEPS
         callbacks = [tf_psplugin.ChiefCheckpoint(
             model_dir, save_every_steps=every,
-            full_every=3 if self.mode == "full_every" else None)]
+            full_every_saves=3 if self.mode == "full_every" else None)]
         if self.situation == "early_stop":
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 monitor="loss", mode="max", patience=1, restore_best_weights=True))
         if kill is not None:
             callbacks.append(KillAt(hard=kill))
-        info = tf_psplugin.latest_checkpoint(model_dir)
+        info = tf_psplugin.latest_checkpoint_info(model_dir)
         step = info.step if info else 0
         model.fit(dataset(step), epochs=EPOCHS, initial_epoch=step // STEPS,
                   steps_per_epoch=STEPS, verbose=0, callbacks=callbacks)
@@ -237,8 +237,8 @@ def restore_diff(cell, model_dir, live):
     table a stack of its own.
     """
     model, _ = cell.make("r")
-    tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=model.optimizer,
-                                  full_every=3).restore()
+    tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer,
+                                       full_every_saves=3).restore()
     restored = untagged(layer_weights(model), cell.prefix, "r")
     return max(float(np.max(np.abs(widened(restored[key]) - widened(value))))
                for key, value in layer_weights(live).items())
@@ -281,7 +281,7 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
             except Killed:
                 result = {"status": "killed"}
         elif cell.mode == "kill":
-            info = tf_psplugin.latest_checkpoint(os.path.join(out, "model"))
+            info = tf_psplugin.latest_checkpoint_info(os.path.join(out, "model"))
             result["resumed_from"] = info.step if info else None
             _, weights = cell.train(os.path.join(out, "model"))
             np.savez(os.path.join(out, "resumed.npz"), **weights)
@@ -312,7 +312,8 @@ def main():
     tf_psplugin.start_server()
     stacking, _, table_dtype = mode.partition("+")
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        stack_tables=(stacking == "stacked"), table_dtype=table_dtype or None)
+        options=tf_psplugin.HybridOptions(stack_tables=(stacking == "stacked"),
+                                          table_dtype=table_dtype or None))
     root = os.path.join(root, mode)
     # Kill cells last: the last of them kills this process for real.
     order = sorted(range(len(cells)), key=lambda i: ".kill." in cells[i])

@@ -4,8 +4,9 @@ Used by tests/cluster/test_conformance.py. Every point here holds in one
 process and under stock ParameterServerStrategy; the strategy is
 ``HybridParameterServerStrategy()`` (its default stacks the tables: issues
 29 and 40, table stacking that Keras cannot tell apart), or with the
-argument ``unstacked`` ``HybridParameterServerStrategy(stack_tables=False)``. Each check prints
-`CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
+argument ``unstacked``
+``HybridParameterServerStrategy(options=HybridOptions(stack_tables=False))``.
+Each check prints `CHECK <name> ok` or `CHECK <name> FAIL <why>`, and the script ends with
 `DONE`. The tables are small `Embedding` layers of one width (what table
 stacking would put in one variable), in a functional model and in a second
 model built in the same scope, trained with `model.fit`.
@@ -114,7 +115,8 @@ def adam_keeps_frozen_and_other_tables(strategy):
 def main():
     tf_psplugin.start_server()
     if "unstacked" in sys.argv[1:]:
-        strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=False)
+        strategy = tf_psplugin.HybridParameterServerStrategy(
+            options=tf_psplugin.HybridOptions(stack_tables=False))
     else:
         strategy = tf_psplugin.HybridParameterServerStrategy()
         assert strategy.options.stack_tables  # What this run checks: the default.

@@ -497,7 +497,8 @@ def main():
     which programs (default "sync" and all of them)."""
     tf_psplugin.start_server()
     updates = sys.argv[1] if len(sys.argv) > 1 else "sync"
-    strategy = tf_psplugin.HybridParameterServerStrategy(embedding_updates=updates)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(embedding_updates=updates))
     for name in sys.argv[2:] or list(PROGRAMS):
         PROGRAMS[name](strategy)
     print("DONE", flush=True)

@@ -283,7 +283,7 @@ def main():
     # watchdog and failover end the script in ~1 min instead of waiting.
     policy = failover.FailoverPolicy(task_restarts=True, recovery_timeout_seconds=20)
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        failover=policy, collective_timeout_seconds=30)
+        failover=policy, options=tf_psplugin.HybridOptions(collective_timeout_seconds=30))
     coordinator = ClusterCoordinator(strategy)
     good = iter(coordinator.create_per_worker_dataset(good_dataset_fn))
     check_schedule_rejects_python_functions(coordinator, good)

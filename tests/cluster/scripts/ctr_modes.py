@@ -43,7 +43,8 @@ def make_model(num_features):
 def main():
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        embedding_updates=UPDATES, dense_placement=DENSE, stack_tables=STACKED)
+        options=tf_psplugin.HybridOptions(embedding_updates=UPDATES, dense_placement=DENSE,
+                                          stack_tables=STACKED))
     gen = data.SyntheticCTR(vocab_size=VOCAB, seed=0)
     with strategy.scope():
         model = make_model(gen.num_categorical)

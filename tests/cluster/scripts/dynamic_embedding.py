@@ -172,7 +172,8 @@ def restore(strategy):
 def main():
     config = tf_psplugin.start_server()
     num_workers = config.num_workers
-    strategy = tf_psplugin.HybridParameterServerStrategy(embedding_updates=MODE)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(embedding_updates=MODE))
     report = train(strategy, num_workers) if PHASE == "train" else restore(strategy)
     with open(OUT, "w") as f:
         json.dump(report, f)

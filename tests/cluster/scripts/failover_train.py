@@ -57,7 +57,7 @@ class Checkpointer(tf.keras.callbacks.Callback):
 def main():
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        collective_timeout_seconds=30,
+        options=tf_psplugin.HybridOptions(collective_timeout_seconds=30),
         failover=failover.FailoverPolicy(recovery_timeout_seconds=120))
     n = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ too; the plain model the checkpoint loads into and the export stay float32.
 Modes:
 
 * ``train``: fits a two-table functional model (Keras Adagrad, lr 0.1) for
-  12 steps with ``ChiefCheckpoint(save_every_steps=4, full_every=4)`` (a
+  12 steps with ``ChiefCheckpoint(save_every_steps=4, full_every_saves=4)`` (a
   full checkpoint, then deltas), and compares it with single-process
   training on the global batch that rounds as the PS does (`emulate`) and
   with float32 training. Then the checkpoint chain is loaded into a plain
@@ -25,7 +25,7 @@ Modes:
   ``train`` run's model dir at step 12) with ``ChiefCheckpoint`` and trains
   the same 4 more steps; writes ``weights.npz`` and ``optimizer.npz``.
 * ``convert``: a strategy with `table_dtype` restores the latest checkpoint
-  of `model_dir` (`CheckpointManager.restore`, full and deltas), writes the
+  of `model_dir` (`ChiefCheckpointManager.restore`, full and deltas), writes the
   restored weights and slots to ``restored.npz``, trains 4 steps, saves
   into `target_dir` and writes ``weights.npz`` (the trained weights).
 """
@@ -205,13 +205,14 @@ def loss_scale(model):
 
 
 def train(table_dtype, policy, model_dir, out_dir):
-    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     ids, y = data(num_workers, STEPS + 4, seed=0)
     model = compiled_model(strategy, policy)
     init = weights(model)
     first = STEPS * num_workers * BATCH
-    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every=4)
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every_saves=4)
     model.fit(tf.data.Dataset.from_tensor_slices((ids[:first], y[:first])).batch(BATCH),
               epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[callback])
     got = weights(model)
@@ -271,7 +272,7 @@ def full_and_restart_copy(model, model_dir, out_dir, got, report):
     """
     full_dir = os.path.join(out_dir, "full")
     step = int(model.optimizer.iterations.numpy())
-    tf_psplugin.CheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(
+    tf_psplugin.ChiefCheckpointManager(full_dir, model=model, optimizer=model.optimizer).save(
         step, final=True)
     chain, full = make_model(), make_model()
     report["chain_step"] = tf_psplugin.load_into(chain, model_dir).step
@@ -284,12 +285,13 @@ def full_and_restart_copy(model, model_dir, out_dir, got, report):
 
 def resume(table_dtype, policy, model_dir, out_dir):
     """Restarts a `train` job from its step-12 copy; trains its last 4 steps (a new chief)."""
-    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     ids, y = data(num_workers, STEPS + 4, seed=0)
     model = compiled_model(strategy, policy)
     first = STEPS * num_workers * BATCH
-    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every=4)
+    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every_saves=4)
     rest = tf.data.Dataset.from_tensor_slices((ids[first:], y[first:])).batch(BATCH)
     model.fit(rest, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[callback])
     np.savez(os.path.join(out_dir, "weights.npz"), **weights(model))
@@ -300,14 +302,15 @@ def resume(table_dtype, policy, model_dir, out_dir):
 
 
 def convert(table_dtype, model_dir, out_dir, target_dir):
-    strategy = tf_psplugin.HybridParameterServerStrategy(table_dtype=table_dtype)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     with strategy.scope():
         model = make_model()
         model.compile(tf.keras.optimizers.Adagrad(LR), "mse")
     # As the job that wrote it (full_every: each table in a stack of its own).
-    manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=model.optimizer,
-                                            full_every=4)
+    manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=model.optimizer,
+                                                 full_every_saves=4)
     info = manager.restore()
     restored = weights(model)
     np.savez(os.path.join(out_dir, "restored.npz"), **restored)
@@ -315,7 +318,7 @@ def convert(table_dtype, model_dir, out_dir, target_dir):
     ids, y = data(num_workers, 4, seed=7)
     model.fit(tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH), epochs=1,
               steps_per_epoch=4, verbose=0)
-    tf_psplugin.CheckpointManager(target_dir, model=model, optimizer=model.optimizer).save(
+    tf_psplugin.ChiefCheckpointManager(target_dir, model=model, optimizer=model.optimizer).save(
         info.step + 4, final=True)
     np.savez(os.path.join(out_dir, "weights.npz"), **weights(model))
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:

@@ -11,7 +11,7 @@ by file (each worker its own files), 2 workers, plain SGD:
 * control: the same without `save_input_position`: the input starts over,
   so the weights differ (the check above can fail).
 
-The custom loop does the same with `CheckpointManager(input_iterator=...)`.
+The custom loop does the same with `ChiefCheckpointManager(input_iterator=...)`.
 argv[1]: a scratch directory.
 """
 
@@ -83,7 +83,7 @@ def fit_resumed(strategy, paths, model_dir, save_input):
 
 
 def custom_loop(strategy, coordinator, paths, model_dir, steps, resume_at=None):
-    """Trains `steps` steps with a CheckpointManager tracking the iterator; returns weights."""
+    """Trains `steps` steps with a ChiefCheckpointManager tracking the iterator; returns weights."""
     model = new_model(strategy)
     optimizer = model.optimizer
 
@@ -98,7 +98,7 @@ def custom_loop(strategy, coordinator, paths, model_dir, steps, resume_at=None):
         strategy.run(replica, args=(x, y))
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset(paths)))
-    manager = tf_psplugin.CheckpointManager(model_dir, model=model, optimizer=optimizer,
+    manager = tf_psplugin.ChiefCheckpointManager(model_dir, model=model, optimizer=optimizer,
                                            input_iterator=iterator)
     info = manager.restore_or_initialize()
     done = info.step if info else 0
@@ -115,7 +115,8 @@ def custom_loop(strategy, coordinator, paths, model_dir, steps, resume_at=None):
 def main():
     scratch = sys.argv[1]
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy(log_placement=False)
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(log_placement=False))
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     paths = write_files(scratch)
 

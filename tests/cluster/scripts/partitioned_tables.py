@@ -67,8 +67,9 @@ def main():
     partitioner = make_partitioner()
     # The stock call, with only the class renamed (plus the plugin's options).
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        resolver, variable_partitioner=partitioner, sharding=SHARDING, stack_tables=STACKED,
-        log_placement=False)
+        resolver, variable_partitioner=partitioner,
+        options=tf_psplugin.HybridOptions(stack_tables=STACKED, log_placement=False),
+        placement=tf_psplugin.PlacementPolicy(sharding=SHARDING))
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB_A, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
@@ -100,7 +101,7 @@ def main():
     # The checkpoint holds logical tables: a plain model (one variable per
     # table, no cluster) restores the tables and their Adagrad accumulators.
     model_dir = os.path.join(os.path.dirname(OUT), "ckpt")
-    tf_psplugin.CheckpointManager(model_dir, model=model).save(STEPS, final=True)
+    tf_psplugin.ChiefCheckpointManager(model_dir, model=model).save(STEPS, final=True)
     plain = make_model()
     plain.compile(tf.keras.optimizers.legacy.Adagrad(0.1), "mse")
     tf_psplugin.load_into(plain, model_dir, include_optimizer=True)

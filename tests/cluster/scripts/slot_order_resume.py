@@ -98,7 +98,8 @@ def main():
         print("DONE", flush=True)
         return
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=sys.argv[2] == "stacked")
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(stack_tables=sys.argv[2] == "stacked"))
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         model = build_model()

@@ -217,7 +217,8 @@ def run_case(case):
 def main():
     stacking, out_dir = sys.argv[1:3]
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=(stacking == "stacked"))
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(stack_tables=(stacking == "stacked")))
     for case in sys.argv[3:]:
         with strategy.scope():
             found = run_case(case)

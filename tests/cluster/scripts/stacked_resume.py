@@ -96,7 +96,8 @@ def main():
     mode, model_dir, out_dir = sys.argv[1:4]
     variant = sys.argv[4] if len(sys.argv) > 4 else "adam"
     tf_psplugin.start_server()
-    strategy = tf_psplugin.HybridParameterServerStrategy(stack_tables=(mode == "stacked"))
+    strategy = tf_psplugin.HybridParameterServerStrategy(
+        options=tf_psplugin.HybridOptions(stack_tables=(mode == "stacked")))
     tf.keras.utils.set_random_seed(0)
     subclassed = variant.startswith("subclassed")
     with strategy.scope():

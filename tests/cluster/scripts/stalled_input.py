@@ -20,8 +20,8 @@ from checks import check  # noqa: E402
 def main():
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        collective_timeout_seconds=5.0, failover=tf_psplugin.FailoverPolicy(enabled=False),
-        log_placement=False)
+        options=tf_psplugin.HybridOptions(collective_timeout_seconds=5.0, log_placement=False),
+        failover=tf_psplugin.FailoverPolicy(enabled=False))
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Embedding(50, 4),
                                      tf.keras.layers.GlobalAveragePooling1D(),

@@ -24,7 +24,7 @@ VARIANTS = set(sys.argv[6].split("+")) if len(sys.argv) > 6 else set()
 # "dedup": the model looks up each distinct id once per batch, so the sparse
 # gradient's row count changes from step to step.
 DEDUP = "dedup" in VARIANTS
-# "fused": the strategy looks both tables up together (fuse_lookups=True).
+# "fused": the strategy looks both tables up together (experimental_fuse_lookups=True).
 FUSED = bool(VARIANTS & {"fused", "stacked"})
 # "stacked": both tables in one stack (stack_tables=True), looked up together.
 STACKED = "stacked" in VARIANTS
@@ -109,7 +109,7 @@ _PS_WRITES = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
 def sparse_exchange_ops(model):
     """Counts of the sparse exchange's ops, and worker ops fed by a PS-summed gradient.
 
-    With sparse_exchange="ps" the global sparse gradient is taken from a
+    With experimental_sparse_exchange="ps" the global sparse gradient is taken from a
     queue on the PS and must stay there: any op not placed on a PS that
     consumes it (directly or through other ops) means it crossed the network
     again (an op without a device runs on the worker that runs the step).
@@ -345,7 +345,7 @@ def stacked_checkpoint_manager(model):
     import os  # pylint: disable=g-import-not-at-top
 
     model_dir = os.path.join(os.path.dirname(OUT), "stacked_ckpt")
-    return model_dir, tf_psplugin.CheckpointManager(model_dir, model=model)
+    return model_dir, tf_psplugin.ChiefCheckpointManager(model_dir, model=model)
 
 
 def stacked_checkpoint(model, got, manager, ref):
@@ -393,8 +393,11 @@ def main():
     if MIXED:
         tf.keras.mixed_precision.set_global_policy(MIXED)
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        sharding=SHARDING, embedding_updates=UPDATES, sparse_exchange=EXCHANGE,
-        fuse_lookups=FUSED, stack_tables=STACKED,  # Off: the other cases keep two tables.
+        options=tf_psplugin.HybridOptions(
+            embedding_updates=UPDATES, experimental_sparse_exchange=EXCHANGE,
+            experimental_fuse_lookups=FUSED, stack_tables=STACKED),
+            # Off: the other cases keep two tables.
+            placement=tf_psplugin.PlacementPolicy(sharding=SHARDING),
         dense_bucket_bytes=BUCKET_BYTES)
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
