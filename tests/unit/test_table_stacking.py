@@ -959,7 +959,7 @@ def test_a_legacy_unknown_optimizer_without_the_coordinator_is_refused_naming_th
     """A plain tf.function (no coordinator to trace it again): the error, with the fix."""
     model = _model(TableStacks(lambda s: None))
     with pytest.raises(Exception, match=r"share a stack.*Fix: HybridParameterServerStrategy"
-                                        r"\(stack_tables=False\)"):
+                                        r"\(options=HybridOptions\(stack_tables=False\)\)"):
         _train(model, _RmsScaledAdagrad(0.3), _batches(1))
     stacked_fallback.take_split_request()
 

@@ -17,7 +17,7 @@ from typing import List, NamedTuple
 import tensorflow as tf
 
 from tf_psplugin.runtime.variable_creation import _unwrap
-from tf_psplugin.sync import collectives as collectives_lib
+from tf_psplugin.sync import collectives
 from tf_psplugin.sync import loss_scaling as loss_scaling_lib
 from tf_psplugin.sync import replicated
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
@@ -163,7 +163,7 @@ class Reduction:
             if elements is None:
                 elements = dest.shape.num_elements()
             sizes.append(None if elements is None else elements * v.dtype.size)
-        buckets = collectives_lib.plan_buckets(sizes, self._extended.dense_bucket_bytes) or [[]]
+        buckets = collectives.plan_buckets(sizes, self._extended.dense_bucket_bytes) or [[]]
         # The last bucket: the riders, and the wait for the hand-ins.
         *early, last = buckets
         reduced: List = [None] * (len(dense) + len(riders))

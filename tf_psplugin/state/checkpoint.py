@@ -301,8 +301,7 @@ class ChiefCheckpointManager:
 
     Raises:
         ModelDirError: if the chief cannot write `model_dir`.
-        CheckpointError: `full_every_saves` is given for a model it cannot
-            save as deltas (the message says why).
+        CheckpointError: `full_every_saves` given for a model it cannot save as deltas.
         ValueError: a former name and its new name given different values.
     """
 
@@ -350,9 +349,7 @@ class ChiefCheckpointManager:
             if obj is not None:
                 setattr(self._root, name, obj)
         self._objects = [obj for obj in objects.values() if obj is not None]
-        # The model's own optimizer too when none is passed: Keras saves it
-        # with the model, and its table slots must save in logical order
-        # (for stacked tables: each table's rows of its stack's slots).
+        # Also the model's own optimizer (saved with the model): table slots in logical order.
         optimizer_slots.install_checkpoint_listing(
             optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._options = tf.train.CheckpointOptions(
@@ -611,8 +608,8 @@ class ChiefCheckpointManager:
         """
         info, deltas = self._resolve_chain(checkpoint)
         optimizer_slots.build_slots(self._model, self._optimizer, self._strategy)
-        # Slots listed as `info` lists them until it and its deltas are restored.
-        optimizer = optimizer_slots.match_checkpoint(self._model, self._optimizer, info.path)
+        optimizer = optimizer_slots.match_checkpoint(  # Listed as `info` lists them.
+            self._model, self._optimizer, info.path)
         join_steps(self._strategy)
         replicated = _replicated_variables(self._objects)
         for var in replicated:
