@@ -395,10 +395,10 @@ def main():
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(
             embedding_updates=UPDATES, experimental_sparse_exchange=EXCHANGE,
-            experimental_fuse_lookups=FUSED, stack_tables=STACKED),
-            # Off: the other cases keep two tables.
-            placement=tf_psplugin.PlacementPolicy(sharding=SHARDING),
-        dense_bucket_bytes=BUCKET_BYTES)
+            experimental_fuse_lookups=FUSED, stack_tables=STACKED,
+            dense_bucket_bytes=BUCKET_BYTES),
+        # Off: the other cases keep two tables.
+        placement=tf_psplugin.PlacementPolicy(sharding=SHARDING))
     num_workers = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(STEPS * num_workers * BATCH, FEATURES)).astype("int64")
