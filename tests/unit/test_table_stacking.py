@@ -79,7 +79,7 @@ def _batches(n=6, seed=1):
              tf.constant(rng.normal(size=(8, 1)), tf.float32)) for _ in range(n)]
 
 
-def _train(model, optimizer, batches):
+def _step_function(model, optimizer):
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -87,6 +87,11 @@ def _train(model, optimizer, batches):
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                       model.trainable_variables))
 
+    return step
+
+
+def _train(model, optimizer, batches):
+    step = _step_function(model, optimizer)
     for x, y in batches:
         step(x, y)
     return step
@@ -891,14 +896,7 @@ class _RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
 
 def _train_splitting(model, optimizer, batches, stacks):
     """`_train`, each step traced as the coordinator traces it (`trace_splitting`)."""
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
-
+    step = _step_function(model, optimizer)
     for x, y in batches:
         concrete = stacked_fallback.trace_splitting(
             lambda x=x, y=y: step.get_concrete_function(x, y), step, stacks,
