@@ -204,15 +204,21 @@ def loss_scale(model):
             float(tf.convert_to_tensor(optimizer.dynamic_counter))]
 
 
-def train(table_dtype, policy, model_dir, out_dir):
+def _job(table_dtype, policy, model_dir):
+    """What `train` and `resume` share: the strategy, the data, the model and its checkpoints."""
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
     num_workers = strategy.num_replicas_in_sync
     ids, y = data(num_workers, STEPS + 4, seed=0)
     model = compiled_model(strategy, policy)
-    init = weights(model)
     first = STEPS * num_workers * BATCH
     callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every_saves=4)
+    return strategy, num_workers, ids, y, model, first, callback
+
+
+def train(table_dtype, policy, model_dir, out_dir):
+    strategy, num_workers, ids, y, model, first, callback = _job(table_dtype, policy, model_dir)
+    init = weights(model)
     model.fit(tf.data.Dataset.from_tensor_slices((ids[:first], y[:first])).batch(BATCH),
               epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[callback])
     got = weights(model)
@@ -285,13 +291,7 @@ def full_and_restart_copy(model, model_dir, out_dir, got, report):
 
 def resume(table_dtype, policy, model_dir, out_dir):
     """Restarts a `train` job from its step-12 copy; trains its last 4 steps (a new chief)."""
-    strategy = tf_psplugin.HybridParameterServerStrategy(
-        options=tf_psplugin.HybridOptions(table_dtype=table_dtype))
-    num_workers = strategy.num_replicas_in_sync
-    ids, y = data(num_workers, STEPS + 4, seed=0)
-    model = compiled_model(strategy, policy)
-    first = STEPS * num_workers * BATCH
-    callback = tf_psplugin.ChiefCheckpoint(model_dir, save_every_steps=4, full_every_saves=4)
+    _, _, ids, y, model, first, callback = _job(table_dtype, policy, model_dir)
     rest = tf.data.Dataset.from_tensor_slices((ids[first:], y[first:])).batch(BATCH)
     model.fit(rest, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[callback])
     np.savez(os.path.join(out_dir, "weights.npz"), **weights(model))
