@@ -24,9 +24,13 @@ the dense gradients and lets each worker push its own table gradient; stock
 PSS's workers each apply their own 256-example batch asynchronously, W
 updates per global step's examples, at the same rate (Adagrad normalises
 the step size by the accumulated squared gradient, so a batch-mean gradient
-of 256 examples takes the same rate as one of W x 256). Every setup is
-scored after the same number of examples: every ``--eval_every_steps``
-global steps (stock PSS: W times as many one-worker steps).
+of 256 examples takes the same rate as one of W x 256). ``--lr_rule sqrt``
+scales the hybrid setups' rate by sqrt(W) instead (the square-root rule for
+a W times larger batch), stock PSS's stays the base rate; every line records
+the rate each setup ran with. Every setup is scored after the same number of
+examples: every ``--eval_every_steps`` global steps (stock PSS: W times as
+many one-worker steps). Every worker generates only its own batches
+(``--hybrid_input self_sharded``, the default; see benchmarks/auc_chief.py).
 
 Clock: training time only. It runs from each epoch's begin to its end (Keras
 joins every scheduled step there), so evaluation time, which copies the
@@ -59,6 +63,7 @@ import numpy as np
 from benchmarks import procs
 
 SETUPS = ("hybrid_sync", "hybrid_async", "stock_pss")
+LR_RULES = ("same", "sqrt")
 BASELINE = "stock_pss"
 EVAL_PREFIX = "AUC_EVAL "
 PORT = 2222  # Every emulated host has its own port space.
@@ -191,6 +196,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="emulated hosts' link rate each way, Mbit/s (0: unlimited)")
     p.add_argument("--per_worker_batch", type=int, default=256, help="the demo's --batch_size")
     p.add_argument("--learning_rate", type=float, default=0.3, help="legacy Adagrad's rate")
+    p.add_argument("--lr_rule", choices=LR_RULES, default="same",
+                   help="same: --learning_rate in every setup; sqrt: the hybrid setups (one "
+                        "dense update per W x per_worker_batch examples) use --learning_rate "
+                        "x sqrt(W), stock PSS (one update per worker batch) --learning_rate")
+    p.add_argument("--hybrid_input", choices=("self_sharded", "auto_sharded"),
+                   default="self_sharded",
+                   help="self_sharded: each hybrid worker generates only its own batches, as "
+                        "stock PSS's do; auto_sharded: the demo's dataset, every worker "
+                        "generates every global batch and keeps its own")
     p.add_argument("--steps_per_execution", type=int, default=10)
     p.add_argument("--eval_every_steps", type=int, default=50,
                    help="global steps (W x per_worker_batch examples each) between evaluations")
@@ -260,10 +274,27 @@ def options(args: argparse.Namespace) -> dict:
             if k not in ("setup_list", "worker_list", "milestone_list")}
 
 
+def learning_rate(setup: str, num_workers: int, base: float, rule: str) -> float:
+    """The rate a setup trains with under a rule (see ``--lr_rule``).
+
+    "sqrt" is the square-root scaling rule for a larger batch (Krizhevsky,
+    "One weird trick", 2014): the hybrid setups apply one dense update per
+    global step of W worker batches, so their rate grows with sqrt(W); stock
+    PSS applies each worker's batch on its own, so its rate is the base rate.
+    """
+    if rule not in LR_RULES:
+        raise ValueError(f"lr_rule must be one of {LR_RULES}, got {rule!r}")
+    if rule == "sqrt" and setup != BASELINE:
+        return base * float(np.sqrt(num_workers))
+    return base
+
+
 def job_for(setup: str, num_workers: int, args: argparse.Namespace) -> dict:
     """The chief's job (benchmarks.auc_chief) for one setup."""
+    rate = learning_rate(setup, num_workers, args.learning_rate, args.lr_rule)
     return {"setup": setup, "num_workers": num_workers, "num_ps": args.num_ps,
-            "per_worker_batch": args.per_worker_batch, "learning_rate": args.learning_rate,
+            "per_worker_batch": args.per_worker_batch, "learning_rate": rate,
+            "hybrid_input": args.hybrid_input,
             "steps_per_execution": args.steps_per_execution,
             "eval_every_steps": args.eval_every_steps, "eval_examples": args.eval_examples,
             "target_auc": args.target_auc, "max_seconds": args.max_seconds,
@@ -403,7 +434,10 @@ def markdown(run: dict, evals: Sequence[dict], summaries: Sequence[dict]) -> str
            and o["link_mbit"] else "")
         + f", {o['num_ps']} PS. The demo's CTR model and data (vocab {o['vocab_size']}, dim "
         f"{o['embedding_dim']}, seed {o['seed']}), {o['per_worker_batch']} examples per worker "
-        f"per step, legacy Adagrad {o['learning_rate']:g} in every setup; held-out AUC (exact) "
+        f"per step, legacy Adagrad {o['learning_rate']:g} "
+        + ("in every setup" if o.get("lr_rule", "same") == "same" else
+           "x sqrt(W) in the hybrid setups, as it is in stock PSS")
+        + f"; hybrid input {o.get('hybrid_input', 'auto_sharded')}; held-out AUC (exact) "
         f"on {o['eval_examples']} examples every {o['eval_every_steps']} global steps; the "
         "clock is training time (evaluations excluded, tracing included); the time to target "
         f"is the first evaluation at or above it; cap {o['max_seconds']:g} s of training per setup.",
@@ -552,8 +586,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     header = {"kind": "time_to_auc_run", "name": args.name, "argv": argv,
               "options": options(args), "machine": machine,
               "model": "keras_examples/ctr.py build_ctr_model (the demo's)",
-              "rule": "per-worker batch and legacy Adagrad rate the same in every setup; "
-                      "hybrid sync: one update per global step of W x per_worker_batch; "
+              "rule": "per-worker batch the same in every setup; legacy Adagrad's rate "
+                      + ("the same in every setup; " if args.lr_rule == "same" else
+                         "x sqrt(W) for the hybrid setups, the base rate for stock PSS; ")
+                      + "hybrid sync: one update per global step of W x per_worker_batch; "
                       "hybrid async: dense all-reduced, each worker pushes its own table "
                       "gradient; stock PSS: each worker applies its own batch asynchronously",
               "clock": "training only (each epoch's begin to end, tracing included); "
@@ -595,7 +631,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         s["strategy_options"] = strategy_record(s["setup"])
         s["per_worker_batch"] = args.per_worker_batch
         s["global_batch"] = args.per_worker_batch * s["num_workers"]
-        s["learning_rate"] = args.learning_rate
+        s["learning_rate"] = learning_rate(s["setup"], s["num_workers"], args.learning_rate,
+                                           args.lr_rule)
+        s["lr_rule"] = args.lr_rule
         emit(s)
     for e in failed:
         emit(e)

@@ -214,3 +214,37 @@ def test_resummarize_rewrites_the_summaries_from_the_lines(monkeypatch, capsys, 
         rewritten = [json.loads(ln) for ln in f]
     assert rewritten[:7] == first[:7] and rewritten[7:] == again  # Run and evals kept.
     assert "AUC 0.76" in (tmp_path / "r.md").read_text(encoding="utf-8")
+
+
+def test_sqrt_rule_scales_only_the_hybrid_setups_rate():
+    assert tta.learning_rate("stock_pss", 8, 0.3, "sqrt") == 0.3
+    assert tta.learning_rate("hybrid_sync", 8, 0.3, "sqrt") == pytest.approx(0.3 * 8 ** 0.5)
+    assert tta.learning_rate("hybrid_async", 4, 0.3, "sqrt") == pytest.approx(0.6)
+    assert tta.learning_rate("hybrid_sync", 8, 0.3, "same") == 0.3
+    with pytest.raises(ValueError, match="lr_rule"):
+        tta.learning_rate("hybrid_sync", 8, 0.3, "linear")
+    args = tta.parse_args(["--lr_rule", "sqrt", "--workers", "4"])
+    assert tta.job_for("hybrid_sync", 4, args)["learning_rate"] == pytest.approx(0.6)
+    assert tta.job_for("stock_pss", 4, args)["learning_rate"] == 0.3
+    assert tta.job_for("hybrid_sync", 4, args)["hybrid_input"] == "self_sharded"
+
+
+def test_each_worker_reads_the_global_batches_the_demo_dataset_gives_it():
+    # Worker i of W reads global batches i, i + W, ... whether it generates
+    # only its own (self_sharded) or the demo's whole stream is sharded.
+    import tensorflow as tf
+
+    from benchmarks import auc_chief
+    from tf_psplugin.data import SyntheticCTR
+
+    job = {"vocab_size": 100, "seed": 3, "per_worker_batch": 8, "num_workers": 3}
+    demo = list(SyntheticCTR(vocab_size=100, seed=3).dataset(8).take(8))
+    for worker in range(3):
+        creator = auc_chief.sharded_dataset(job, lambda ctx, worker=worker: worker)
+        mine = list(creator(tf.distribute.InputContext()).take(2))
+        for k, (features, label) in enumerate(mine):
+            want_features, want_label = demo[worker + 3 * k]
+            np.testing.assert_array_equal(features["categorical"],
+                                          want_features["categorical"])
+            np.testing.assert_array_equal(features["dense"], want_features["dense"])
+            np.testing.assert_array_equal(label, want_label)
