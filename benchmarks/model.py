@@ -23,6 +23,23 @@ Variants used by the profile (`--variant`):
 * ``dedup``: ids are de-duplicated with `tf.unique` before the lookup, so each
   distinct row is fetched from the PS (and its gradient pushed) once per batch.
 
+Ablations of the table lookup (issue 44 item 2: how much a pipelined step
+could win), same dense work as ``baseline``:
+
+* ``local_rows``: no table at all; each feature's rows are gathered on the
+  worker from a small constant (``ids % LOCAL_ROWS`` rows of width
+  `embedding_dim`): no lookup RPC and no sparse gradient push on the critical
+  path of the step, and no PS work.
+* ``no_push``: the baseline's tables and lookups, but no gradient reaches the
+  tables (`tf.stop_gradient` on the rows): the lookup RPC stays, the sparse
+  gradient push and the PS's apply go.
+
+Both scale the rows by one trainable scalar (`AblationScale`, a dense
+variable: one float all-reduced), so the backward pass still computes the
+gradient of the loss with respect to the rows (the first MLP layer's input
+gradient) as the baseline does. ``baseline`` minus ``no_push`` bounds the
+push; ``no_push`` minus ``local_rows`` bounds the lookup.
+
 Raw-id variants (``benchmarks.run --dynamic``): every feature's id becomes a
 raw key in a 2^40 id space (`raw_keys`), as Criteo-style hashed strings are;
 one table of `capacity` rows serves all 26 features:
@@ -43,7 +60,10 @@ from typing import Dict, Optional, Tuple
 import tensorflow as tf
 
 NUM_DENSE = 13
-VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed", "dynamic")
+VARIANTS = ("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed", "dynamic",
+            "local_rows", "no_push")
+ABLATION_VARIANTS = ("local_rows", "no_push")
+LOCAL_ROWS = 1024  # Rows of the `local_rows` variant's worker-local constant.
 RAW_KEY_VARIANTS = ("hashed", "dynamic")
 RAW_KEY_BITS = 40
 # ModelSpec.optimizer -> the optimizer for a learning rate (the names are
@@ -194,6 +214,45 @@ class MultiTableEmbedding(tf.keras.layers.Layer):
         return tf.concat(columns, axis=1)
 
 
+class AblationScale(tf.keras.layers.Layer):
+    """Rows times one trainable scalar (initially 1): keeps the row gradient computed.
+
+    Without it a model whose rows need no gradient (``local_rows``,
+    ``no_push``) would skip the first MLP layer's input gradient, dense work
+    the baseline does.
+    """
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(name="scale", shape=(), initializer="ones",
+                                     trainable=True)
+        super().build(input_shape)
+
+    def call(self, rows):
+        return rows * tf.cast(self.scale, rows.dtype)
+
+
+class LocalRows(tf.keras.layers.Layer):
+    """Every feature's rows from a worker-local constant: a lookup with no RPC.
+
+    `LOCAL_ROWS` x `dim` values (64 KiB at width 16), the same for every
+    feature; ids are taken modulo `LOCAL_ROWS`. Output: [B, F * dim], as the
+    baseline's concatenated embeddings.
+    """
+
+    def __init__(self, dim: int, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = int(dim)
+        self.seed = int(seed)
+
+    def call(self, ids):
+        import numpy as np  # pylint: disable=g-import-not-at-top
+
+        values = np.random.default_rng(self.seed).uniform(
+            -0.05, 0.05, (LOCAL_ROWS, self.dim)).astype(np.float32)
+        rows = tf.gather(tf.constant(values), tf.math.floormod(tf.cast(ids, tf.int64), LOCAL_ROWS))
+        return tf.reshape(rows, [-1, ids.shape[-1] * self.dim])
+
+
 def _embedding(spec: ModelSpec, rows: int, name: str):
     if spec.dedup:
         return DedupEmbedding(rows, spec.embedding_dim, name=name)
@@ -257,6 +316,8 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
         ids = tf.keras.layers.Lambda(lambda c: c + offsets, name="fuse_ids")(cat_in)
         emb = _embedding(spec, spec.table_rows(), "embedding_fused")(ids)
         emb = tf.keras.layers.Flatten(name="flatten")(emb)
+    elif spec.variant == "local_rows":
+        emb = LocalRows(spec.embedding_dim, spec.seed, name="local_rows")(cat_in)
     elif spec.variant == "multitable":
         emb = MultiTableEmbedding(spec.num_categorical, spec.vocab_size, spec.embedding_dim,
                                   name="embeddings_all")(cat_in)
@@ -266,6 +327,10 @@ def build_model(spec: ModelSpec) -> tf.keras.Model:
             ids_f = tf.keras.layers.Lambda(lambda c, f=f: c[:, f], name=f"ids_C{f + 1}")(cat_in)
             columns.append(_embedding(spec, spec.vocab_size, f"embedding_C{f + 1}")(ids_f))
         emb = tf.keras.layers.Concatenate(name="concat_embeddings")(columns)
+        if spec.variant == "no_push":
+            emb = tf.keras.layers.Lambda(tf.stop_gradient, name="stop_row_gradients")(emb)
+    if spec.variant in ABLATION_VARIANTS:
+        emb = AblationScale(name="ablation_scale")(emb)
     x = tf.keras.layers.Concatenate(name="concat")([dense_in, emb])
     for i, width in enumerate(spec.hidden):
         x = tf.keras.layers.Dense(width, activation="relu", name=f"mlp_{i}")(x)

@@ -207,7 +207,8 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
                                                table_bytes=4 if table_dtype == "float32" else 2)
     worker_bytes_per_step = sum(per_role["worker"]) / len(per_role["worker"]) / worker_steps
     record = {
-        "kind": "network", "setup": setup, "num_workers": num_workers, "num_ps": args.num_ps,
+        "kind": "network", "setup": setup, "variant": spec.variant,
+        "num_workers": num_workers, "num_ps": args.num_ps,
         "table_dtype": table_dtype if setup != "stock_pss" else None,
         "link_mbit": args.link_mbit, "per_worker_batch": args.per_worker_batch,
         "examples_per_sec": round(result["examples_per_sec"], 1),

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embedding_dim", type=int, default=16)
     p.add_argument("--variant", default="baseline",
                    choices=("baseline", "fused", "dedup", "fused_dedup", "multitable", "hashed",
-                            "dynamic"),
+                            "dynamic", "local_rows", "no_push"),
                    help="model variant (see benchmarks/model.py)")
     p.add_argument("--mixed_precision", default="float32",
                    help=f"comma-separated Keras policies, each run side by side: "

@@ -449,6 +449,39 @@ def test_raw_key_variants_build_and_feed_raw_ids():
         assert out.shape == (2, 1)
 
 
+def test_lookup_ablation_variants_drop_only_the_lookup_or_the_push():
+    """local_rows: no table, no row gradient to any table; no_push: tables, no gradient to them.
+
+    Both still compute the first MLP layer's input gradient (the baseline's
+    dense work): the scalar `AblationScale` gets a gradient through the rows.
+    """
+    import tensorflow as tf
+
+    from benchmarks import model as model_lib
+
+    x = {"dense": tf.ones([3, model_lib.NUM_DENSE]),
+         "categorical": tf.constant([[0, 49], [7, 1], [2, 2]], tf.int64)}
+    grads = {}
+    for variant in ("baseline",) + model_lib.ABLATION_VARIANTS:
+        spec = model_lib.ModelSpec(vocab_size=50, num_categorical=2, embedding_dim=4,
+                                   hidden=(8,), variant=variant)
+        model = model_lib.build_model(spec)
+        with tf.GradientTape() as tape:
+            out = model(x)
+            loss = tf.reduce_sum(out * out)
+        names = [v.name for v in model.trainable_variables]
+        grads[variant] = dict(zip(names, tape.gradient(loss, model.trainable_variables)))
+        assert out.shape == (3, 1)
+    tables = [n for n in grads["baseline"] if "embeddings" in n]
+    assert len(tables) == 2 and all(grads["baseline"][n] is not None for n in tables)
+    assert not any("embeddings" in n for n in grads["local_rows"])  # No table at all.
+    no_push_tables = [n for n in grads["no_push"] if "embeddings" in n]
+    assert no_push_tables == tables and all(grads["no_push"][n] is None for n in tables)
+    for variant in model_lib.ABLATION_VARIANTS:
+        scale = [g for n, g in grads[variant].items() if "scale" in n]
+        assert len(scale) == 1 and float(scale[0]) != 0.0  # Row gradient computed.
+
+
 def test_ablation_interleaves_dense_bucket_sizes_and_records_them(monkeypatch, capsys, tmp_path):
     from benchmarks import ablation
 

@@ -65,6 +65,7 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     by = {(r["setup"], r["num_workers"]): r for r in records}
     assert by[("hybrid_sync", 8)]["ratio_to_stock_pss"] == 2.5
     assert by[("stock_pss", 2)]["ratio_to_stock_pss"] == 1.0
+    assert {r["variant"] for r in records} == {"baseline"}  # The model variant run (--variant).
     r = by[("hybrid_sync", 2)]
     # Workers are the 4th and 5th hosts: (4000+2000 + 5000+2500)/2 bytes over 8 steps.
     assert r["worker_bytes_per_step"] == round((6000 + 7500) / 2 / 8)
