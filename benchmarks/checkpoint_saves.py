@@ -20,12 +20,10 @@ measured `--saves`, growth per 100 saves, and seconds per save; then one `kind:
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 from benchmarks import procs
 

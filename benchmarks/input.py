@@ -27,8 +27,7 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from benchmarks import procs
 

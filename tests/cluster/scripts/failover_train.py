@@ -6,7 +6,6 @@ exercises the failover machinery itself. Prints "STEP <n>" every step.
 """
 
 import json
-import os
 import sys
 
 import numpy as np
