@@ -15,6 +15,7 @@ initial value, which Keras makes on the chief (`constant_fill_on_device`).
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import resource_variable_ops
+from tf_psplugin.tables import sliced_draw
 
 # Table shards at least this large are filled on their PS by a tf.function.
 _FILL_IN_PLACE_MIN_BYTES = 16 << 20
@@ -50,13 +51,28 @@ def _create_filled_in_place(init, shape, dtype, kwargs):
         constraint=kwargs.get("constraint"),
         distribute_strategy=kwargs.get("distribute_strategy") or tf.distribute.get_strategy())
 
+    with tf.device(var.device):
+        _fill(var, init, shape, dtype)
+    return var
+
+
+def _fill(var, fn, shape, dtype) -> None:
+    """Assigns ``fn()`` to `var`: in row slices if `sliced_draw` can, else whole.
+
+    ``fn`` is traced once either way (an initializer whose Python state
+    moves at each call draws what it drew before this module sliced).
+    """
+    whole = sliced_draw.trace(fn, dtype)
+    slicer = sliced_draw.slicer(whole, shape)
+    if slicer is not None:
+        slicer.fill(var)
+        return
+
     @tf.function(autograph=False)
     def fill():
-        var.assign(tf.convert_to_tensor(init(), dtype=dtype), read_value=False)
+        var.assign(whole(), read_value=False)
 
-    with tf.device(var.device):
-        fill()
-    return var
+    fill()
 
 
 def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
@@ -76,11 +92,11 @@ def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
             >= _FILL_IN_PLACE_MIN_BYTES):
         return tf.convert_to_tensor(fn(), dtype=dtype)
 
-    @tf.function(autograph=False)
-    def rows():
-        return tf.convert_to_tensor(fn(), dtype=dtype)
-
-    return rows()
+    whole = sliced_draw.trace(fn, dtype)
+    slicer = sliced_draw.slicer(whole, shape)
+    if slicer is None:
+        return whole()
+    return slicer.value()
 
 
 def constant_fill_on_device(kwargs: dict) -> dict:
