@@ -10,6 +10,10 @@ tf.function on the PS instead (peak 1x); small ones are created as usual.
 The same holds for what a table's variables start from elsewhere: a
 stack's initial rows (`compute_rows`) and an optimizer slot's constant
 initial value, which Keras makes on the chief (`constant_fill_on_device`).
+Both large-value paths draw in row slices where `sliced_draw` can (Keras's
+stateless random and constant initializers: the same bits as the whole
+draw), so a PS peaks at the rows in their own dtype plus one float32 slice,
+not beside the whole float32 draw of a half-precision table.
 """
 
 import tensorflow as tf
@@ -39,7 +43,8 @@ def _create_filled_in_place(init, shape, dtype, kwargs):
 
     An uninitialized variable filled by a tf.function on the PS lets the
     executor free intermediates and AssignVariableOp adopt the last buffer:
-    the PS peaks at 1x the shard (see the module doc).
+    the PS peaks at 1x the shard plus one slice of the draw (see the module
+    doc).
     `UninitializedVariable` is what TF's SavedModel loader uses for the same
     reason (resource_variable_ops, TF 2.15-2.21).
     """
@@ -81,11 +86,12 @@ def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
     Eagerly, each op of an initializer (a random draw, its scaling, the cast
     of a half-precision table) is a separate remote op whose input stays
     alive while its output is allocated: a PS peaks at twice the float32
-    rows even for a bfloat16 table. In one function the executor frees (or
-    reuses in place) each intermediate, so the PS peaks at the float32 draw
-    plus the rows in `dtype`. Keras's initializers draw the same numbers
-    either way (stateless ops seeded from Python); small values stay eager,
-    as `create_shard` does.
+    rows even for a bfloat16 table. In one function drawn whole, the PS
+    still peaks at the float32 draw plus the rows in `dtype`; drawn in row
+    slices (`sliced_draw`, when the value allows it) at the rows plus one
+    slice. Keras's initializers draw the same numbers either way
+    (stateless ops seeded from Python); small values stay eager, as
+    `create_shard` does.
     """
     shape = tf.TensorShape(shape)
     if not (shape.is_fully_defined() and shape.num_elements() * dtype.size
