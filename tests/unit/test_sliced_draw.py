@@ -137,3 +137,11 @@ def test_values_that_cannot_be_sliced_stay_whole(small_slices, value):
     rows = shard_init.compute_rows(value, [_ROWS, _DIM], tf.float32)
     assert rows.shape == [_ROWS, _DIM] and rows.dtype == tf.float32
 
+
+def test_only_philox_draws_are_sliced(small_slices):
+    def draw(alg):
+        return lambda: tf.random.stateless_uniform([_ROWS, _DIM], [1, 2], alg=alg)
+
+    for alg, sliced in (("philox", True), ("auto_select", True), ("threefry", False)):
+        slicer = sliced_draw.slicer(sliced_draw.trace(draw(alg), tf.float32), [_ROWS, _DIM])
+        assert (slicer is not None) == sliced, alg

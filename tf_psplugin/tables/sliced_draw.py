@@ -93,6 +93,8 @@ def slicer(whole: tf.types.experimental.ConcreteFunction, shape) -> Optional["Sl
     draws, fills, consts = set(), set(), {}
 
     def accepts(t: tf.Tensor) -> bool:
+        if t.shape.rank is None:
+            return False
         if t.shape.rank == 0:
             return True
         if t.shape.as_list() != full:
@@ -100,7 +102,7 @@ def slicer(whole: tf.types.experimental.ConcreteFunction, shape) -> Optional["Sl
         op = t.op
         if op.type in _COUNTER_STEPS_PER_GROUP:
             draws.add(op)
-            return op.get_attr("dtype") == tf.float32
+            return op.get_attr("dtype") == tf.float32 and _is_philox(op.inputs[3])
         if op.type == "Fill":
             fills.add(op)
             return True
@@ -117,9 +119,21 @@ def slicer(whole: tf.types.experimental.ConcreteFunction, shape) -> Optional["Sl
     graph_def = graph.as_graph_def()
     if graph_def.library.function:
         return None
+    by_name = lambda item: item[0].name if isinstance(item, tuple) else item.name  # noqa: E731
     return Slicer(graph_def, graph.outputs[0], full, next(iter(draws), None),
-                  sorted(fills, key=lambda o: o.name), sorted(consts.items(),
-                                                              key=lambda c: c[0].name))
+                  sorted(fills, key=by_name), sorted(consts.items(), key=by_name))
+
+
+def _is_philox(alg: tf.Tensor) -> bool:
+    """Whether a draw's algorithm input is a constant Philox (1) or auto-select (3).
+
+    Auto-select (Keras's choice) is Philox on CPU and GPU; `Slicer`'s
+    counter arithmetic is Philox's.
+    """
+    if alg.op.type != "Const":
+        return False
+    values = list(alg.op.get_attr("value").int_val)
+    return values in ([1], [3])
 
 
 def _broadcast_scalar(op) -> Optional[np.ndarray]:
@@ -162,7 +176,7 @@ class Slicer:
         self._consts = consts
 
     def slices(self) -> List[Tuple[int, int]]:
-        """(first row, row count) of each slice; every first row times the width is a multiple of 4."""
+        """(first row, rows) of each slice: each first row times the width is a multiple of 4."""
         rows = self._shape[0]
         per = max(_GROUP, SLICE_BYTES // (4 * self._width) // _GROUP * _GROUP)
         return [(a, min(per, rows - a)) for a in range(0, rows, per)]
