@@ -5,7 +5,7 @@ which shard), `sharded` (the interleaved table type), `lookups` (TF's lookup
 APIs dispatched to it), `fusion` and `stacking`/`stacked_updates` (fewer
 round trips per step), `dynamic` (`DynamicEmbedding`, keyed by raw ids;
 its per-PS state in `dynamic_state`, its row policy in `dynamic_admission`),
-`key_hashing` and `shard_init`. Uses `sync`, `cluster` and `_internal`. The
+`key_hashing`, `shard_init` and `sliced_draw`. Uses `sync`, `cluster` and `_internal`. The
 public face is `tf_psplugin.layers`.
 """
 

@@ -10,11 +10,16 @@ tf.function on the PS instead (peak 1x); small ones are created as usual.
 The same holds for what a table's variables start from elsewhere: a
 stack's initial rows (`compute_rows`) and an optimizer slot's constant
 initial value, which Keras makes on the chief (`constant_fill_on_device`).
+Both large-value paths draw in row slices where `sliced_draw` can (Keras's
+stateless random and constant initializers: the same bits as the whole
+draw), so a PS peaks at the rows in their own dtype plus one float32 slice,
+not beside the whole float32 draw of a half-precision table.
 """
 
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import resource_variable_ops
+from tf_psplugin.tables import sliced_draw
 
 # Table shards at least this large are filled on their PS by a tf.function.
 _FILL_IN_PLACE_MIN_BYTES = 16 << 20
@@ -38,7 +43,8 @@ def _create_filled_in_place(init, shape, dtype, kwargs):
 
     An uninitialized variable filled by a tf.function on the PS lets the
     executor free intermediates and AssignVariableOp adopt the last buffer:
-    the PS peaks at 1x the shard (see the module doc).
+    the PS peaks at 1x the shard plus one slice of the draw (see the module
+    doc).
     `UninitializedVariable` is what TF's SavedModel loader uses for the same
     reason (resource_variable_ops, TF 2.15-2.21).
     """
@@ -50,13 +56,28 @@ def _create_filled_in_place(init, shape, dtype, kwargs):
         constraint=kwargs.get("constraint"),
         distribute_strategy=kwargs.get("distribute_strategy") or tf.distribute.get_strategy())
 
+    with tf.device(var.device):
+        _fill(var, init, shape, dtype)
+    return var
+
+
+def _fill(var, fn, shape, dtype) -> None:
+    """Assigns ``fn()`` to `var`: in row slices if `sliced_draw` can, else whole.
+
+    ``fn`` is traced once either way (an initializer whose Python state
+    moves at each call draws what it drew before this module sliced).
+    """
+    whole = sliced_draw.trace(fn, dtype)
+    slicer = sliced_draw.slicer(whole, shape)
+    if slicer is not None:
+        slicer.fill(var)
+        return
+
     @tf.function(autograph=False)
     def fill():
-        var.assign(tf.convert_to_tensor(init(), dtype=dtype), read_value=False)
+        var.assign(whole(), read_value=False)
 
-    with tf.device(var.device):
-        fill()
-    return var
+    fill()
 
 
 def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
@@ -65,22 +86,23 @@ def compute_rows(fn, shape, dtype: tf.DType) -> tf.Tensor:
     Eagerly, each op of an initializer (a random draw, its scaling, the cast
     of a half-precision table) is a separate remote op whose input stays
     alive while its output is allocated: a PS peaks at twice the float32
-    rows even for a bfloat16 table. In one function the executor frees (or
-    reuses in place) each intermediate, so the PS peaks at the float32 draw
-    plus the rows in `dtype`. Keras's initializers draw the same numbers
-    either way (stateless ops seeded from Python); small values stay eager,
-    as `create_shard` does.
+    rows even for a bfloat16 table. In one function drawn whole, the PS
+    still peaks at the float32 draw plus the rows in `dtype`; drawn in row
+    slices (`sliced_draw`, when the value allows it) at the rows plus one
+    slice. Keras's initializers draw the same numbers either way
+    (stateless ops seeded from Python); small values stay eager, as
+    `create_shard` does.
     """
     shape = tf.TensorShape(shape)
     if not (shape.is_fully_defined() and shape.num_elements() * dtype.size
             >= _FILL_IN_PLACE_MIN_BYTES):
         return tf.convert_to_tensor(fn(), dtype=dtype)
 
-    @tf.function(autograph=False)
-    def rows():
-        return tf.convert_to_tensor(fn(), dtype=dtype)
-
-    return rows()
+    whole = sliced_draw.trace(fn, dtype)
+    slicer = sliced_draw.slicer(whole, shape)
+    if slicer is None:
+        return whole()
+    return slicer.value()
 
 
 def constant_fill_on_device(kwargs: dict) -> dict:
