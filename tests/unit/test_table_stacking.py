@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
-from tf_psplugin.state import export
+from tf_psplugin.state import checkpoint_write, export
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import lookups as table_lookups
 from tf_psplugin.tables import shard_init
@@ -1004,6 +1004,26 @@ def test_a_dispatch_links_its_traces_to_the_stacks_only_when_it_traced(monkeypat
     stack = _tables(model)["emb_0"].stack
     # Both signatures' traces (and the first call's variable-creating one) read the stack.
     assert len(stack.live_traces()) >= 2
+
+
+def test_the_traced_checkpoint_write_is_traced_again_after_a_split(tmp_path):
+    """The chief's cached checkpoint write read the stack: after the split it saves the new rows.
+
+    (Its trace read the old storage, which the split emptied.)
+    """
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    checkpoint = checkpoint_write.TracedWriteCheckpoint(model=model)
+    checkpoint.write(str(tmp_path / "before"))
+    held = _train(model, tf.keras.optimizers.legacy.SGD(0.1), _batches(1))  # Alive.
+    _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(2), stacks)
+    assert len({id(_tables(model)[f"emb_{f}"].stack) for f in range(3)}) == 3
+    path = checkpoint.write(str(tmp_path / "after"))
+    other = _model(None, seed=5)
+    tf.train.Checkpoint(model=other).read(path).assert_existing_objects_matched()
+    for a, b in zip(export.logical_weights(other), export.logical_weights(model)):
+        np.testing.assert_array_equal(a, b)
+    assert held is not None
 
 
 def test_a_stack_an_optimizer_s_live_slots_hold_is_refused_naming_the_fix():

@@ -28,7 +28,7 @@ from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import shard_init
 
 __all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows",
-           "recorded_since", "retire", "retired_because", "trace_mark"]
+           "recorded_since", "retire", "retired_because", "retirements", "trace_mark"]
 
 
 class TableSet:
@@ -72,6 +72,17 @@ def recorded_since(mark: int) -> bool:
 # id(graph) -> (weak ref of a traced graph whose stack storage was retired,
 # why): it reads variables that were freed when its stack was split apart.
 _RETIRED: Dict[int, tuple] = {}
+_RETIREMENTS = {"count": 0}
+
+
+def retirements() -> int:
+    """How many times old stack storage was emptied (`retire`) in this process.
+
+    A cache of traced functions that read tables and are not run through
+    the coordinator (the checkpoint's traced write) keys on it: it traces
+    anew after a split instead of reading the emptied storage.
+    """
+    return _RETIREMENTS["count"]
 
 
 def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str) -> None:
@@ -93,6 +104,7 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
         graphs: The traced graphs that read them and still live.
         why: What the coordinator's error says.
     """
+    _RETIREMENTS["count"] += 1
     for graph in graphs:
         _RETIRED[id(graph)] = (weakref.ref(graph), why)
     for variable in variables:
