@@ -15,13 +15,13 @@ import pytest
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
-from tf_psplugin.state import export
+from tf_psplugin.state import checkpoint_write, export
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import lookups as table_lookups
 from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import sharded_slots
-from tf_psplugin.tables import stack_rows, stacked_fallback, stacked_updates
+from tf_psplugin.tables import stack_rows, stack_storage, stacked_fallback, stacked_updates
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
@@ -942,15 +942,104 @@ def test_a_legacy_unknown_optimizer_gets_its_tables_split_apart_and_the_step_ret
                for text in notes.values()), notes
 
 
-def test_a_stack_a_live_traced_function_holds_is_refused_naming_the_fix():
-    """Another traced function that reads the stack still lives: no split, the fix named."""
+def test_a_stack_a_live_traced_function_read_is_split_and_that_function_refused():
+    """A recompile: the first fit's function (Keras keeps it) still reads the stack.
+
+    The split happens all the same (rows copied), and training ends
+    bit-identical to unstacked tables. The old function's storage is freed:
+    run again, it fails instead of training rows no table reads, and the
+    coordinator's tracing refuses it before it runs, naming the fix.
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    first = _batches(2, seed=3)
+    held = _train(stacked, tf.keras.optimizers.legacy.SGD(0.1), first)  # Alive.
+    _train(plain, tf.keras.optimizers.legacy.SGD(0.1), first)
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    assert narrow[0].stack is narrow[1].stack is narrow[2].stack
+    optimizers = {"stacked": _RmsScaledAdagrad(0.3), "plain": _RmsScaledAdagrad(0.3)}
+    _train_splitting(stacked, optimizers["stacked"], _batches(3), stacks)
+    _train(plain, optimizers["plain"], _batches(3))
+    assert len({id(t.stack) for t in narrow}) == 3  # Each alone now.
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    after = [w.copy() for w in export.logical_weights(stacked)]
+    x, y = first[0]
+    with pytest.raises(stacked_updates.StackingError,
+                       match=r"cannot run: it was traced before tables emb_0/embeddings, "
+                             r"emb_1/embeddings, emb_2/embeddings were split apart.*"
+                             r"Fix: trace it again"):
+        stacked_fallback.trace_splitting(lambda: held.get_concrete_function(x, y), held, stacks,
+                                         lambda traced: [traced])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 0\)"):
+        held(x, y)  # Called by hand: its old storage has no rows left.
+    for a, b in zip(export.logical_weights(stacked), after):
+        np.testing.assert_array_equal(a, b)  # Nothing trained the tables' rows.
+
+
+def test_a_dispatch_links_its_traces_to_the_stacks_only_when_it_traced(monkeypatch):
+    """`trace_splitting` records traced functions (`Stack.traced_as`) only after a new trace.
+
+    Each dispatch of a cached trace only looks it up: no recording (the
+    coordinator calls this once per step).
+    """
     stacks = TableStacks(lambda s: None)
     model = _model(stacks)
+    recorded = []
+    traced_as = stack_storage.Stack.traced_as
+    monkeypatch.setattr(stack_storage.Stack, "traced_as",
+                        lambda self, concrete: (recorded.append(concrete),
+                                                traced_as(self, concrete))[1])
+    step = _step_function(model, tf.keras.optimizers.legacy.SGD(0.1))
+    batches = _batches(4) + [(x[:5], y[:5]) for x, y in _batches(2, seed=2)]
+    counts = []
+    for x, y in batches:  # Four of batch 8 (one trace), two of batch 5 (a second trace).
+        concrete = stacked_fallback.trace_splitting(
+            lambda x=x, y=y: step.get_concrete_function(x, y), step, stacks,
+            lambda traced: [traced])
+        concrete(x, y)
+        counts.append(len(recorded))
+    assert counts[0] > 0 and counts[:4] == [counts[0]] * 4, counts
+    assert counts[4] > counts[3] and counts[5] == counts[4], counts
+    stack = _tables(model)["emb_0"].stack
+    # Both signatures' traces (and the first call's variable-creating one) read the stack.
+    assert len(stack.live_traces()) >= 2
+
+
+def test_the_traced_checkpoint_write_is_traced_again_after_a_split(tmp_path):
+    """The chief's cached checkpoint write read the stack: after the split it saves the new rows.
+
+    (Its trace read the old storage, which the split emptied.)
+    """
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    checkpoint = checkpoint_write.TracedWriteCheckpoint(model=model)
+    checkpoint.write(str(tmp_path / "before"))
     held = _train(model, tf.keras.optimizers.legacy.SGD(0.1), _batches(1))  # Alive.
-    with pytest.raises(stacked_updates.StackingError,
-                       match=r"stack_tables=False.*cannot be split: a traced function"):
-        _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(1), stacks)
+    _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(2), stacks)
+    assert len({id(_tables(model)[f"emb_{f}"].stack) for f in range(3)}) == 3
+    path = checkpoint.write(str(tmp_path / "after"))
+    other = _model(None, seed=5)
+    tf.train.Checkpoint(model=other).read(path).assert_existing_objects_matched()
+    for a, b in zip(export.logical_weights(other), export.logical_weights(model)):
+        np.testing.assert_array_equal(a, b)
     assert held is not None
+
+
+def test_a_stack_an_optimizer_s_live_slots_hold_is_refused_naming_the_fix():
+    """A live optimizer's slots of the stack hold its row layout: no split, the fix named."""
+    stacks = TableStacks(lambda s: None)
+    model = _model(stacks)
+    adagrad = tf.keras.optimizers.legacy.Adagrad(0.1)
+    _train(model, adagrad, _batches(1))
+    for table in _tables(model).values():  # What the strategy's slot creator records.
+        for s in range(SHARDS):
+            stacks.seal(table.variables[s], slot=adagrad.get_slot(table.variables[s],
+                                                                  "accumulator"))
+    with pytest.raises(stacked_updates.StackingError,
+                       match=r"stack_tables=False.*cannot be split: an optimizer has slots"):
+        _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(1), stacks)
+    assert adagrad is not None
 
 
 def test_a_legacy_unknown_optimizer_without_the_coordinator_is_refused_naming_the_fix():

@@ -197,7 +197,9 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
                 "fix: decorate it with @tf.function.")
         self._maybe_log_placement()
         if not self._synchronous:
-            return super().schedule(fn, args=args, kwargs=kwargs)
+            return self._tracing.schedule_async(
+                lambda: super(HybridClusterCoordinator, self).schedule(fn, args=args,
+                                                                       kwargs=kwargs), fn)
         self._raise_if_error()
         # Each step its own cancellation manager (not the stock closure
         # queue's): `_cancel_waiting_peers` cancels this step and no other.

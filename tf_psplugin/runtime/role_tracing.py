@@ -9,6 +9,11 @@ names that worker and `_update` leaves the other roles' table updates out.
 While it traces, the strategy's reductions and updates are the synchronous
 ones (`extended.tracing_sync_step`), and the step's collectives get the same
 instance keys in every role's trace.
+
+Both this tracing and the stock coordinator's (asynchronous mode,
+`schedule_async`) go through `stacked_fallback.trace_splitting`: a legacy
+optimizer that needs its tables out of a shared stack gets them split apart
+and the step traced again.
 """
 
 import tensorflow as tf
@@ -64,6 +69,26 @@ class RoleTracing:
             # after the gradients and never read in the step): trace a
             # replacement that writes them (see on_read_updates.py).
             traced = on_read.replacement_for(fn, traced, left_pending)
+
+    def schedule_async(self, schedule, fn):
+        """`schedule()` (the stock coordinator's, asynchronous mode), traced again after a split.
+
+        The stock `Closure` traces `fn` before it is queued: a legacy
+        optimizer not known to update a stack elementwise stops that trace
+        (`SplitRequired`), nothing is queued, the tables are split apart and
+        `schedule()` is called again, as in synchronous mode
+        (`stacked_fallback.trace_splitting`). A function traced before a
+        stack it reads was split is refused before it is queued.
+
+        Args:
+            schedule: Calls the stock `ClusterCoordinator.schedule` with the step.
+            fn: The step (`tf.function` or concrete function).
+
+        Returns:
+            What `schedule()` returned (the stock `RemoteValue`).
+        """
+        return stacked_fallback.trace_splitting(schedule, fn,
+                                                self._strategy.extended.table_stacks)
 
     def _trace_splitting(self, fn, args, kwargs, manager):
         """`_trace_each_role`, traced again after splitting stacks a legacy optimizer needs apart.

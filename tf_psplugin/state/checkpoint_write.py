@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tf_psplugin._internal import tf_internal as _tf_internal
 from tf_psplugin._internal import keras_members
+from tf_psplugin.tables import stack_storage
 
 
 class FedPythonState(tf.train.experimental.PythonState):
@@ -107,7 +108,10 @@ class TracedWriteCheckpoint(tf.train.Checkpoint):
         inner = copy.copy(options)
         if callbacks:
             inner.experimental_write_callbacks = None
-        key = (tuple(id(obj) for obj in objects), inner.experimental_io_device)
+        # A split table stack's old storage is emptied (stack_storage.retire):
+        # a write traced before it would read that storage, so it is traced again.
+        key = (tuple(id(obj) for obj in objects), inner.experimental_io_device,
+               stack_storage.retirements())
         cache = self._write_cache
         if cache.write is None or cache.key != key:
             # Only the newest function is kept: an older one holds variables

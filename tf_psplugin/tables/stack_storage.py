@@ -27,7 +27,8 @@ from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import shard_init
 
-__all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows", "trace_mark"]
+__all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows",
+           "recorded_since", "retire", "retired_because", "retirements", "trace_mark"]
 
 
 class TableSet:
@@ -49,11 +50,82 @@ class TableSet:
 
 # Numbers the traces that read a stack, in order, across stacks (`trace_mark`).
 _TRACE_MARKS = itertools.count(1)
+# The number of the newest trace recorded by any stack (`recorded_since`).
+_NEWEST = {"mark": 0}
 
 
 def trace_mark() -> int:
     """A mark: traces recorded after it are newer (`Stack.drop_traces_since`)."""
     return next(_TRACE_MARKS)
+
+
+def recorded_since(mark: int) -> bool:
+    """Whether any stack recorded a new trace after `mark` (`trace_mark`).
+
+    The coordinator links a dispatch's traced functions to the stacks they
+    read only when its call traced something (a cached trace was linked
+    when it was made).
+    """
+    return _NEWEST["mark"] > mark
+
+
+# id(graph) -> (weak ref of a traced graph whose stack storage was retired,
+# why): it reads variables that were freed when its stack was split apart.
+_RETIRED: Dict[int, tuple] = {}
+_RETIREMENTS = {"count": 0}
+
+
+def retirements() -> int:
+    """How many times old stack storage was emptied (`retire`) in this process.
+
+    A cache of traced functions that read tables and are not run through
+    the coordinator (the checkpoint's traced write) keys on it: it traces
+    anew after a split instead of reading the emptied storage.
+    """
+    return _RETIREMENTS["count"]
+
+
+def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str) -> None:
+    """Empties a split stack's old shard variables that live traced functions still read.
+
+    A stack read by a traced function that Keras keeps after `compile` (its
+    first fit's) is split all the same (`stacking.split_apart`): its
+    tables' rows were copied into new stacks. The old variables live on in
+    the old traces (a captured handle holds its resource), which could then
+    train rows no table reads any more. Each is given zero rows instead (an
+    assignment that does not validate the shape): its memory on the PS is
+    freed, and any op of an old trace fails (a gather or scatter of a row
+    out of ``[0, 0)``, an apply of mismatched shapes) before it writes
+    anything. The coordinator refuses to schedule those traces at all,
+    naming why (`retired_because`).
+
+    Args:
+        variables: The old shard variables (the caller copied their rows).
+        graphs: The traced graphs that read them and still live.
+        why: What the coordinator's error says.
+    """
+    _RETIREMENTS["count"] += 1
+    for graph in graphs:
+        _RETIRED[id(graph)] = (weakref.ref(graph), why)
+    for variable in variables:
+        with tf.device(variable.device):
+            # Public raw op: no variable API changes a variable's shape, and
+            # destroying it does nothing while a trace holds its handle.
+            tf.raw_ops.AssignVariableOp(
+                resource=variable.handle, validate_shape=False,
+                value=tf.zeros([0] + variable.shape.as_list()[1:], variable.dtype))
+
+
+def retired_because(concrete) -> Optional[str]:
+    """Why `concrete` (a traced function) must not run: it reads a split stack's old storage."""
+    graph = getattr(concrete, "graph", None)
+    entry = _RETIRED.get(id(graph)) if graph is not None else None
+    if entry is None:
+        return None
+    if entry[0]() is not graph:  # Gone, and the id reused.
+        _RETIRED.pop(id(graph), None)
+        return None
+    return entry[1]
 
 
 class Stack:
@@ -110,9 +182,10 @@ class Stack:
             graph = graph.outer_graph
         ref = self._traces.get(id(graph), (False, 0))[0]
         if ref is False or (ref is not None and ref() is not graph):  # New (or an id reused).
-            self._traces[id(graph)] = (weakref.ref(graph) if function else None,
-                                       next(_TRACE_MARKS))
+            mark = next(_TRACE_MARKS)
+            self._traces[id(graph)] = (weakref.ref(graph) if function else None, mark)
             self._functions.pop(id(graph), None)
+            _NEWEST["mark"] = max(_NEWEST["mark"], mark)
 
     def traced_as(self, concrete) -> None:
         """Records that the trace of `concrete`'s graph, if it read the stack, lives as `concrete`.
@@ -156,12 +229,32 @@ class Stack:
         """
         if self.traced and not self._traces:
             return "a traced function uses its variables"  # Marked so without a record.
+        if self.live_traces():
+            return "a traced function that is still alive uses its variables"
+        return self.slots_held_by()
+
+    def live_traces(self) -> List[object]:
+        """The traced graphs that read the variables and still live (see `held_by`).
+
+        A graph that is not a `FuncGraph` (held for good) is not listed.
+        """
+        live = []
         for key, (ref, _) in self._traces.items():
             function = self._functions.get(key)
             alive = function() is not None if function is not None else (
                 ref is None or ref() is not None)
-            if alive:
-                return "a traced function that is still alive uses its variables"
+            graph = ref() if ref is not None else None
+            if alive and graph is not None:
+                live.append(graph)
+        return live
+
+    def traced_for_good(self) -> bool:
+        """Whether a graph that is not a tf.function's (it lives for good) read the variables."""
+        return (self.traced and not self._traces) or any(
+            ref is None for ref, _ in self._traces.values())
+
+    def slots_held_by(self) -> Optional[str]:
+        """"an optimizer has slots for it" while an optimizer's slot of a shard lives, else None."""
         if any(ref() is not None for ref in self._slots):
             return "an optimizer has slots for it"
         if self.sealed and not self._slots:

@@ -20,7 +20,9 @@ the optimizer's own update of the stack shard:
   legacy optimizer not known to update a stack elementwise applies through
   the variable's handle, a view's being the whole stack shard's; its tables
   get a stack each when the step's first trace meets them
-  (`SplitRequired`), and the step is traced again.
+  (`SplitRequired`), and the step is traced again. A function traced
+  before (the first fit's, which Keras keeps after `compile`) reads the old
+  storage, which is emptied (`stack_storage.retire`); it is refused here.
 * **Views applied on their own** (`applying_per_table`): a Keras
   (non-legacy) optimizer not known to update a stack as it updates each
   table gets each view with its own gradient; the strategy's update of a
@@ -216,9 +218,9 @@ class SplitRequired(StackingError):
     the whole stack shard's: its apply to a table is exact only if the table
     is alone in its stack. Raised while a step is traced (before any slot
     of it is made); the coordinator catches it, splits the tables apart
-    and traces the step again (`trace_splitting`). Anywhere else (a `tf.function` called without the
-    coordinator, or a stack something still holds) it is the error the user
-    sees, naming the fix.
+    and traces the step again (`trace_splitting`). Anywhere else (a
+    `tf.function` called without the coordinator, or a stack another live
+    optimizer has slots for) it is the error the user sees, naming the fix.
 
     Attributes:
         tables: The tables the optimizer applies that share a stack.
@@ -233,8 +235,8 @@ class SplitRequired(StackingError):
         super().__init__(
             f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
             "ClusterCoordinator.schedule (which splits them apart before the first step and "
-            "traces the step again), or once another live traced function or optimizer "
-            "holds the stack, they cannot be split. Fix: "
+            "traces the step again), or while another optimizer that is still alive has "
+            "slots for the stack, they cannot be split. Fix: "
             "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)), "
             "or compile the model with "
             f"this optimizer before its first call (its tables are then stacked apart), or "
@@ -267,20 +269,38 @@ def take_split_request():
         return _SPLIT_REQUEST.pop("value", None)
 
 
+def _refuse_retired(concretes, function) -> None:
+    """Raises if one of `concretes` reads a split stack's freed storage (`stack_storage.retire`)."""
+    for concrete in concretes:
+        why = stack_storage.retired_because(concrete)
+        if why is not None:
+            name = getattr(function, "__name__", None) or getattr(concrete, "name", "the function")
+            raise StackingError(
+                f"stack_tables=True: {name!r} cannot run: {why}. Fix: trace it again "
+                "(a new tf.function; Keras makes one when the model is compiled again), or "
+                "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)).")
+
+
 def trace_splitting(trace: Callable[[], object], function, stacks,
                     traces_of: Callable[[object], list] = lambda result: []):
     """`trace()`, done again after splitting the stacks a legacy optimizer needs apart.
 
     A legacy optimizer not known to update a stack elementwise, applying
-    tables that share a stack (a custom loop), stops the trace of the step
-    (`SplitRequired`, before it makes any slot). The trace is dropped, the
-    tables are split apart (`stacking.split_apart`: each alone in a stack,
-    their current rows copied) and the step is traced again, as its first
-    call (`tf_objects.restart_first_trace`). Each split leaves fewer shared
-    stacks, so this ends. A stack that cannot be split (another live
-    traced function or optimizer slot holds it) raises the error, which
-    names the fix. The coordinator traces every step through this
-    (runtime/role_tracing.py).
+    tables that share a stack (a custom loop, or a model compiled with it
+    after a traced `fit`), stops the trace of the step (`SplitRequired`,
+    before it makes any slot). The trace is dropped, the tables are split
+    apart (`stacking.split_apart`: each alone in a stack, their current
+    rows copied) and the step is traced again, as its first call
+    (`tf_objects.restart_first_trace`). Each split leaves fewer shared
+    stacks, so this ends. A live traced function that read a split stack
+    (Keras keeps the first fit's) does not stop the split: its storage is
+    freed, and this refuses to run such a function, naming why. A stack
+    an optimizer's live slots hold raises the error, which names the fix.
+    The coordinator traces every step through this (runtime/role_tracing.py
+    in synchronous mode, runtime/coordinator.py's asynchronous schedule).
+    A dispatch whose call traced nothing (a cached trace) only looks its
+    traces up: it links them to the stacks they read (`Stack.traced_as`)
+    only when a new trace was made.
 
     Args:
         trace: Traces the step (``function``, on each role); returns its result.
@@ -293,8 +313,11 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
         What `trace()` returned.
 
     Raises:
-        StackingError: the stacks cannot be split (see above).
+        StackingError: the stacks cannot be split, or `function` was traced
+            before a stack it reads was split (see above).
     """
+    if stacks is not None:
+        _refuse_retired([function, tf_objects.first_trace_of(function)], function)
     done = set()
     while True:
         take_split_request()  # None left from an earlier trace.
@@ -309,8 +332,12 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
                 raise
             del error  # Only tables and text kept: its traceback holds the dropped trace.
         else:
-            if stacks is not None:  # What holds the stacks from now on.
-                traced = list(traces_of(result)) + [tf_objects.first_trace_of(function)]
+            if stacks is None:
+                return result
+            traced = list(traces_of(result))
+            _refuse_retired(traced, function)
+            if stack_storage.recorded_since(mark):  # What holds the stacks from now on.
+                traced.append(tf_objects.first_trace_of(function))
                 for stack in stacks.stacks():
                     for concrete in traced:
                         stack.traced_as(concrete)

@@ -85,7 +85,7 @@ from tf_psplugin.tables import stack_rows
 from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
-from tf_psplugin.tables.stack_storage import Stack, StackShard, current_rows
+from tf_psplugin.tables.stack_storage import Stack, StackShard, current_rows, retire
 from tf_psplugin.tables.table_view import TableView  # noqa: F401  (re-exported)
 
 __all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
@@ -393,11 +393,15 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     A legacy optimizer not known to update a stack as it updates each table
     (`stacked_fallback.SplitRequired`) found some of `tables` sharing a
     stack with others while a step was traced: the coordinator dropped that
-    trace and calls this before tracing the step again. A stack is split
-    only if nothing holds it any more -- no live traced function reads its
-    variables, no optimizer has slots for it (`Stack.held_by`, after
-    garbage is collected): its tables' current rows are copied into the new
-    stacks' variables, as a split before the first step does.
+    trace and calls this before tracing the step again. Their tables'
+    current rows are copied into the new stacks' variables, as a split
+    before the first step does. A live optimizer slot of a stack keeps it
+    whole (the slots hold its row layout). A live traced function that read
+    it does not (Keras keeps the first fit's train function after a
+    `compile`, where no one calls it): the old variables are emptied
+    (`stack_storage.retire`), so such a function never trains rows that no
+    table reads any more: the coordinator refuses to schedule it, naming
+    why, and any other call of it fails.
 
     Args:
         tables: The tables the optimizer applies; each ends alone in a stack.
@@ -411,17 +415,27 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     stacks = {id(t.stack): t.stack for t in tables
               if t.stack is not None and len(list(t.stack.tables)) > 1}
     for stack in stacks.values():
-        held = stack.held_by()
+        held = stack.slots_held_by() or (
+            "a graph that is not a tf.function's uses its variables"
+            if stack.traced_for_good() else None)
         if held:
             return f"stack {stack.name!r} cannot be split: {held}"
-    for stack in stacks.values():
-        owner = stack.owner() if stack.owner is not None else None
-        if owner is None:
+        if stack.owner is None or stack.owner() is None:
             return f"stack {stack.name!r} has no registry"
+    for stack in stacks.values():
         names = sorted(t.display_name for t in stack.tables if id(t) in apart)
+        live = stack.live_traces()
+        old = [shard.inner for shard in stack.shards if shard.inner is not None] if live else []
+        members = list(stack.tables)
         with tf.init_scope():
-            owner.separate(stack, lambda t: ("alone", id(t)) if id(t) in apart else "other",
-                           why_alone=why, released=True)
+            stack.owner().separate(stack, lambda t: ("alone", id(t)) if id(t) in apart
+                                   else "other", why_alone=why, released=True)
+            if old:
+                for table in members:  # The rows copied before the old variables go.
+                    table.stack.materialize()
+                retire(old, live, (
+                    f"it was traced before tables {', '.join(names)} were split apart "
+                    f"({why}), and it reads their old storage, which was freed"))
         stack.fallbacks["split"] = f"tables {', '.join(names)} split out, each alone ({why})"
     return None
 

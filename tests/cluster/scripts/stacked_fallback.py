@@ -2,7 +2,9 @@
 
 Used by tests/cluster/test_stacked_fallback.py (issue 40 item 1: any
 optimizer works on stacked tables, never an error). Arguments:
-``<stacked|unstacked> <out_dir> <case>...``. Each case is one small job, as a
+``<stacked|unstacked>[-async] <out_dir> <case>...`` (``-async``: the
+strategy's asynchronous mode, ``dense_placement="ps"``, whose steps the
+stock coordinator schedules). Each case is one small job, as a
 Keras user writes it, on its own models (each case its own table width, so
 cases never share a stack): a model with two `Embedding` tables of one
 width (40 rows; they share a stack) and a `Dense` head, trained with
@@ -28,10 +30,12 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   elementwise (its step scaled by the whole variable's RMS): the stack is
   split apart when the step is first traced, and the step traced again.
 * ``legacy_recompile``: after a first `fit` with Keras Adam, the model is
-  compiled again with that legacy subclass and trained on. Stacked, this is
-  refused (``StackingError`` naming the fix, before the second fit's first
-  step): the first fit's traced function, which Keras keeps, still holds
-  the stack, so it cannot be split. The case then writes ``refused``.
+  compiled again with that legacy subclass and trained on. The first fit's
+  traced function, which Keras keeps, still reads the stack: the stack is
+  split all the same at the second fit's first trace (rows copied) and
+  that old function's storage emptied. Stacked, the case then schedules
+  the old function once more (a user who kept ``model.train_tf_function``)
+  and prints ``OLD_REFUSED`` and the error: it must not train stale rows.
 
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
@@ -203,22 +207,42 @@ def run_case(case):
         # The first optimizer is let go (as `model.compile(Adam())` does):
         # while it lives, its slots of the stack keep it whole (an error).
         del models, optimizers, adam
+        old = model.train_tf_function  # A user kept the first fit's function.
         legacy = RmsScaledAdagrad(0.1)
         model.compile(legacy, "mse")
-        try:
-            fit(model, 2)
-        except tf_psplugin.StackingError as e:  # Refused before the first step of this fit.
-            print("REFUSED", str(e).replace("\n", " "), flush=True)
-            return {"refused": np.asarray(1)}
-        return weights([model], [legacy])
+        fit(model, 2)
+        found = weights([model], [legacy])
+        if is_stacked():
+            schedule_old(old)
+        return found
     return weights(models, optimizers)
+
+
+def is_stacked():
+    return sys.argv[1].startswith("stacked")
+
+
+def schedule_old(old):
+    """Schedules the first fit's function after the split: refused, naming why (printed)."""
+    strategy = tf.distribute.get_strategy()
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: data(3)))
+    try:
+        coordinator.schedule(old, args=(iterator,))
+        coordinator.join()
+    except tf_psplugin.StackingError as e:
+        print("OLD_REFUSED", str(e).replace("\n", " "), flush=True)
+        return
+    print("OLD_RAN", flush=True)
 
 
 def main():
     stacking, out_dir = sys.argv[1:3]
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
-        options=tf_psplugin.HybridOptions(stack_tables=(stacking == "stacked")))
+        options=tf_psplugin.HybridOptions(
+            stack_tables=is_stacked(),
+            dense_placement="ps" if stacking.endswith("-async") else "allreduce"))
     for case in sys.argv[3:]:
         with strategy.scope():
             found = run_case(case)
