@@ -20,10 +20,11 @@ The pieces, from the bottom up:
 * `make_cluster` fixture (conftest.py): builds `tf_psplugin.launch.LocalCluster`
   objects tagged the same way and stops them at teardown.
 * `shared_cluster` fixture (conftest.py): a started cluster of a given shape
-  lent to one test at a time and kept for the test module (`ClusterPool`,
-  `LentCluster` below): for tests that only run chiefs on it (no kills, no
-  restarts, no per-process measurements), it saves the servers' start-up
-  (~8 s on an idle box, more under the suite's load) per test.
+  lent to one test at a time and kept across the modules of tests/cluster
+  (`ClusterPool`, `LentCluster` below; the pool is package-scoped): for
+  tests that only run chiefs on it (no task kills, no restarts, no
+  per-process measurements), it saves the servers' start-up (~8 s on an
+  idle box, more under the suite's load) per test.
 * `pid_alive(pid)`, `tagged_pids(tag)`, `wait_until(predicate, timeout)`:
   assertions about what is still running.
 
@@ -50,6 +51,7 @@ Keep clusters small (1-2 workers, 1-2 PS): the box has 2 cores and each
 TF process takes seconds just to import TensorFlow.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -379,7 +381,7 @@ class ClusterPool:
         self._max_lends = max_lends
         self._max_clusters = max_clusters
         self._clusters: Dict[tuple, list] = {}  # shape -> [cluster, lends], least recent first
-        self._stopped: List = []
+        self._leaked: List[int] = []
 
     def lend(self, num_workers: int, num_ps: int) -> LentCluster:
         from tf_psplugin.launch import LocalCluster
@@ -400,6 +402,17 @@ class ClusterPool:
         entry[1] += 1
         return LentCluster(entry[0], len(entry[0].output()))
 
+    @contextlib.contextmanager
+    def borrowed(self, num_workers: int, num_ps: int):
+        """`lend` for a block (e.g. a module fixture's run): a block that raises
+        (a failed assertion, a timeout) discards the cluster, as `shared_cluster`
+        does after a failed test."""
+        try:
+            yield self.lend(num_workers, num_ps)
+        except BaseException:
+            self.discard((num_workers, num_ps))
+            raise
+
     @staticmethod
     def _alive(cluster) -> bool:
         return all(pid_alive(pid) for role, pid in cluster.pids().items()
@@ -410,11 +423,12 @@ class ClusterPool:
         entry = self._clusters.pop(shape, None)
         if entry is not None:
             entry[0].stop()
-            self._stopped.append(entry[0])
+            # Checked now, not at `close`: by then (the pool lives for all the
+            # cluster tests) another program may have been given a reaped pid.
+            self._leaked += [pid for pid in entry[0].all_pids() if pid_alive(pid)]
 
     def close(self) -> List[int]:
-        """Stops every cluster; returns the pids still alive after that (should be none)."""
+        """Stops every cluster; returns the pids found alive right after their stop (none)."""
         for shape in list(self._clusters):
             self.discard(shape)
-        return [pid for cluster in self._stopped for pid in cluster.all_pids()
-                if pid_alive(pid)]
+        return list(self._leaked)

@@ -8,7 +8,8 @@
                tag: `cluster = make_cluster(num_workers=2, num_ps=1, ...)`.
                Every cluster is stopped at teardown, and teardown fails the
                test if any process it started is still alive after `stop()`.
-`shared_cluster` a started cluster kept for the test module, one per shape:
+`shared_cluster` a started cluster kept for the cluster tests (the package
+               tests/cluster, all modules), one per shape:
                `cluster = shared_cluster(num_workers=2, num_ps=2)`, then
                `cluster.run_chief(...)` (its stdout is this test's log only).
                For tests that only run chiefs on the cluster: no kills,
@@ -59,7 +60,10 @@ def make_cluster(procs):
     assert not leaked, f"LocalCluster.stop() left processes alive: {leaked}"
 
 
-@pytest.fixture(scope="module")
+# Package-scoped: a started cluster serves the tests of every module of
+# tests/cluster that asks for its shape (not one module's only), and the pool
+# is closed after the last cluster test, before tests/unit runs.
+@pytest.fixture(scope="package")
 def _cluster_pool():
     tracker = cu.ProcessTracker()
     pool = cu.ClusterPool(tracker)
