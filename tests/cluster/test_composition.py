@@ -20,19 +20,19 @@ The full product (5 optimizers x 4 modes x 5 situations = 100 cells, each
 stacked and unstacked) does not fit CI's time. CI runs `PAIRWISE` (25 cells:
 every pair of values of two of the three factors in at least one cell, and
 every cell on and off), plus the cell outside the matrix in `EXTRA` (a
-subclassed model and a second one in scope, with Keras's Adam): one
-cluster, two chief processes per stacking (``run``, then ``resume`` for the
-killed jobs); each cell is one test, which reads the results of that one
-run. A fourth factor, the precision (`PRECISIONS`: float32, the cells
+subclassed model and a second one in scope, with Keras's Adam): two chief
+processes per stacking (``run``, then ``resume`` for the killed jobs); each
+cell is one test, which reads the results of that one run. A fourth factor, the precision (`PRECISIONS`: float32, the cells
 above; tables in bfloat16 under ``mixed_bfloat16``; tables in float16
 under ``mixed_float16``), adds `HALF_DESIGN`: six cells per half
 precision, so that each of its values meets every optimizer, mode and
 situation (and stacking on and off) in some cell, each mode and situation
 in a cell that trains (a legacy optimizer is refused with half-precision
 tables, by design), and in the bfloat16 group three cells of bfloat16
-tables under the float32 policy and under ``mixed_float16``; one cluster
-per precision. The ``full_product`` tests run the whole product, one cluster per
-optimizer. docs/composition.md shows the matrix and what each family of
+tables under the float32 policy and under ``mixed_float16``; one group
+per precision. The ``full_product`` tests run the whole product, one group per
+optimizer. Every group runs on the same cluster (1 worker, 2 PS) of the
+cluster tests' pool (`Runs`). docs/composition.md shows the matrix and what each family of
 cells checks.
 """
 
@@ -205,39 +205,36 @@ def run_cells(cluster, root, cells, timeout, table_dtype=None):
 
 
 class Runs:
-    """Cell results run on demand, one cluster per group of cells, cleaned up at the end."""
+    """Cell results run on demand, one group of cells at a time, on the package's clusters.
 
-    def __init__(self, root):
-        self.root, self.tracker, self.clusters, self.results = root, cu.ProcessTracker(), [], {}
+    Every group runs on the same started cluster (1 worker, 2 PS) of the
+    `_cluster_pool` fixture: a group's chief processes (one per stacking and
+    phase) connect to it one after another, as a group's own did before; a
+    cluster whose group failed is discarded, so the next group starts a
+    fresh one.
+    """
+
+    SHAPE = (1, 2)
+
+    def __init__(self, root, pool):
+        self.root, self.pool, self.results = root, pool, {}
 
     def get(self, group, cells, timeout, table_dtype=None):
         if group not in self.results:
-            from tf_psplugin.launch import LocalCluster
-
-            cluster = LocalCluster(1, 2, env=self.tracker.env())
-            self.clusters.append(cluster)
             try:
-                self.results[group] = run_cells(cluster, self.root / group, cells, timeout,
-                                                table_dtype=table_dtype)
+                with self.pool.borrowed(*self.SHAPE) as cluster:
+                    self.results[group] = run_cells(cluster, self.root / group, cells, timeout,
+                                                    table_dtype=table_dtype)
             except AssertionError as e:
                 self.results[group] = e
-            finally:
-                cluster.stop()
         if isinstance(self.results[group], AssertionError):
             raise self.results[group]
         return self.results[group]
 
-    def close(self):
-        for cluster in self.clusters:
-            cluster.stop()
-        self.tracker.cleanup()
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    runs = Runs(tmp_path_factory.mktemp("composition"))
-    yield runs
-    runs.close()
+def runs(tmp_path_factory, _cluster_pool):
+    return Runs(tmp_path_factory.mktemp("composition"), _cluster_pool)
 
 
 def load(out):
