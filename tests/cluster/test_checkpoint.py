@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin.launch import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -285,20 +284,16 @@ print("RESULT", json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Runs TRAIN once on chief + 2 workers + 2 PS; yields its directories and report."""
+def trained(tmp_path_factory, _cluster_pool):
+    """Runs TRAIN once on chief + 2 workers + 2 PS (the shared ones); yields its directories
+    and report."""
     root = tmp_path_factory.mktemp("ckpt_run")
     model_dir, out = root / "model", root / "out"
     out.mkdir()
-    tracker = cu.ProcessTracker()
-    cluster = LocalCluster(2, 2, env=tracker.env())
-    try:
+    with _cluster_pool.borrowed(2, 2) as cluster:
         report = cu.run_chief_for_report(
             cluster, [cu.PYTHON, cu.script(root, TRAIN, "train.py"), str(model_dir), str(out)],
             out, timeout=240)
-    finally:
-        cluster.stop()
-        tracker.cleanup()
     yield {"model_dir": model_dir, "out": out, "report": report, "root": root}
 
 

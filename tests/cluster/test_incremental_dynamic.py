@@ -33,7 +33,6 @@ import numpy as np
 import pytest
 
 from tests.cluster import _cluster_util as cu
-from tf_psplugin.launch import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -187,20 +186,16 @@ print("RESULT", json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Runs TRAIN once on chief + 2 workers + 2 PS; yields its directories and report."""
+def trained(tmp_path_factory, _cluster_pool):
+    """Runs TRAIN once on chief + 2 workers + 2 PS (the shared ones); yields its directories
+    and report."""
     root = tmp_path_factory.mktemp("incr_dynamic")
     incr_dir, full_dir, out = root / "incr", root / "full", root / "out"
     out.mkdir()
-    tracker = cu.ProcessTracker()
-    cluster = LocalCluster(2, 2, env=tracker.env())
-    try:
+    with _cluster_pool.borrowed(2, 2) as cluster:
         report = cu.run_chief_for_report(
             cluster, [cu.PYTHON, cu.python_script(root, TRAIN, "train.py"), str(incr_dir),
                       str(full_dir), str(out)], out, timeout=200)
-    finally:
-        cluster.stop()
-        tracker.cleanup()
     print("REPORT", json.dumps(report))
     yield {"incr": incr_dir, "full": full_dir, "out": out, "report": report}
 
@@ -237,9 +232,8 @@ def test_dynamic_embedding_full_plus_deltas_restore_exactly_like_a_full_save(tra
 
 
 @pytest.mark.timeout(240)
-def test_dynamic_embedding_chain_restores_exactly_into_3_ps(trained, make_cluster, tmp_path):
-    cluster = make_cluster(num_workers=1, num_ps=3)
-    cluster.start_servers()
+def test_dynamic_embedding_chain_restores_exactly_into_3_ps(trained, shared_cluster, tmp_path):
+    cluster = shared_cluster(num_workers=1, num_ps=3)
     result = cluster.run_chief([cu.PYTHON, cu.python_script(tmp_path, RESTORE, "restore.py"),
                                 str(trained["incr"]), str(tmp_path)], timeout=200)
     assert result.returncode == 0, result.stdout[-8000:]
@@ -337,14 +331,13 @@ print("RESULT", json.dumps(applied))
 
 @pytest.mark.timeout(600)
 def test_serving_model_follows_keys_admitted_evicted_and_expired_like_the_trained_model(
-        make_cluster, procs, tmp_path):
+        shared_cluster, procs, tmp_path):
     model_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     server = procs.popen([cu.PYTHON, cu.python_script(tmp_path, SERVE, "serve.py"),
                           str(model_dir), str(out)])
     server_output = cu.LineReader(server)
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    cluster.start_servers()
+    cluster = shared_cluster(num_workers=2, num_ps=2)
     result = cluster.run_chief([cu.PYTHON, cu.python_script(tmp_path, SERVE_TRAIN, "train.py"),
                                 str(model_dir), str(out)], timeout=480)
     assert result.returncode == 0, result.stdout[-8000:] + server_output.text()[-4000:]

@@ -298,12 +298,12 @@ print("RESULT", json.dumps(result))
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", ["legacy_adagrad", "keras_adagrad"])
-def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_cluster, procs,
+def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, shared_cluster, procs,
                                                                  optimizer):
     legacy = "1" if optimizer.startswith("legacy") else "0"
     out, root = tmp_path / "out", tmp_path / "dirs"
     out.mkdir()
-    cluster = make_cluster(num_workers=2, num_ps=2)
+    cluster = shared_cluster(num_workers=2, num_ps=2)
     report = cu.run_chief_for_report(
         cluster, [cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(root), str(out),
                   OPTIMIZERS[optimizer], legacy], out, timeout=400)
@@ -356,7 +356,6 @@ def test_tables_sharing_a_stack_restore_from_deltas_bit_for_bit(tmp_path, make_c
         "incr": ["delta-15", False], "full": ["ckpt-15", False]}
     cu.assert_same_npz(out / "unstacked_incr.npz", out / "unstacked_full.npz")
     cu.assert_same_npz(out / "unstacked_incr.npz", out / "live.npz")
-    cluster.stop()
     # One process, one variable per table (another PS count): same as the full save.
     res = procs.run([cu.PYTHON, cu.script(tmp_path, PLAIN, "plain.py"), str(root), str(out),
                      OPTIMIZERS[optimizer], legacy], timeout=180)

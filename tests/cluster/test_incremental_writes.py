@@ -191,15 +191,13 @@ print("RESULT", json.dumps(result))
 """
 
 
-def run(tmp_path, make_cluster, procs, optimizer, scenarios):
+def run(tmp_path, shared_cluster, optimizer, scenarios):
     out, root = tmp_path / "out", tmp_path / "dirs"
     out.mkdir()
-    cluster = make_cluster(num_workers=2, num_ps=2)
-    report = cu.run_chief_for_report(
-        cluster, [cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(root), str(out),
-                  OPTIMIZERS[optimizer]] + scenarios, out, timeout=400)
-    cluster.stop()
-    return report
+    return cu.run_chief_for_report(
+        shared_cluster(num_workers=2, num_ps=2),
+        [cu.PYTHON, cu.script(tmp_path, TRAIN, "train.py"), str(root), str(out),
+         OPTIMIZERS[optimizer]] + scenarios, out, timeout=400)
 
 
 def assert_exact(entry, last, chain):
@@ -211,10 +209,10 @@ def assert_exact(entry, last, chain):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_writes_outside_the_optimizer_reach_the_next_delta(tmp_path, make_cluster, procs,
+def test_writes_outside_the_optimizer_reach_the_next_delta(tmp_path, shared_cluster, procs,
                                                           optimizer):
     scenarios = ["reset", "early_stop", "mid_chain"]
-    report = run(tmp_path, make_cluster, procs, optimizer, scenarios)
+    report = run(tmp_path, shared_cluster, optimizer, scenarios)
     assert_exact(report["reset"], ["delta-10", 10], ["delta-10"])
     assert report["early_stop_steps"] == 10, report
     # The best weights, set back after delta-10, saved again at train end (in full).
@@ -232,8 +230,8 @@ def test_writes_outside_the_optimizer_reach_the_next_delta(tmp_path, make_cluste
 
 @pytest.mark.timeout(600)
 def test_a_crash_between_any_two_files_of_a_delta_keeps_the_previous_save(
-        tmp_path, make_cluster, procs):
-    report = run(tmp_path, make_cluster, procs, "keras_adagrad", ["crash"])
+        tmp_path, shared_cluster):
+    report = run(tmp_path, shared_cluster, "keras_adagrad", ["crash"])
     points = report["crash"]
     whens = [p["when"] for p in points]
     # Every file of the delta (row bundles of both PS tasks, the dense bundle, the
