@@ -5,15 +5,22 @@ Builds each replica's TF_CONFIG the way Kubeflow's training operator
 types, addresses are `<tfjob>-<type>-<index>.<namespace>.svc:<port>` with the
 port of the `tensorflow` container's `tfjob-port`, 2222 by default, the
 evaluator is in the cluster, and "environment": "cloud" is added). Each one is
-then fed through `python -m tf_psplugin.config`, as a pod would.
+then fed through the `tf_psplugin.config` command: the chief's as a pod runs
+it (`python -m tf_psplugin.config`, a process importing TensorFlow), every
+replica's through the command's `main` in this process (the same code; the
+real process is also checked in tests/unit/test_config.py).
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tf_psplugin.cluster import config_command
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the manifest")
 
@@ -43,25 +50,27 @@ def test_manifest_shape():
         assert replica_port(spec) == DEFAULT_PORT
 
 
-@pytest.mark.timeout(450)
+def _in_process(tf_config):
+    """((stdout, stderr), exit code) of the command's `main` on `tf_config`, in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = config_command.main(["tf_psplugin.config"],
+                                   environ=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+    return (out.getvalue(), err.getvalue()), code
+
+
+@pytest.mark.timeout(300)
 def test_every_replica_tf_config_is_accepted_by_the_cli():
     configs = operator_tf_configs(load_manifest()["TFJob"])
     assert len(configs) == 6
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    procs = {}
-    try:
-        # Concurrently: each one imports TensorFlow.
-        for task, tf_config in configs.items():
-            procs[task] = subprocess.Popen(
-                [sys.executable, "-m", "tf_psplugin.config"],
-                env=dict(env, TF_CONFIG=json.dumps(tf_config)),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        results = {task: (p.communicate(timeout=400), p.returncode) for task, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = {task: _in_process(tf_config) for task, tf_config in configs.items()}
+    # The chief's as a pod runs it too: one process (each imports TensorFlow).
+    pod = subprocess.run([sys.executable, "-m", "tf_psplugin.config"],
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                  TF_CONFIG=json.dumps(configs[("chief", 0)])),
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert (pod.returncode, pod.stdout) == (results[("chief", 0)][1], results[("chief", 0)][0][0]), (
+        pod.returncode, pod.stderr[-3000:])
     for (task_type, index), ((out, err), code) in results.items():
         assert code == 0, (task_type, index, err)
         info = json.loads(out)
