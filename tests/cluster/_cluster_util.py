@@ -20,8 +20,9 @@ The pieces, from the bottom up:
 * `make_cluster` fixture (conftest.py): builds `tf_psplugin.launch.LocalCluster`
   objects tagged the same way and stops them at teardown.
 * `shared_cluster` fixture (conftest.py): a started cluster of a given shape
-  lent to one test at a time and kept across the modules of tests/cluster
-  (`ClusterPool`, `LentCluster` below; the pool is package-scoped): for
+  lent to one test at a time and kept for the next tests that lend one, in
+  any module of tests/cluster (`ClusterPool`, `LentCluster` below; the pool
+  is package-scoped, its clusters stopped before a test that lends none): for
   tests that only run chiefs on it (no task kills, no restarts, no
   per-process measurements), it saves the servers' start-up (~8 s on an
   idle box, more under the suite's load) per test.
@@ -428,7 +429,8 @@ class ClusterPool:
             self._leaked += [pid for pid in entry[0].all_pids() if pid_alive(pid)]
 
     def close(self) -> List[int]:
-        """Stops every cluster; returns the pids found alive right after their stop (none)."""
+        """Stops every cluster (a later `lend` starts one anew); returns the pids found
+        alive right after a stop (should be none)."""
         for shape in list(self._clusters):
             self.discard(shape)
         return list(self._leaked)

@@ -8,8 +8,8 @@
                tag: `cluster = make_cluster(num_workers=2, num_ps=1, ...)`.
                Every cluster is stopped at teardown, and teardown fails the
                test if any process it started is still alive after `stop()`.
-`shared_cluster` a started cluster kept for the cluster tests (the package
-               tests/cluster, all modules), one per shape:
+`shared_cluster` a started cluster kept for the next tests that lend one
+               (in any module of tests/cluster), one per shape:
                `cluster = shared_cluster(num_workers=2, num_ps=2)`, then
                `cluster.run_chief(...)` (its stdout is this test's log only).
                For tests that only run chiefs on the cluster: no kills,
@@ -60,17 +60,32 @@ def make_cluster(procs):
     assert not leaked, f"LocalCluster.stop() left processes alive: {leaked}"
 
 
-# Package-scoped: a started cluster serves the tests of every module of
-# tests/cluster that asks for its shape (not one module's only), and the pool
-# is closed after the last cluster test, before tests/unit runs.
+_POOLS = []  # The package's pool while it lives (for `pytest_runtest_setup`).
+
+
+# Package-scoped: a started cluster serves the next tests that ask for its
+# shape, in this module or the next ones (up to 3 shapes kept, the least
+# recently lent stopped first); the pool's clusters are stopped before any
+# test that lends none (so no idle server holds memory while such a test
+# runs, as with a pool per module), and the pool is closed after the last
+# cluster test, before tests/unit runs.
 @pytest.fixture(scope="package")
 def _cluster_pool():
     tracker = cu.ProcessTracker()
-    pool = cu.ClusterPool(tracker)
+    pool = cu.ClusterPool(tracker, max_clusters=3)
+    _POOLS.append(pool)
     yield pool
+    _POOLS.remove(pool)
     leaked = pool.close()
     tracker.cleanup()
     assert not leaked, f"LocalCluster.stop() left processes alive: {leaked}"
+
+
+def pytest_runtest_setup(item):
+    """Stops the pool's idle clusters before a test that lends none (see `_cluster_pool`)."""
+    if "_cluster_pool" not in item.fixturenames:
+        for pool in _POOLS:
+            pool.close()  # Its leaks are counted, and asserted when the pool ends.
 
 
 @pytest.fixture
