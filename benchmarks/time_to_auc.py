@@ -436,7 +436,7 @@ def markdown(run: dict, evals: Sequence[dict], summaries: Sequence[dict]) -> str
         f"{o['embedding_dim']}, seed {o['seed']}), {o['per_worker_batch']} examples per worker "
         f"per step, legacy Adagrad {o['learning_rate']:g} "
         + ("in every setup" if o.get("lr_rule", "same") == "same" else
-           "x sqrt(W) in the hybrid setups, as it is in stock PSS")
+           "x sqrt(W) in the hybrid setups, the base rate in stock PSS")
         + f"; hybrid input {o.get('hybrid_input', 'auto_sharded')}; held-out AUC (exact) "
         f"on {o['eval_examples']} examples every {o['eval_every_steps']} global steps; the "
         "clock is training time (evaluations excluded, tracing included); the time to target "
