@@ -133,6 +133,11 @@ def test_main_writes_complete_lines_and_files(monkeypatch, capsys, tmp_path):
                 "examples_per_step": 512, "steps_per_epoch": 50}
 
     monkeypatch.setattr(tta, "run_emulated", fake_runner)
+    # Each setup: 10 s of wall time, 20 busy CPU-seconds of the box of which this run's 9:
+    # others used 11 of the 2 cores' 20 CPU-seconds.
+    snapshots = iter({"busy": 20.0 * i, "own": 9.0 * i, "wall": 10.0 * i} for i in range(6))
+    monkeypatch.setattr(tta, "cpu_snapshot", lambda: next(snapshots))
+    monkeypatch.setattr(tta.os, "cpu_count", lambda: 2)
     code = tta.main(["--results_dir", str(tmp_path), "--name", "t", "--log_dir",
                      str(tmp_path / "logs")])
     assert code == 0
@@ -154,6 +159,8 @@ def test_main_writes_complete_lines_and_files(monkeypatch, capsys, tmp_path):
     with open(tmp_path / "t.jsonl", encoding="utf-8") as f:
         assert [json.loads(ln) for ln in f] == lines
     md = (tmp_path / "t.md").read_text(encoding="utf-8")
+    nproc = run["machine"]["nproc"]
+    assert by["stock_pss"]["other_cpu_share"] == round(11.0 / (10.0 * nproc), 3)
     assert "Measured under load" in md and "| 2 | hybrid_sync | 24.0 |" in md and "0.27x" in md
     pytest.importorskip("matplotlib")
     assert os.path.getsize(tmp_path / "t.png") > 1000
@@ -248,3 +255,27 @@ def test_each_worker_reads_the_global_batches_the_demo_dataset_gives_it():
                                           want_features["categorical"])
             np.testing.assert_array_equal(features["dense"], want_features["dense"])
             np.testing.assert_array_equal(label, want_label)
+
+
+def test_other_cpu_share_is_the_box_busy_time_not_this_runs():
+    before = {"busy": 100.0, "own": 40.0, "wall": 0.0}
+    after = {"busy": 130.0, "own": 68.0, "wall": 20.0}   # 30 busy, 28 of them this run's
+    assert tta.other_cpu_share(before, after, 2) == pytest.approx(2.0 / 40.0)
+    assert tta.other_cpu_share(before, dict(after, own=75.0), 2) == 0.0  # Never negative.
+    snap = tta.cpu_snapshot()
+    assert snap["busy"] > 0 and snap["own"] > 0
+
+
+def test_a_high_load_from_the_runs_own_processes_is_a_quiet_box():
+    run = {"options": dict(tta.options(tta.parse_args([])), name="t"), "argv": [], "name": "t",
+           "machine": {"date": "d", "plugin": "p", "nproc": 2, "loadavg_at_start": [0.4]}}
+    evals = [{"setup": "hybrid_sync", "num_workers": 2, "seconds": 5.0, "steps": 10,
+              "examples": 5120, "auc": 0.6, "loadavg": 11.0}]
+    summary = dict(tta.summarize(evals, 0.77, 60.0)[0])
+    quiet = tta.markdown(run, evals, [dict(summary, other_cpu_share=0.03)])
+    assert "Quiet box" in quiet and "Other processes used 3-3%" in quiet
+    assert "own processes count in it" in quiet
+    busy = tta.markdown(run, evals, [dict(summary, other_cpu_share=0.3)])
+    assert "Measured under load" in busy
+    # Lines written before the share was recorded: the load-average rule.
+    assert "Measured under load" in tta.markdown(run, evals, [summary])
