@@ -25,10 +25,10 @@ from tests.cluster import _cluster_util as cu
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stacked_fallback.py")
 CASES = ("frozen_after", "frozen_after_legacy", "second_model", "custom_after", "legacy_loop",
-         "legacy_recompile")
+         "legacy_recompile", "step_after_split")
 # Asynchronous mode (the stock coordinator's schedule) splits through the same
 # path; with one worker its steps run one after another, so it is exact too.
-ASYNC_CASES = ("legacy_loop", "legacy_recompile")
+ASYNC_CASES = ("legacy_loop", "legacy_recompile", "step_after_split")
 RUNS = {"stacked": CASES, "unstacked": CASES, "stacked-async": ASYNC_CASES,
         "unstacked-async": ASYNC_CASES}
 
@@ -78,6 +78,8 @@ REPORTED = {
                    "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
     "legacy_recompile": "tables c10_item/embeddings, c10_user/embeddings split out, each alone "
                         "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
+    "step_after_split": "tables c11_item/embeddings, c11_user/embeddings split out, each alone "
+                        "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
 }
 
 
@@ -103,7 +105,8 @@ def _assert_ends_like_unstacked(results, case, mode):
         assert stacked[name].shape == value.shape, name
         np.testing.assert_allclose(stacked[name], value, atol=1e-6, rtol=0, err_msg=name)
     dim = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6,
-           "custom_after": 7, "legacy_loop": 9, "legacy_recompile": 10}[case]
+           "custom_after": 7, "legacy_loop": 9, "legacy_recompile": 10,
+           "step_after_split": 11}[case]
     # Both tables trained (in the first fit at least): the comparison is not of initial values.
     assert any(k.startswith("opt") for k in stacked) or case == "frozen_after_legacy"
     assert f"c{dim}_item/embeddings" in stacked and f"c{dim}_user/embeddings" in stacked
@@ -113,7 +116,8 @@ def _assert_ends_like_unstacked(results, case, mode):
     # The stacked run fell back (logged once per stack), where the unstacked one had nothing to.
     fallback = {"custom_after": "updates each table's rows of the stack on its own",
                 "legacy_loop": "the step was traced again with tables",
-                "legacy_recompile": "the step was traced again with tables"}.get(
+                "legacy_recompile": "the step was traced again with tables",
+                "step_after_split": "the step was traced again with tables"}.get(
         case, "are written back as they were")
     log = results["stacked" + mode + "_log"].replace("\n", " ")
     assert any(fallback in line and f"c{dim}_" in line
@@ -121,10 +125,33 @@ def _assert_ends_like_unstacked(results, case, mode):
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", ["", "-async"])
+def test_a_step_traced_before_the_split_is_traced_anew_and_trains_on(results, mode):
+    """`step_after_split`: the SGD step read the stack the legacy step split; scheduled again,
+    the coordinator traced it anew (logged) and its run trained every table and the head,
+    as unstacked (`test_case_ends_like_unstacked` compares every weight and slot).
+    """
+    stacked = results["stacked" + mode].get("step_after_split")
+    unstacked = results["unstacked" + mode].get("step_after_split")
+    assert stacked is not None, results["stacked" + mode].get("error")
+    assert unstacked is not None, results["unstacked" + mode].get("error")
+    # Every weight (both tables, the head's kernel and bias) moved in the last run.
+    assert stacked["moved_after_split"].tolist() == [1, 1, 1, 1], stacked["moved_after_split"]
+    np.testing.assert_array_equal(stacked["moved_after_split"], unstacked["moved_after_split"])
+    log = results["stacked" + mode + "_log"].replace("\n", " ")
+    assert "'step' was traced again: its traces read the storage of stacks split since" in log, (
+        log[-4000:])
+    assert "cannot run" not in results["stacked" + mode + "_log"].split("CASE legacy_recompile")[-1]
+
+
+@pytest.mark.timeout(1500)
 def test_the_first_fit_s_function_after_the_split_is_refused_not_run(results):
     """`legacy_recompile`: the function Keras kept reads the old storage; scheduled, it is refused.
 
-    In both modes (the synchronous tracing and the stock asynchronous schedule).
+    Traced anew it would apply the legacy optimizer the model was compiled
+    with since, not the Adam its old trace applies (as it does unstacked):
+    another program, so it is refused, naming why. In both modes (the
+    synchronous tracing and the stock asynchronous schedule, before queueing).
     """
     for mode in ("", "-async"):
         log = results["stacked" + mode + "_log"]
@@ -133,4 +160,5 @@ def test_the_first_fit_s_function_after_the_split_is_refused_not_run(results):
         assert refused, log[-4000:]
         assert ("cannot run: it was traced before tables c10_item/embeddings, "
                 "c10_user/embeddings were split apart") in refused[0], refused[0]
+        assert "traced again, it no longer reads" in refused[0], refused[0]
         assert "Fix: trace it again" in refused[0], refused[0]

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_psplugin._internal import patches
+from tf_psplugin._internal import tf_objects
 from tf_psplugin.state import checkpoint_write, export
 from tf_psplugin.tables import fusion as lookup_fusion
 from tf_psplugin.tables import lookups as table_lookups
@@ -894,14 +895,19 @@ class _RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
                                               apply_state=apply_state)
 
 
-def _train_splitting(model, optimizer, batches, stacks):
-    """`_train`, each step traced as the coordinator traces it (`trace_splitting`)."""
-    step = _step_function(model, optimizer)
+def _dispatch(step, batches, stacks):
+    """Runs `step` on `batches`, each call traced as the coordinator traces it."""
     for x, y in batches:
         concrete = stacked_fallback.trace_splitting(
             lambda x=x, y=y: step.get_concrete_function(x, y), step, stacks,
             lambda traced: [traced])
         concrete(x, y)
+
+
+def _train_splitting(model, optimizer, batches, stacks):
+    """`_train`, each step traced as the coordinator traces it (`trace_splitting`)."""
+    step = _step_function(model, optimizer)
+    _dispatch(step, batches, stacks)
     return step
 
 
@@ -942,39 +948,74 @@ def test_a_legacy_unknown_optimizer_gets_its_tables_split_apart_and_the_step_ret
                for text in notes.values()), notes
 
 
-def test_a_stack_a_live_traced_function_read_is_split_and_that_function_refused():
-    """A recompile: the first fit's function (Keras keeps it) still reads the stack.
+def test_a_step_traced_before_a_split_is_traced_anew_and_trains_on():
+    """A step traced before the split, still alive, read the stack; scheduled after, it trains on.
 
-    The split happens all the same (rows copied), and training ends
-    bit-identical to unstacked tables. The old function's storage is freed:
-    run again, it fails instead of training rows no table reads, and the
-    coordinator's tracing refuses it before it runs, naming the fix.
+    The split happens all the same (rows copied) and the old trace's
+    storage is freed: called by hand it fails instead of training rows no
+    table reads; through the coordinator's tracing it is traced anew, as a
+    first call, on the new stacks: bit-identical to unstacked tables.
     """
     stacks = TableStacks(lambda s: None)
     stacked, plain = _model(stacks), _model(None)
     first = _batches(2, seed=3)
-    held = _train(stacked, tf.keras.optimizers.legacy.SGD(0.1), first)  # Alive.
-    _train(plain, tf.keras.optimizers.legacy.SGD(0.1), first)
+    sgd = {"stacked": tf.keras.optimizers.legacy.SGD(0.1),
+           "plain": tf.keras.optimizers.legacy.SGD(0.1)}
+    held = _train(stacked, sgd["stacked"], first)  # Alive.
+    plain_step = _train(plain, sgd["plain"], first)
     narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
     assert narrow[0].stack is narrow[1].stack is narrow[2].stack
     optimizers = {"stacked": _RmsScaledAdagrad(0.3), "plain": _RmsScaledAdagrad(0.3)}
     _train_splitting(stacked, optimizers["stacked"], _batches(3), stacks)
     _train(plain, optimizers["plain"], _batches(3))
     assert len({id(t.stack) for t in narrow}) == 3  # Each alone now.
-    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
-        np.testing.assert_array_equal(a, b)
     after = [w.copy() for w in export.logical_weights(stacked)]
     x, y = first[0]
-    with pytest.raises(stacked_updates.StackingError,
-                       match=r"cannot run: it was traced before tables emb_0/embeddings, "
-                             r"emb_1/embeddings, emb_2/embeddings were split apart.*"
-                             r"Fix: trace it again"):
-        stacked_fallback.trace_splitting(lambda: held.get_concrete_function(x, y), held, stacks,
-                                         lambda traced: [traced])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 0\)"):
         held(x, y)  # Called by hand: its old storage has no rows left.
     for a, b in zip(export.logical_weights(stacked), after):
         np.testing.assert_array_equal(a, b)  # Nothing trained the tables' rows.
+    more = _batches(3, seed=4)
+    _dispatch(held, more, stacks)
+    for x, y in more:
+        plain_step(x, y)
+    for a, b, c in zip(export.logical_weights(stacked), export.logical_weights(plain), after):
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, c)  # It trained every weight after the split.
+    traces = tf_objects.traces_of_function(held)
+    assert traces and not any(stack_storage.retired_because(c) for c in traces)  # All anew.
+
+
+def test_a_step_that_traced_anew_would_run_another_program_is_refused():
+    """A step whose optimizer was replaced since its trace read a split stack: refused, for good.
+
+    Traced anew it would apply the new optimizer, where its old trace (as
+    an unstacked run) applies the old one: the coordinator's tracing
+    refuses it, naming why and the fix, and keeps refusing it.
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked = _model(stacks)
+    holder = {"optimizer": tf.keras.optimizers.legacy.SGD(0.1)}
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(stacked(x) - y))
+        holder["optimizer"].apply_gradients(zip(
+            tape.gradient(loss, stacked.trainable_variables), stacked.trainable_variables))
+
+    _dispatch(step, _batches(2, seed=3), stacks)
+    holder["optimizer"] = tf.keras.optimizers.legacy.SGD(0.2)  # As a compile with another.
+    _train_splitting(stacked, _RmsScaledAdagrad(0.3), _batches(2), stacks)
+    before = [w.copy() for w in export.logical_weights(stacked)]
+    for _ in range(2):
+        with pytest.raises(stacked_updates.StackingError,
+                           match=r"cannot run: it was traced before tables emb_0/embeddings, "
+                                 r"emb_1/embeddings, emb_2/embeddings were split apart.*traced "
+                                 r"again, it no longer reads.*Fix: trace it again"):
+            _dispatch(step, _batches(1, seed=5), stacks)
+    for a, b in zip(export.logical_weights(stacked), before):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_dispatch_links_its_traces_to_the_stacks_only_when_it_traced(monkeypatch):

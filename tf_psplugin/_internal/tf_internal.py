@@ -57,8 +57,9 @@ from tensorflow.python.ops import collective_ops  # noqa: F401
 
 # tf.function's class: a first trace that stopped to split table stacks
 # (tables/stacked_updates.SplitRequired) is made a first trace again, where
-# variables may be created (tf_objects.restart_first_trace); no public API
-# forgets a failed first trace.
+# variables may be created (tf_objects.restart_first_trace), and a step whose
+# traces read a split stack's old storage is traced anew (tf_objects.
+# reset_traces); no public API forgets a function's traces.
 from tensorflow.python.eager.polymorphic_function import polymorphic_function  # noqa: F401
 
 # Resource variable helpers used by the replicated variable type.
@@ -304,6 +305,8 @@ PRIVATE_ATTRIBUTES = {
     "_variable_creation_config": "polymorphic_function.Function",
     "_no_variable_creation_config": "polymorphic_function.Function",
     "_concrete_variable_creation_fn": "polymorphic_function.Function",
+    "_function_cache": "polymorphic_function.Function",
+    "_lock": "polymorphic_function.Function",
     "_cluster": "cluster_coordinator.ClusterCoordinator",
     "_being_scheduled": "cluster_coordinator.ClusterCoordinator",
     "_get_error_from_remote_values": "cluster_coordinator",

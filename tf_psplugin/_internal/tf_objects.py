@@ -452,10 +452,63 @@ def restart_first_trace(function) -> None:
         return
     if first_trace_of(function) is not None:
         return  # A first trace succeeded: not a failed first call.
+    reset_traces(function)
+
+
+def reset_traces(function) -> bool:
+    """Makes a `tf.function` forget every trace: its next call traces it as a first call.
+
+    The coordinator traces a scheduled step again when its traces read a
+    split table stack's emptied storage (tables/stacked_fallback.py): the
+    new trace reads the tables' new stacks. No public API drops a
+    function's traces (a new `tf.function` would, but the user holds this
+    one). The state is reset as `Function.__init__` sets it, checked on TF
+    2.15 and 2.21: the traces cache (`_function_cache`, which the tracing
+    options made in `_initialize` share, so it is cleared, not replaced),
+    the first trace (`_concrete_variable_creation_fn`, absent until the
+    first call) and the three fields `_call` reads to tell a first call
+    from a later one. The next call is a first call whether or not the old
+    first call made variables: objects that made them keep them (an
+    optimizer's slots, built once), and a variable a new trace needs
+    (a legacy optimizer's slot of a new stack shard) may be made.
+
+    Args:
+        function: The `tf.function` (anything else: nothing changes).
+
+    Returns:
+        Whether `function` is a `tf.function` whose traces were dropped.
+    """
+    if not isinstance(function, tf_internal.polymorphic_function.Function):
+        return False
     # pylint: disable=protected-access
-    function._created_variables = None
-    function._variable_creation_config = None
-    function._no_variable_creation_config = None
+    with function._lock:  # The lock `_call` and the tracing hold.
+        function._function_cache.clear()
+        function._created_variables = None
+        function._variable_creation_config = None
+        function._no_variable_creation_config = None
+        if hasattr(function, "_concrete_variable_creation_fn"):
+            del function._concrete_variable_creation_fn
+    return True
+
+
+def traces_of_function(function) -> list:
+    """Every trace a `tf.function` keeps (its cache and its first trace); a concrete function.
+
+    TF 2.15-2.21: `_function_cache.values()` is what
+    `Function._list_all_concrete_functions` returns, without its tracing of
+    an input signature not called yet.
+
+    Args:
+        function: A `tf.function` or a `ConcreteFunction` (anything else: none).
+
+    Returns:
+        The `ConcreteFunction`s, each once.
+    """
+    if not isinstance(function, tf_internal.polymorphic_function.Function):
+        return [function] if hasattr(function, "graph") else []  # A ConcreteFunction.
+    # pylint: disable-next=protected-access
+    found = list(function._function_cache.values()) + [first_trace_of(function)]
+    return list({id(c): c for c in found if c is not None}.values())
 
 
 def first_trace_of(function) -> Optional[Any]:

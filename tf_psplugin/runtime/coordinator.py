@@ -199,7 +199,8 @@ class HybridClusterCoordinator(cluster_coordinator.ClusterCoordinator):
         if not self._synchronous:
             return self._tracing.schedule_async(
                 lambda: super(HybridClusterCoordinator, self).schedule(fn, args=args,
-                                                                       kwargs=kwargs), fn)
+                                                                       kwargs=kwargs),
+                fn, args, kwargs)
         self._raise_if_error()
         # Each step its own cancellation manager (not the stock closure
         # queue's): `_cancel_waiting_peers` cancels this step and no other.

@@ -19,7 +19,7 @@ and the step traced again.
 import tensorflow as tf
 
 from tf_psplugin._internal import tf_objects
-from tf_psplugin._internal.tf_internal import cluster_coordinator
+from tf_psplugin._internal.tf_internal import cancellation, cluster_coordinator
 from tf_psplugin.tables import stacked_fallback
 
 
@@ -70,7 +70,7 @@ class RoleTracing:
             # replacement that writes them (see on_read_updates.py).
             traced = on_read.replacement_for(fn, traced, left_pending)
 
-    def schedule_async(self, schedule, fn):
+    def schedule_async(self, schedule, fn, args=None, kwargs=None):
         """`schedule()` (the stock coordinator's, asynchronous mode), traced again after a split.
 
         The stock `Closure` traces `fn` before it is queued: a legacy
@@ -78,17 +78,31 @@ class RoleTracing:
         (`SplitRequired`), nothing is queued, the tables are split apart and
         `schedule()` is called again, as in synchronous mode
         (`stacked_fallback.trace_splitting`). A function traced before a
-        stack it reads was split is refused before it is queued.
+        stack it reads was split is traced anew (a `Closure` made and not
+        queued) and checked before it is queued.
 
         Args:
             schedule: Calls the stock `ClusterCoordinator.schedule` with the step.
             fn: The step (`tf.function` or concrete function).
+            args: The step's positional arguments, as scheduled.
+            kwargs: Its keyword arguments.
 
         Returns:
             What `schedule()` returned (the stock `RemoteValue`).
         """
-        return stacked_fallback.trace_splitting(schedule, fn,
-                                                self._strategy.extended.table_stacks)
+        extended = self._strategy.extended
+
+        def probe():
+            # As the stock schedule traces: in the strategy's scope, "being scheduled".
+            with self._strategy.scope():
+                tf_objects.set_being_scheduled(extended, True)
+                try:
+                    self._new_closure(fn, args, kwargs, cancellation.CancellationManager())
+                finally:
+                    tf_objects.set_being_scheduled(extended, False)
+
+        return stacked_fallback.trace_splitting(schedule, fn, extended.table_stacks,
+                                                probe=probe)
 
     def _trace_splitting(self, fn, args, kwargs, manager):
         """`_trace_each_role`, traced again after splitting stacks a legacy optimizer needs apart.

@@ -28,7 +28,8 @@ from tf_psplugin.sync import outside_writes
 from tf_psplugin.tables import shard_init
 
 __all__ = ["Stack", "StackShard", "TableSet", "canonical_device", "current_rows",
-           "recorded_since", "retire", "retired_because", "retirements", "trace_mark"]
+           "handle_retired_because", "recorded_since", "retire", "retired_because", "retirements",
+           "trace_mark"]
 
 
 class TableSet:
@@ -73,6 +74,9 @@ def recorded_since(mark: int) -> bool:
 # why): it reads variables that were freed when its stack was split apart.
 _RETIRED: Dict[int, tuple] = {}
 _RETIREMENTS = {"count": 0}
+# id(handle) -> (the handle of a retired variable, why) (held: an old trace
+# holds it anyway, and it names no memory once emptied): `handle_retired_because`.
+_RETIRED_HANDLES: Dict[int, tuple] = {}
 
 
 def retirements() -> int:
@@ -96,8 +100,9 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
     assignment that does not validate the shape): its memory on the PS is
     freed, and any op of an old trace fails (a gather or scatter of a row
     out of ``[0, 0)``, an apply of mismatched shapes) before it writes
-    anything. The coordinator refuses to schedule those traces at all,
-    naming why (`retired_because`).
+    anything. The coordinator never runs those traces: it traces a
+    scheduled function that kept one anew (`stacked_fallback`), or refuses
+    it, naming why (`retired_because`).
 
     Args:
         variables: The old shard variables (the caller copied their rows).
@@ -105,6 +110,8 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
         why: What the coordinator's error says.
     """
     _RETIREMENTS["count"] += 1
+    for variable in variables:
+        _RETIRED_HANDLES[id(variable.handle)] = (variable.handle, why)
     for graph in graphs:
         _RETIRED[id(graph)] = (weakref.ref(graph), why)
     for variable in variables:
@@ -114,6 +121,12 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
             tf.raw_ops.AssignVariableOp(
                 resource=variable.handle, validate_shape=False,
                 value=tf.zeros([0] + variable.shape.as_list()[1:], variable.dtype))
+
+
+def handle_retired_because(handle) -> Optional[str]:
+    """Why `handle` (a resource a trace captured) must not be read (a retired variable's), or None."""
+    entry = _RETIRED_HANDLES.get(id(handle))
+    return entry[1] if entry is not None and entry[0] is handle else None
 
 
 def retired_because(concrete) -> Optional[str]:

@@ -21,8 +21,10 @@ the optimizer's own update of the stack shard:
   the variable's handle, a view's being the whole stack shard's; its tables
   get a stack each when the step's first trace meets them
   (`SplitRequired`), and the step is traced again. A function traced
-  before (the first fit's, which Keras keeps after `compile`) reads the old
-  storage, which is emptied (`stack_storage.retire`); it is refused here.
+  before (a step of the user's, the first fit's) reads the old storage,
+  which is emptied (`stack_storage.retire`): scheduled again, it is traced
+  anew on the new stacks, or refused if that would change what it runs
+  (the model was compiled with another optimizer since).
 * **Views applied on their own** (`applying_per_table`): a Keras
   (non-legacy) optimizer not known to update a stack as it updates each
   table gets each view with its own gradient; the strategy's update of a
@@ -33,7 +35,7 @@ the optimizer's own update of the stack shard:
 
 import threading
 import weakref
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from absl import logging
 import tensorflow as tf
@@ -269,20 +271,110 @@ def take_split_request():
         return _SPLIT_REQUEST.pop("value", None)
 
 
+def _name_of(function, concrete=None) -> str:
+    return (getattr(function, "__name__", None) or getattr(concrete, "name", None)
+            or "the function")
+
+
 def _refuse_retired(concretes, function) -> None:
     """Raises if one of `concretes` reads a split stack's freed storage (`stack_storage.retire`)."""
     for concrete in concretes:
         why = stack_storage.retired_because(concrete)
         if why is not None:
-            name = getattr(function, "__name__", None) or getattr(concrete, "name", "the function")
             raise StackingError(
-                f"stack_tables=True: {name!r} cannot run: {why}. Fix: trace it again "
-                "(a new tf.function; Keras makes one when the model is compiled again), or "
+                f"stack_tables=True: {_name_of(function, concrete)!r} cannot run: {why}. Fix: "
+                "trace it again (a new tf.function, or get_concrete_function called again; "
+                "Keras makes one when the model is compiled again), or "
                 "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)).")
 
 
+# tf.function -> `stack_storage.retirements()` when its traces were last found
+# to read no emptied storage (a trace made later reads live storage).
+_CHECKED: IdentityMap = IdentityMap()
+# tf.function -> why it is refused: traced again, it ran another program.
+_REFUSED: IdentityMap = IdentityMap()
+
+
+def _retrace_if_stale(function) -> list:
+    """Drops `function`'s traces if one reads a split stack's emptied storage; returns those.
+
+    The next call traces it anew, as a first call (`tf_objects.
+    reset_traces`): its views now read the tables' new stacks. A concrete
+    function cannot be traced again: it is refused, naming the fix. None is
+    looked up again until the next split (`stack_storage.retirements`).
+    """
+    count = stack_storage.retirements()
+    if not count:
+        return []
+    refused = _REFUSED.get(function)
+    if refused is not None:
+        raise StackingError(refused)
+    if _CHECKED.get(function) == count:
+        return []
+    traces = tf_objects.traces_of_function(function)
+    stale = [c for c in traces if stack_storage.retired_because(c) is not None]
+    if stale and not tf_objects.reset_traces(function):
+        _refuse_retired(stale, function)  # A concrete function.
+    if not stale:
+        _CHECKED[function] = count
+    return stale
+
+
+def _resources(concrete) -> list:
+    """The resource handles (variables, tables) a trace captured by value."""
+    graph = getattr(concrete, "graph", None)
+    return [t for t in getattr(graph, "external_captures", None) or ()
+            if getattr(t, "dtype", None) == tf.resource]
+
+
+def _check_retrace(function, old: list, traced: list) -> None:
+    """Refuses `function`, traced anew, if it would run another program or read old storage.
+
+    Traced again, a function reads what its Python state names now: the
+    same variables, but for the split stacks' storage (and slots), when
+    only the stacks changed (a user's own step). A Keras train function
+    whose model was compiled again since would run the new optimizer, not
+    the one it ran before (and an unstacked run still runs): that is
+    refused, naming why, and stays refused. So is a new trace that still
+    captures emptied storage (a `tf.function` it calls, whose own trace
+    was kept).
+
+    Args:
+        function: The function traced anew.
+        old: Its traces that read emptied storage (dropped).
+        traced: Its new traces (as far as the caller knows them).
+    """
+    new = {}
+    for concrete in list(traced) + tf_objects.traces_of_function(function):
+        new.update((id(t), t) for t in _resources(concrete))
+    missing = {id(t) for concrete in old for t in _resources(concrete)
+               if id(t) not in new and stack_storage.handle_retired_because(t) is None}
+    still = [why for why in map(stack_storage.handle_retired_because, new.values())
+             if why is not None]
+    if not missing and not still:
+        return
+    name = _name_of(function, old[0])
+    if still:
+        message = (f"stack_tables=True: {name!r} cannot run: it calls a tf.function that "
+                   f"still reads a split stack's old storage ({still[0]}). Fix: trace that "
+                   "function again (a new tf.function), or "
+                   "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)).")
+    else:
+        message = (
+            f"stack_tables=True: {name!r} cannot run: "
+            f"{stack_storage.retired_because(old[0])}; traced again, it no longer reads "
+            f"{len(missing)} variable(s) its old trace read (an optimizer or model replaced "
+            "since, e.g. by compiling the model again), so it would run another program than "
+            "it ran before. Fix: trace it again (a new tf.function; Keras makes one when the "
+            "model is compiled again), or "
+            "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)).")
+    _REFUSED[function] = message
+    raise StackingError(message)
+
+
 def trace_splitting(trace: Callable[[], object], function, stacks,
-                    traces_of: Callable[[object], list] = lambda result: []):
+                    traces_of: Callable[[object], list] = lambda result: [],
+                    probe: Optional[Callable[[], object]] = None):
     """`trace()`, done again after splitting the stacks a legacy optimizer needs apart.
 
     A legacy optimizer not known to update a stack elementwise, applying
@@ -293,9 +385,14 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
     rows copied) and the step is traced again, as its first call
     (`tf_objects.restart_first_trace`). Each split leaves fewer shared
     stacks, so this ends. A live traced function that read a split stack
-    (Keras keeps the first fit's) does not stop the split: its storage is
-    freed, and this refuses to run such a function, naming why. A stack
-    an optimizer's live slots hold raises the error, which names the fix.
+    (a step traced before it, or the first fit's, which Keras keeps) does
+    not stop the split: its storage is freed. Scheduled again, such a
+    function is traced anew first, as a first call (`tf_objects.
+    reset_traces`), and runs on the new stacks; if its new trace no
+    longer reads a variable its old one read (the model was compiled with
+    another optimizer since), it is refused, naming why, rather than run
+    another program. A stack an optimizer's live slots hold raises the
+    error, which names the fix.
     The coordinator traces every step through this (runtime/role_tracing.py
     in synchronous mode, runtime/coordinator.py's asynchronous schedule).
     A dispatch whose call traced nothing (a cached trace) only looks its
@@ -308,21 +405,27 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
         stacks: The strategy's `TableStacks` (None: `trace()` as it is).
         traces_of: The `ConcreteFunction`s in `trace()`'s result: while they
             live, they hold the stacks they read (`Stack.held_by`).
+        probe: Traces the step without running it, where `trace()` also
+            queues it (the stock asynchronous schedule): a function traced
+            anew is checked before it is queued. None: `trace()` runs nothing.
 
     Returns:
         What `trace()` returned.
 
     Raises:
         StackingError: the stacks cannot be split, or `function` was traced
-            before a stack it reads was split (see above).
+            before a stack it reads was split and cannot be traced again
+            (see above).
     """
-    if stacks is not None:
-        _refuse_retired([function, tf_objects.first_trace_of(function)], function)
+    stale = _retrace_if_stale(function) if stacks is not None else []
     done = set()
     while True:
         take_split_request()  # None left from an earlier trace.
         mark = stack_storage.trace_mark()
         try:
+            if stale and probe is not None:
+                probe()
+                _check_retrace(function, stale, [])
             result = trace()
         except Exception as error:  # pylint: disable=broad-except
             # A `SplitRequired`, which autograph re-raises as its `StagingError`:
@@ -336,6 +439,14 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
                 return result
             traced = list(traces_of(result))
             _refuse_retired(traced, function)
+            if stale:
+                if probe is None:
+                    _check_retrace(function, stale, traced)
+                logging.warning("stack_tables=True: %r was traced again: its traces read the "
+                                "storage of stacks split since.", _name_of(function))
+                stale = []
+            if stack_storage.retirements():
+                _CHECKED[function] = stack_storage.retirements()
             if stack_storage.recorded_since(mark):  # What holds the stacks from now on.
                 traced.append(tf_objects.first_trace_of(function))
                 for stack in stacks.stacks():
@@ -351,5 +462,6 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
         if held:
             raise StackingError(f"{message} ({held}.)")
         done.add(key)
+        stale += _retrace_if_stale(function)  # Its earlier traces (other arguments, roles).
         logging.warning("stack_tables=True: the step was traced again with tables %s each in a "
                         "stack of its own (%s).", sorted(t.display_name for t in tables), why)

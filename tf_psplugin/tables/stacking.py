@@ -400,8 +400,9 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     it does not (Keras keeps the first fit's train function after a
     `compile`, where no one calls it): the old variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
-    table reads any more: the coordinator refuses to schedule it, naming
-    why, and any other call of it fails.
+    table reads any more: any call of it outside the coordinator fails, and
+    the coordinator traces it anew before it runs, or refuses it, naming
+    why (`stacked_fallback.trace_splitting`).
 
     Args:
         tables: The tables the optimizer applies; each ends alone in a stack.

@@ -35,7 +35,15 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   split all the same at the second fit's first trace (rows copied) and
   that old function's storage emptied. Stacked, the case then schedules
   the old function once more (a user who kept ``model.train_tf_function``)
-  and prints ``OLD_REFUSED`` and the error: it must not train stale rows.
+  and prints ``OLD_REFUSED`` and the error: traced again, it would run the
+  legacy optimizer, not the Adam its old trace ran (as unstacked), and it
+  must not train stale rows either.
+* ``step_after_split``: a custom loop's step with legacy SGD (no slots) is
+  scheduled, then a step with the legacy subclass on the same tables
+  (stacked: the stack is split, the SGD step's storage emptied), then the
+  SGD step again: the coordinator traces it anew on the new stacks and it
+  trains on, as unstacked (``moved_after_split``: which weights its last
+  run changed, by name).
 
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
@@ -53,7 +61,7 @@ import tf_psplugin
 
 V = 40
 WIDTHS = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6, "custom_after": 7,
-          "legacy_loop": 9, "legacy_recompile": 10}
+          "legacy_loop": 9, "legacy_recompile": 10, "step_after_split": 11}
 
 
 class RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
@@ -150,11 +158,9 @@ def legacy_slot(optimizer, table, slot_name):
     return rows
 
 
-def custom_loop(model, optimizer, seed, steps=3):
-    """The PSS tutorial's custom loop: a scheduled tf.function that applies the gradients."""
+def make_step(model, optimizer):
+    """The PSS tutorial's custom loop step: a tf.function that applies the gradients."""
     strategy = tf.distribute.get_strategy()
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    iterator = iter(coordinator.create_per_worker_dataset(lambda: data(seed)))
 
     @tf.function
     def step(iterator):
@@ -168,9 +174,41 @@ def custom_loop(model, optimizer, seed, steps=3):
 
         return strategy.run(replica_fn, args=(next(iterator),))
 
+    return step
+
+
+def run_steps(step, seed, steps=3):
+    """Schedules `step` `steps` times on a per-worker dataset, then joins."""
+    strategy = tf.distribute.get_strategy()
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: data(seed)))
     for _ in range(steps):
         coordinator.schedule(step, args=(iterator,))
     coordinator.join()
+
+
+def custom_loop(model, optimizer, seed, steps=3):
+    """The PSS tutorial's custom loop: a scheduled tf.function that applies the gradients."""
+    run_steps(make_step(model, optimizer), seed, steps)
+
+
+def step_after_split(model):
+    """A step traced before a split, scheduled after it: traced anew, it trains on."""
+    # Legacy SGD: no slots (the split goes ahead), and a legacy optimizer
+    # applies any variable (a Keras one built before the split would not
+    # know the new stacks' shards).
+    sgd = tf.keras.optimizers.legacy.SGD(0.05)
+    sgd_step = make_step(model, sgd)
+    run_steps(sgd_step, 1)
+    legacy = RmsScaledAdagrad(0.1)
+    run_steps(make_step(model, legacy), 2)  # Stacked: splits the stack sgd_step read.
+    before = weights([model], [])
+    run_steps(sgd_step, 3)
+    found = weights([model], [legacy, sgd])
+    # 1 for each weight (sorted by name) the last run changed.
+    found["moved_after_split"] = np.array(
+        [int(not np.array_equal(before[k], found[k])) for k in sorted(before)], np.int32)
+    return found
 
 
 def run_case(case):
@@ -181,6 +219,8 @@ def run_case(case):
         legacy = RmsScaledAdagrad(0.1)
         custom_loop(model, legacy, 1)
         return weights([model], [legacy])
+    if case == "step_after_split":
+        return step_after_split(model)
     adam = (tf.keras.optimizers.legacy.Adam(0.05) if case == "frozen_after_legacy"
             else tf.keras.optimizers.Adam(0.05))
     model.compile(adam, "mse")
