@@ -144,6 +144,12 @@ def test_chief_kill_is_restarted_by_the_launcher_and_resumes(reference, make_clu
     assert _max_diff(report, reference) == 0.0
 
 
+# The small jobs below register no checkpointer, so no emergency checkpoint
+# depends on the failed step's parts having settled: they wait 1 s for them
+# (FailoverPolicy.settle_seconds) instead of the default 10 s, which a part
+# blocked with the dead or hung peer always spends in full.
+SETTLE_SECONDS = 1.0
+
 _SMALL_JOB = '''
     import os, signal, sys, time
     def say(*parts):
@@ -155,7 +161,8 @@ _SMALL_JOB = '''
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
-        failover=failover.FailoverPolicy(recovery_timeout_seconds=5, task_restarts={restarts}))
+        failover=failover.FailoverPolicy(recovery_timeout_seconds=5, task_restarts={restarts},
+                                         settle_seconds={settle}))
     ids = np.zeros((64, 2), "int64"); y = np.zeros((64, 1), "float32")
     ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8).repeat()
     with strategy.scope():
@@ -181,7 +188,7 @@ _UNCAUGHT_JOB = '''
     tf_psplugin.start_server()
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
-        failover=failover.FailoverPolicy(task_restarts=True))
+        failover=failover.FailoverPolicy(task_restarts=True, settle_seconds={settle}))
     ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
     with strategy.scope():
         m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
@@ -212,7 +219,7 @@ _ELASTIC_JOB = '''
         say("ATTEMPT", attempt, os.getpid(), threading.active_count())
         strategy = tf_psplugin.HybridParameterServerStrategy(
             options=tf_psplugin.HybridOptions(collective_timeout_seconds=10),
-            failover=failover.FailoverPolicy(task_restarts={restarts}))
+            failover=failover.FailoverPolicy(task_restarts={restarts}, settle_seconds={settle}))
         ds = tf.data.Dataset.from_tensors(([[1, 2]], [[0.0]])).repeat()
         with strategy.scope():
             m = tf.keras.Sequential([tf.keras.Input((2,), dtype="int64"),
@@ -235,8 +242,8 @@ _ELASTIC_JOB = '''
 
 def _fault_then_wait(cluster, tmp_path, restarts, fault, job=None, timeout=5):
     """Runs the small job, applies `fault(cluster)` once it trains; returns (result, t_fault)."""
-    script = cu.python_script(tmp_path, (job or _SMALL_JOB).format(restarts=restarts,
-                                                                   timeout=timeout))
+    script = cu.python_script(tmp_path, (job or _SMALL_JOB).format(
+        restarts=restarts, timeout=timeout, settle=SETTLE_SECONDS))
     done = []
     thread = threading.Thread(
         target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),
@@ -272,7 +279,7 @@ def test_dead_worker_without_restarts_stops_at_once_and_spares_the_healthy(make_
     assert "worker:1 at 127.0.0.1:" in line and "nothing will restart it" in line, line
     assert "worker:0" not in line and "Fix:" in line, line
     # Detection is immediate (RPC error) and recovery only waits for in-flight
-    # parts to settle (failover._SETTLE_SECONDS): far below recovery_timeout.
+    # parts to settle (SETTLE_SECONDS): far below recovery_timeout.
     assert _stopped_after(result, faulted) < 30.0, result.stdout[-4000:]
     pids = cluster.pids()
     assert cu.pid_alive(pids["worker:0"]) and cu.pid_alive(pids["ps:0"]), (
@@ -285,7 +292,7 @@ def test_dead_worker_with_restarts_exits_138_at_once_for_the_launcher(make_clust
     """Restarts promised (a scheduler): the chief stops at once with the restart status."""
     cluster = make_cluster(num_workers=2, num_ps=1)  # Nothing restarts the chief here.
     cluster.start_servers()
-    script = cu.python_script(tmp_path, _UNCAUGHT_JOB)
+    script = cu.python_script(tmp_path, _UNCAUGHT_JOB.format(settle=SETTLE_SECONDS))
     done = []
     thread = threading.Thread(
         target=lambda: done.append(cluster.run_chief([cu.PYTHON, script], timeout=240)),

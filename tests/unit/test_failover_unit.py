@@ -19,6 +19,7 @@ import weakref
 import pytest
 import tensorflow as tf
 
+from tf_psplugin import errors
 from tf_psplugin._internal import identity
 from tf_psplugin.cluster import liveness
 from tf_psplugin.cluster import restarts as restarts_lib
@@ -385,6 +386,53 @@ def test_without_restarts_recovery_stops_at_once_naming_the_dead_task(monkeypatc
     assert not isinstance(raised.value, failover.TaskFailedError)
     assert raised.value.exit_code == 1  # Restarting the chief alone would not help.
     assert not aborts  # Healthy workers live on.
+
+
+class _StuckCoordinator(_FakeCoordinator):
+    """A survivor's part never ends (blocked in a collective with the dead peer)."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait_until_idle(self, timeout):
+        self.waits.append(timeout)
+        return False
+
+    def running_parts(self):
+        return {0: (5, 3.0)}
+
+
+@pytest.mark.parametrize("policy, waited", [
+    (failover.FailoverPolicy(task_restarts=False), 10.0),  # The default.
+    (failover.FailoverPolicy(task_restarts=False, settle_seconds=0.5), 0.5),
+    (failover.FailoverPolicy(task_restarts=False, settle_seconds=0), 0),
+])
+def test_recovery_waits_settle_seconds_for_the_failed_steps_parts(monkeypatch, policy, waited):
+    healthy = socket.socket()
+    healthy.bind(("127.0.0.1", 0))
+    healthy.listen(16)
+    up = f"127.0.0.1:{healthy.getsockname()[1]}"
+    spec = {"chief": [up], "worker": [up, f"127.0.0.1:{_closed_port()}"], "ps": [up]}
+    monkeypatch.setattr(liveness, "served_by_this_process", lambda address: False)
+    monkeypatch.setattr(checkpoint_lib, "_checkpointers", [])
+    said = []
+    monkeypatch.setattr(failover, "_say", said.append)
+    controller = failover.FailoverController(_FakeStrategy(spec), policy)
+    coordinator = _StuckCoordinator()
+    error = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
+    try:
+        with pytest.raises(failover.FailoverError):
+            controller.recover(coordinator, error)
+    finally:
+        healthy.close()
+    assert coordinator.waits == [waited]
+    assert any("worker:0 (step 5, 3 s); going on without them" in m for m in said), said
+
+
+@pytest.mark.parametrize("value", [-1.0, "10", None, True])
+def test_failover_policy_refuses_a_bad_settle_seconds(value):
+    with pytest.raises(errors.StrategyError, match=r"settle_seconds=.*>= 0\. Fix: "):
+        failover.FailoverPolicy(settle_seconds=value)
 
 
 def test_with_restarts_recovery_raises_task_failed_at_once_for_the_restart(monkeypatch):

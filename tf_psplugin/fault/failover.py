@@ -68,19 +68,13 @@ from tf_psplugin.cluster import restarts as restarts_lib
 from tf_psplugin.cluster import liveness
 from tf_psplugin.cluster.liveness import accepts_connections, tasks_named_in
 from tf_psplugin.errors import RESTART_EXIT_CODE, FailoverError, TaskFailedError  # noqa: F401  (see errors.py)
+from tf_psplugin.errors import StrategyError
 from tf_psplugin.state import checkpoint as checkpoint_lib
 from tf_psplugin.state import model_dir as model_dir_lib
 
 RESTARTS_ENV = restarts_lib.CHIEF_RESTARTS_ENV
 # Read when FailoverPolicy.task_restarts is None (see cluster/restarts.py).
 TASK_RESTARTS_ENV = restarts_lib.TASK_RESTARTS_ENV
-# How long recovery waits for in-flight step parts to end before going on
-# without them. A survivor's part blocks in its next collective with the dead
-# peer (measured on TF 2.15: it never errors out without a per-op timeout) and
-# only ends when its worker restarts; the wait lets a survivor that was past
-# the step's last collective finish its updates, so the step counters read
-# for the emergency checkpoint are settled.
-_SETTLE_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +94,32 @@ class FailoverPolicy:
             error naming the dead task. None (default): read
             `TF_PSPLUGIN_TASK_RESTARTS` ("0"/"1"), which the launcher sets;
             unset means True (a scheduler is assumed to restart tasks).
+        settle_seconds: How long recovery waits for the failed step's parts
+            still running on surviving workers to end before it reads their
+            step counters (for the emergency checkpoint) and goes on
+            without them. A part blocked in a collective with the failed
+            peer never ends by itself, so a failover usually spends this
+            whole wait; shorter means an emergency checkpoint is more often
+            skipped for the periodic one (a survivor still applying its
+            updates reads as half-applied). Must be >= 0.
+
+    Raises:
+        StrategyError: `settle_seconds` is negative or not a number.
     """
 
     enabled: bool = True
     recovery_timeout_seconds: float = 300.0
     poll_seconds: float = 0.5
     task_restarts: Optional[bool] = None
+    settle_seconds: float = 10.0
+
+    def __post_init__(self):
+        if not (isinstance(self.settle_seconds, (int, float))
+                and not isinstance(self.settle_seconds, bool) and self.settle_seconds >= 0):
+            raise StrategyError(
+                f"FailoverPolicy(settle_seconds={self.settle_seconds!r}) must be a number of "
+                "seconds >= 0. Fix: pass e.g. settle_seconds=10.0 (the default), or 0 to go on "
+                "at once without waiting for the failed step's parts.")
 
     def restarts_expected(self) -> bool:
         """`task_restarts`, or what the launcher said, or True."""
@@ -239,8 +253,13 @@ class FailoverController:
         _say(f"a training step failed: {type(error).__name__}: {_first_line(error)}")
         # Parts of the failed step on surviving workers end when their
         # collectives see the dead peer's RPC errors; parts stuck with a hung
-        # peer never do (they end when their worker restarts).
-        if not coordinator.wait_until_idle(timeout=_SETTLE_SECONDS):
+        # peer never do (they end when their worker restarts), nor do parts
+        # blocked in a collective with a dead one (measured on TF 2.15: no
+        # error without a per-op timeout). The wait (policy.settle_seconds)
+        # lets a survivor that was past the step's last collective finish
+        # its updates, so the step counters read for the emergency
+        # checkpoint are settled.
+        if not coordinator.wait_until_idle(timeout=self.policy.settle_seconds):
             stuck = coordinator.running_parts()
             _say("step part(s) still running on %s; going on without them" % (
                 ", ".join(f"worker:{i} (step {sid}, {secs:.0f} s)"
