@@ -59,7 +59,8 @@ def dense_parameters(spec) -> int:
 
 def analytical_min_bytes_per_example(setup: str, spec, num_workers: int,
                                      per_worker_batch: int,
-                                     table_bytes: int = 4) -> Dict[str, float]:
+                                     table_bytes: int = 4,
+                                     gradient_bytes: int = 4) -> Dict[str, float]:
     """Bytes all hosts together must send per example, at the least.
 
     * Embeddings (every setup): each example's ids go to the PS (int64), the
@@ -71,9 +72,11 @@ def analytical_min_bytes_per_example(setup: str, spec, num_workers: int,
       variable from the PS and pushes its gradient: 2 x 4 x params / batch.
     * Dense, hybrid: a ring all-reduce of the gradients, each of the W workers
       sends 2 (W-1)/W x 4 x params per step of W x batch examples:
-      2 (W-1) x 4 x params / (W x batch). Variables never move.
+      2 (W-1) x 4 x params / (W x batch). Variables never move. With the
+      gradients all-reduced in 16 bits (`gradient_bytes` 2,
+      HybridOptions.dense_allreduce_dtype) 2 instead of 4.
     """
-    dense_bytes = 4 * dense_parameters(spec)
+    dense_bytes = (4 if setup == "stock_pss" else gradient_bytes) * dense_parameters(spec)
     embedding = spec.num_categorical * (8 + 2 * table_bytes * spec.embedding_dim)
     if setup == "stock_pss":
         dense = 2 * dense_bytes / per_worker_batch
@@ -109,8 +112,12 @@ def setup_options(setup: str) -> Dict[str, str]:
 
 
 def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str,
-            table_dtype: str = "float32") -> dict:
-    """One (setup, W, table dtype) on fresh emulated hosts; the raw measurement."""
+            table_dtype: str = "float32", allreduce_dtype: Optional[str] = None) -> dict:
+    """One (setup, W, table dtype, all-reduce dtype) on fresh emulated hosts; the raw measurement.
+
+    `allreduce_dtype` is the hybrid setups' HybridOptions.dense_allreduce_dtype
+    (None: the gradients' own dtype).
+    """
     from tf_psplugin.testing import hosts as hosts_lib  # pylint: disable=g-import-not-at-top
 
     num_ps = args.num_ps
@@ -130,8 +137,10 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str,
         "partition_min_bytes": 1 << 20, "announce_epochs": True, **setup_options(setup),
         "table_dtype": table_dtype,
         "dense_bucket_bytes": getattr(args, "dense_bucket_bytes", None),
+        "dense_allreduce_dtype": allreduce_dtype if hybrid else None,
     }
-    tag = "" if table_dtype == "float32" else f"-{table_dtype}"
+    tag = ("" if table_dtype == "float32" else f"-{table_dtype}") + (
+        f"-allreduce-{allreduce_dtype}" if allreduce_dtype and hybrid else "")
     log = os.path.join(log_dir, f"network-{setup}{tag}-w{num_workers}.log")
     env = procs.child_env()
     with hosts_lib.EmulatedHosts(names, rate_mbit=args.link_mbit) as hosts:
@@ -193,7 +202,8 @@ def run_one(setup: str, num_workers: int, args, spec_dict: dict, log_dir: str,
 
 
 def network_record(setup: str, num_workers: int, result: dict, args, spec,
-                   table_dtype: str = "float32") -> dict:
+                   table_dtype: str = "float32",
+                   allreduce_dtype: Optional[str] = None) -> dict:
     examples = result["examples"]
     per_role: Dict[str, List[int]] = {"chief": [], "ps": [], "worker": []}
     for name, moved in result["bytes"].items():
@@ -204,12 +214,14 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
                     else result["timed_steps"] / num_workers)
     total_tx = sum(m["tx_bytes"] for m in result["bytes"].values())
     minimum = analytical_min_bytes_per_example(setup, spec, num_workers, args.per_worker_batch,
-                                               table_bytes=4 if table_dtype == "float32" else 2)
+                                               table_bytes=4 if table_dtype == "float32" else 2,
+                                               gradient_bytes=2 if allreduce_dtype else 4)
     worker_bytes_per_step = sum(per_role["worker"]) / len(per_role["worker"]) / worker_steps
     record = {
         "kind": "network", "setup": setup, "variant": spec.variant,
         "num_workers": num_workers, "num_ps": args.num_ps,
         "table_dtype": table_dtype if setup != "stock_pss" else None,
+        "dense_allreduce_dtype": allreduce_dtype if setup != "stock_pss" else None,
         "link_mbit": args.link_mbit, "per_worker_batch": args.per_worker_batch,
         "examples_per_sec": round(result["examples_per_sec"], 1),
         "timed_seconds": round(result["timed_seconds"], 2), "examples": examples,
@@ -223,7 +235,8 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
         # The plugin's strategy arguments (None: stock PSS).
         "strategy_options": (procs.strategy_options(dict(
             setup_options(setup), table_dtype=table_dtype,
-            dense_bucket_bytes=getattr(args, "dense_bucket_bytes", None)))
+            dense_bucket_bytes=getattr(args, "dense_bucket_bytes", None),
+            dense_allreduce_dtype=allreduce_dtype))
                              if setup != "stock_pss" else None),
     }
     if "chief_exit" in result:
@@ -231,17 +244,24 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
     if setup != "stock_pss":
         # What a worker moves besides the dense ring all-reduce (which sends
         # and receives 2 (W-1)/W x 4 x params each per step, whatever the
-        # design): embedding ids, rows, gradient exchange, control.
-        ring = ring_allreduce_bytes_per_worker_step(spec, num_workers)
+        # design; half of it in 16 bits): embedding ids, rows, gradient
+        # exchange, control.
+        ring = ring_allreduce_bytes_per_worker_step(spec, num_workers,
+                                                    gradient_bytes=2 if allreduce_dtype else 4)
         record["worker_allreduce_bytes_per_step"] = round(ring)
         record["worker_bytes_per_step_beyond_allreduce"] = round(worker_bytes_per_step - ring)
     return record
 
 
-def ring_allreduce_bytes_per_worker_step(spec, num_workers: int) -> float:
-    """Bytes one worker sends plus receives per step in a ring all-reduce of the dense gradients."""
+def ring_allreduce_bytes_per_worker_step(spec, num_workers: int,
+                                         gradient_bytes: int = 4) -> float:
+    """Bytes one worker sends plus receives per step in a ring all-reduce of the dense gradients.
+
+    `gradient_bytes` per value: 4 (float32), 2 in 16 bits
+    (HybridOptions.dense_allreduce_dtype).
+    """
     w = num_workers
-    return 2 * 2 * (w - 1) / w * 4 * dense_parameters(spec)
+    return 2 * 2 * (w - 1) / w * gradient_bytes * dense_parameters(spec)
 
 
 def mode_network(args, log_dir: str, emit) -> List[dict]:
@@ -253,23 +273,27 @@ def mode_network(args, log_dir: str, emit) -> List[dict]:
                  "optimizer": getattr(args, "optimizer", "legacy_adagrad")}
     spec = model_lib.ModelSpec.from_dict(spec_dict)
     # Half-precision tables (--table_dtype) for the plugin's setups only.
-    runs = [(setup, dtype) for dtype in getattr(args, "table_dtype_list", ["float32"])
-            for setup in args.setup_list if dtype == "float32" or setup != "stock_pss"]
+    # ... and with each --dense_allreduce_dtype ("none": the gradients' own).
+    runs = [(setup, dtype, wire) for dtype in getattr(args, "table_dtype_list", ["float32"])
+            for wire in getattr(args, "allreduce_dtype_list", [None])
+            for setup in args.setup_list
+            if (dtype == "float32" and wire is None) or setup != "stock_pss"]
     records = []
     for w in args.network_workers:
         by_setup = {}
-        for setup, dtype in runs:
-            sys.stderr.write(f"[network] {setup} {dtype} tables W={w} ...\n")
+        for setup, dtype, wire in runs:
+            sys.stderr.write(f"[network] {setup} {dtype} tables, all-reduce {wire} W={w} ...\n")
             try:
                 record = network_record(
-                    setup, w, run_one(setup, w, args, spec_dict, log_dir, table_dtype=dtype),
-                    args, spec, table_dtype=dtype)
+                    setup, w, run_one(setup, w, args, spec_dict, log_dir, table_dtype=dtype,
+                                      allreduce_dtype=wire),
+                    args, spec, table_dtype=dtype, allreduce_dtype=wire)
             except procs.BenchmarkProcessError as e:
                 record = {"kind": "network", "setup": setup, "num_workers": w,
-                          "table_dtype": dtype, "error": str(e)[-1500:],
-                          "examples_per_sec": None}
-            by_setup[(setup, dtype)] = record
-        stock = by_setup.get(("stock_pss", "float32"), {}).get("examples_per_sec")
+                          "table_dtype": dtype, "dense_allreduce_dtype": wire,
+                          "error": str(e)[-1500:], "examples_per_sec": None}
+            by_setup[(setup, dtype, wire)] = record
+        stock = by_setup.get(("stock_pss", "float32", None), {}).get("examples_per_sec")
         for record in by_setup.values():
             eps = record.get("examples_per_sec")
             record["ratio_to_stock_pss"] = round(eps / stock, 3) if eps and stock else None
@@ -294,7 +318,8 @@ def summarize(records: Sequence[dict], spec) -> dict:
     for name in ("hybrid_sync", "hybrid_sync_allgather"):
         sync = {r["num_workers"]: r for r in records
                 if r["setup"] == name and r.get("examples_per_sec")
-                and r.get("table_dtype") in (None, "float32")}
+                and r.get("table_dtype") in (None, "float32")
+                and not r.get("dense_allreduce_dtype")}
         if not sync:
             continue
         lo, hi = min(sync), max(sync)
@@ -317,7 +342,8 @@ def summarize(records: Sequence[dict], spec) -> dict:
     # Half-precision tables (--table_dtype): bytes per example against the
     # same setup and W with float32 tables.
     float32 = {(r["setup"], r["num_workers"]): r for r in records
-               if r.get("table_dtype") == "float32" and r.get("total_bytes_per_example")}
+               if r.get("table_dtype") == "float32" and r.get("total_bytes_per_example")
+               and not r.get("dense_allreduce_dtype")}
     for r in records:
         base = float32.get((r["setup"], r.get("num_workers")))
         if r.get("table_dtype") not in (None, "float32") and base and \
@@ -325,6 +351,15 @@ def summarize(records: Sequence[dict], spec) -> dict:
             key = f"{r['setup']} {r['table_dtype']} W={r['num_workers']}"
             summary.setdefault("bytes_per_example_over_float32_tables", {})[key] = round(
                 r["total_bytes_per_example"] / base["total_bytes_per_example"], 3)
+        # Gradients all-reduced in 16 bits (--dense_allreduce_dtype): against
+        # the same setup, W and tables all-reduced in their own dtype.
+        if r.get("dense_allreduce_dtype") and base and r.get("examples_per_sec") \
+                and base.get("examples_per_sec") and r.get("table_dtype") == "float32":
+            key = f"{r['setup']} {r['dense_allreduce_dtype']} W={r['num_workers']}"
+            summary.setdefault("compressed_allreduce_over_uncompressed", {})[key] = {
+                "examples_per_sec": round(r["examples_per_sec"] / base["examples_per_sec"], 3),
+                "worker_bytes_per_step": round(
+                    r["worker_bytes_per_step"] / base["worker_bytes_per_step"], 3)}
     return summary
 
 

@@ -49,7 +49,9 @@ def strategy_options(job: dict) -> Dict[str, object]:
             "table_dtype": job.get("table_dtype", "float32"),
             # HybridOptions.dense_bucket_bytes (None: the strategy's default;
             # 0: one packed all-reduce of the dense gradients).
-            "dense_bucket_bytes": job.get("dense_bucket_bytes")}
+            "dense_bucket_bytes": job.get("dense_bucket_bytes"),
+            # HybridOptions.dense_allreduce_dtype (None: the gradients' own dtype).
+            "dense_allreduce_dtype": job.get("dense_allreduce_dtype")}
 
 
 def strategy_kwargs(job: dict) -> Dict[str, object]:
@@ -57,14 +59,15 @@ def strategy_kwargs(job: dict) -> Dict[str, object]:
 
     ``table_dtype`` "float32" is the strategy's default, ``table_dtype=None``:
     it is left out, so a plugin copy from before the option
-    (``run --plugin_path``) is measured too; so is ``dense_bucket_bytes``
-    None.
+    (``run --plugin_path``) is measured too; so are ``dense_bucket_bytes``
+    and ``dense_allreduce_dtype`` None.
     """
     options = strategy_options(job)
     if options["table_dtype"] == "float32":
         del options["table_dtype"]
-    if options["dense_bucket_bytes"] is None:  # Likewise: the default, or a copy without it.
-        del options["dense_bucket_bytes"]
+    for knob in ("dense_bucket_bytes", "dense_allreduce_dtype"):
+        if options[knob] is None:  # Likewise: the default, or a copy without it.
+            del options[knob]
     return options
 
 

@@ -22,6 +22,9 @@ Modes (default: throughput):
   policy and with the tables stored in each dtype (hybrid setups only),
   side by side; every line says which (``policy``, ``table_dtype``,
   ``strategy_options``).
+* ``--dense_allreduce_dtype`` (a comma-separated list with ``--network``):
+  the hybrid setups' dense gradients all-reduced in 16 bits
+  (``HybridOptions.dense_allreduce_dtype``), each value side by side.
 * ``--network``: stock PSS, hybrid sync (sparse gradients summed on the PS,
   and all-gathered for comparison) and hybrid async with 2, 4 and 8 workers,
   every task on its own emulated host with a rate-limited link (needs root;
@@ -53,6 +56,8 @@ SCHEMA_KEYS = ("setup", "examples_per_sec", "ratio_to_single", "ratio_to_stock_p
 DEFAULT_MEMORY_ROWS = (1_000_000, 10_000_000, 50_000_000)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 TABLE_DTYPES = ("float32", "bfloat16", "float16")
+# --dense_allreduce_dtype's values ("none": HybridOptions.dense_allreduce_dtype=None).
+ALLREDUCE_DTYPES = ("none", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --optimizer -> how the lines name it (benchmarks/model.py builds it).
 OPTIMIZER_NAMES = {"legacy_adagrad": "legacy.Adagrad", "adagrad": "Adagrad", "sgd": "SGD",
@@ -103,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense_bucket_bytes", type=int, default=None,
                    help="the hybrid setups' HybridOptions.dense_bucket_bytes (0: one packed "
                         "all-reduce of the dense gradients; default: the strategy's)")
+    p.add_argument("--dense_allreduce_dtype", default="none",
+                   help=f"comma-separated HybridOptions.dense_allreduce_dtype values of the "
+                        f"hybrid setups: {','.join(ALLREDUCE_DTYPES)} (none: the dense "
+                        f"gradients in their own dtype); several only with --network, each "
+                        f"run side by side")
     p.add_argument("--optimizer", default="legacy_adagrad", choices=sorted(OPTIMIZER_NAMES),
                    help="legacy_adagrad: tf.keras.optimizers.legacy.Adagrad (the default); "
                         "adagrad / sgd: Keras's new Adagrad / SGD (which makes a float32 "
@@ -185,6 +195,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--global_batch must be divisible by --num_workers")
     args.policy_list = _choices(parser, "--mixed_precision", args.mixed_precision, POLICIES)
     args.table_dtype_list = _choices(parser, "--table_dtype", args.table_dtype, TABLE_DTYPES)
+    args.allreduce_dtype_list = [
+        None if d == "none" else d for d in _choices(
+            parser, "--dense_allreduce_dtype", args.dense_allreduce_dtype, ALLREDUCE_DTYPES)]
+    if len(args.allreduce_dtype_list) > 1 and not args.network:
+        parser.error("--dense_allreduce_dtype: several values only with --network; give one")
     _check_precision(parser, args)
     args.memory_row_list = [int(r) for r in args.memory_rows.split(",") if r]
     args.scaling_worker_list = [int(w) for w in args.scaling_workers.split(",") if w]
@@ -293,6 +308,8 @@ def job_for(setup: str, args, num_workers: int, model: Optional[dict] = None,
         "partition_min_bytes": 1 << 20,
         "mixed_precision": policy, "table_dtype": table_dtype,
         "dense_bucket_bytes": getattr(args, "dense_bucket_bytes", None),
+        "dense_allreduce_dtype": (getattr(args, "allreduce_dtype_list", [None])[0]
+                                  if setup in HYBRID_SETUPS else None),
     }
 
 

@@ -211,6 +211,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="global steps (W x per_worker_batch examples each) between evaluations")
     p.add_argument("--eval_examples", type=int, default=20480,
                    help="held-out examples (the demo evaluator's 20 x 1024)")
+    p.add_argument("--dense_allreduce_dtype", choices=("bfloat16", "float16"), default=None,
+                   help="the hybrid setups' HybridOptions.dense_allreduce_dtype (default: the "
+                        "dense gradients all-reduced in their own dtype)")
     p.add_argument("--target_auc", type=float, default=0.77)
     p.add_argument("--milestones", default="0.74,0.75,0.76",
                    help="lower AUCs whose first crossing the summary records too")
@@ -301,15 +304,17 @@ def job_for(setup: str, num_workers: int, args: argparse.Namespace) -> dict:
             "target_auc": args.target_auc, "max_seconds": args.max_seconds,
             "vocab_size": args.vocab_size, "embedding_dim": args.embedding_dim,
             "seed": args.seed,
-            "embedding_updates": "async" if setup == "hybrid_async" else "sync"}
+            "embedding_updates": "async" if setup == "hybrid_async" else "sync",
+            "dense_allreduce_dtype": getattr(args, "dense_allreduce_dtype", None)}
 
 
-def strategy_record(setup: str) -> Optional[dict]:
+def strategy_record(setup: str, dense_allreduce_dtype: Optional[str] = None) -> Optional[dict]:
     """The plugin's strategy arguments of a setup (None: stock PSS)."""
     if setup == BASELINE:
         return None
     return procs.strategy_options({"embedding_updates":
-                                   "async" if setup == "hybrid_async" else "sync"})
+                                   "async" if setup == "hybrid_async" else "sync",
+                                   "dense_allreduce_dtype": dense_allreduce_dtype})
 
 
 # -- Running one setup -------------------------------------------------------------
@@ -675,7 +680,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            milestones=args.milestone_list) if evals else [])
     for s in summaries:
         s.update(info.get((s["num_workers"], s["setup"]), {}))
-        s["strategy_options"] = strategy_record(s["setup"])
+        s["strategy_options"] = strategy_record(s["setup"],
+                                                getattr(args, "dense_allreduce_dtype", None))
         s["per_worker_batch"] = args.per_worker_batch
         s["global_batch"] = args.per_worker_batch * s["num_workers"]
         s["learning_rate"] = learning_rate(s["setup"], s["num_workers"], args.learning_rate,

@@ -78,7 +78,8 @@ def test_throughput_records_schema_and_ratios(monkeypatch, capsys, tmp_path):
     # Every line says which strategy options made its figure.
     assert by["hybrid_sync"]["strategy_options"] == {
         "embedding_updates": "sync", "sharding": None, "sparse_exchange": "ps",
-        "stack_tables": True, "table_dtype": "float32", "dense_bucket_bytes": None}
+        "stack_tables": True, "table_dtype": "float32", "dense_bucket_bytes": None,
+        "dense_allreduce_dtype": None}
     assert all(r["policy"] == "float32" for r in lines)
     assert by["hybrid_sync"]["table_dtype"] == "float32" and by["single"]["table_dtype"] is None
     assert by["hybrid_sync"]["knobs"]["optimizer"] == "legacy.Adagrad(0.05)"
@@ -159,6 +160,10 @@ def test_strategy_kwargs_leave_the_default_table_dtype_out():
     assert procs.strategy_options(job)["dense_bucket_bytes"] is None
     assert "dense_bucket_bytes" not in procs.strategy_kwargs(job)
     assert procs.strategy_kwargs(dict(job, dense_bucket_bytes=0))["dense_bucket_bytes"] == 0
+    # HybridOptions.dense_allreduce_dtype: None left out, a dtype stated.
+    assert "dense_allreduce_dtype" not in procs.strategy_kwargs(job)
+    assert procs.strategy_kwargs(dict(job, dense_allreduce_dtype="bfloat16"))[
+        "dense_allreduce_dtype"] == "bfloat16"
     # The current plugin gets them as HybridOptions and a PlacementPolicy (no knob as a
     # keyword: deprecated); a plugin copy without HybridOptions as keywords.
     import types

@@ -1,4 +1,4 @@
-"""Instance-key bookkeeping and dense buckets of `CollectiveGroup` (no cluster needed).
+"""Instance keys, dense buckets and 16-bit wire dtypes of `CollectiveGroup` (no cluster needed).
 
 The coordinator traces one copy of a synchronous step per worker; the copies
 of one collective must carry the same instance key, and collectives of
@@ -114,3 +114,61 @@ def _ancestors(op):
             todo.extend(t.op for t in o.inputs)
             todo.extend(o.control_inputs)
     return seen
+
+
+# -- the dense gradients in 16 bits (HybridOptions.dense_allreduce_dtype) --------------
+
+
+@pytest.mark.parametrize("compress_to,expected", [
+    (None, [None, None, None, None, None]),
+    # float32 and float64 travel in 16 bits; 16-bit floats and integers in their own.
+    ("bfloat16", [tf.bfloat16, tf.bfloat16, None, None, None]),
+    ("float16", [tf.float16, tf.float16, None, None, None]),
+])
+def test_only_wider_floats_are_compressed(compress_to, expected):
+    dtypes = [tf.float32, tf.float64, tf.bfloat16, tf.float16, tf.int64]
+    assert collectives.wire_dtypes(dtypes, compress_to) == expected
+
+
+def test_an_unknown_wire_dtype_is_refused():
+    with pytest.raises(ValueError, match="dense_allreduce_dtype='int8'.*Fix:"):
+        collectives.wire_dtypes([tf.float32], "int8")
+
+
+def _reduce_graph(group, specs, wire, mean=False):
+    @tf.function(autograph=False)
+    def step(*tensors):
+        return group.all_reduce_packed(list(tensors), mean=mean, wire=wire)
+
+    fn = step.get_concrete_function(*specs)
+    return fn, [op for op in fn.graph.get_operations() if op.type == "CollectiveReduceV2"]
+
+
+def test_compressed_gradients_share_a_16_bit_collective_and_riders_keep_theirs():
+    """The cast plan: gradients cast to bfloat16, packed, summed, cast back; riders exact."""
+    group = CollectiveGroup(2)
+    specs = [tf.TensorSpec([3, 2], tf.float32), tf.TensorSpec([5], tf.float64),
+             tf.TensorSpec([], tf.float32)]  # Two gradients, then a rider (a count).
+    wire = collectives.wire_dtypes([s.dtype for s in specs[:2]], "bfloat16") + [None]
+    fn, reduces = _reduce_graph(group, specs, wire)
+    assert [op.inputs[0].dtype for op in reduces] == [tf.bfloat16, tf.float32]
+    assert reduces[0].inputs[0].shape.as_list() == [11]  # Both gradients in one pack.
+    assert reduces[1].inputs[0].shape.as_list() == [1]
+    assert [o.dtype for o in fn.outputs] == [tf.float32, tf.float64, tf.float32]
+    assert [o.shape.as_list() for o in fn.outputs] == [[3, 2], [5], []]
+
+
+def test_a_compressed_mean_is_divided_after_the_cast_back():
+    group = CollectiveGroup(2)
+    specs = [tf.TensorSpec([4], tf.float32), tf.TensorSpec([2], tf.float32)]
+    _, reduces = _reduce_graph(group, specs, [tf.bfloat16, None], mean=True)
+    final_ops = {op.inputs[0].dtype: op.get_attr("final_op") for op in reduces}
+    assert final_ops == {tf.bfloat16: b"Id", tf.float32: b"Div"}
+
+
+def test_a_group_of_one_casts_nothing():
+    # No collective, so nothing to compress: the values come back exact.
+    group = CollectiveGroup(1)
+    value = tf.constant([1.0 + 2.0**-12, 3.0], tf.float32)  # Not a bfloat16 value.
+    out, = group.all_reduce_packed([value], wire=[tf.bfloat16])
+    assert out.dtype == tf.float32 and out.numpy().tolist() == value.numpy().tolist()

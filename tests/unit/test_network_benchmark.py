@@ -78,7 +78,8 @@ def test_records_ratios_and_summary(monkeypatch, capsys):
     # Every line says which strategy options made its figure (stacking: the default).
     assert r["strategy_options"] == {"embedding_updates": "sync", "sharding": None,
                                      "sparse_exchange": "ps", "stack_tables": True,
-                                     "table_dtype": "float32", "dense_bucket_bytes": None}
+                                     "table_dtype": "float32", "dense_bucket_bytes": None,
+                                     "dense_allreduce_dtype": None}
     assert by[("hybrid_sync_allgather", 8)]["strategy_options"]["sparse_exchange"] == "allgather"
     assert by[("stock_pss", 2)]["strategy_options"] is None
     summary = lines[-1]
@@ -101,7 +102,8 @@ def test_half_precision_tables_side_by_side(monkeypatch):
     """--table_dtype float32,bfloat16: the plugin's setups once per dtype, bytes compared."""
     calls = []
 
-    def fake_run_one(setup, w, args, spec_dict, log_dir, table_dtype="float32"):
+    def fake_run_one(setup, w, args, spec_dict, log_dir, table_dtype="float32",
+                     allreduce_dtype=None):
         calls.append((setup, table_dtype, spec_dict["optimizer"]))
         result = _fake_result(setup, w, 100.0)
         if table_dtype == "bfloat16":  # Fewer bytes on every host.
@@ -128,6 +130,52 @@ def test_half_precision_tables_side_by_side(monkeypatch):
     assert summary["bytes_per_example_over_float32_tables"] == {"hybrid_sync bfloat16 W=2": 0.5}
     # The float32 figures alone make the targets' ratios.
     assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 1.0
+
+
+def test_compressed_all_reduce_side_by_side(monkeypatch):
+    """--dense_allreduce_dtype none,bfloat16: the plugin's setups once per dtype, stock once."""
+    calls = []
+
+    def fake_run_one(setup, w, args, spec_dict, log_dir, table_dtype="float32",
+                     allreduce_dtype=None):
+        calls.append((setup, allreduce_dtype))
+        result = _fake_result(setup, w, 150.0 if allreduce_dtype else 100.0)
+        if allreduce_dtype:  # Fewer bytes on every host.
+            result["bytes"] = {n: {k: v // 2 for k, v in b.items()}
+                               for n, b in result["bytes"].items()}
+        return result
+
+    monkeypatch.setattr(network, "run_one", fake_run_one)
+    args = run.parse_args(["--network", "--quick", "--network_workers", "8", "--setups",
+                           "stock_pss,hybrid_sync", "--dense_allreduce_dtype", "none,bfloat16",
+                           "--dense_bucket_bytes", "262144"])
+    lines = []
+    network.mode_network(args, "/tmp", lines.append)
+    assert calls == [("stock_pss", None), ("hybrid_sync", None), ("hybrid_sync", "bfloat16")]
+    records = [r for r in lines if r["kind"] == "network"]
+    packed = records[2]
+    assert packed["dense_allreduce_dtype"] == "bfloat16" and packed["ratio_to_stock_pss"] == 1.5
+    assert packed["strategy_options"]["dense_allreduce_dtype"] == "bfloat16"
+    assert packed["strategy_options"]["dense_bucket_bytes"] == 262144
+    assert records[1]["strategy_options"]["dense_allreduce_dtype"] is None
+    assert records[0]["dense_allreduce_dtype"] is None
+    # The ring moves 2 bytes per gradient value instead of 4.
+    spec = _spec()
+    assert packed["worker_allreduce_bytes_per_step"] == round(
+        network.ring_allreduce_bytes_per_worker_step(spec, 8) / 2)
+    assert packed["analytical_min_bytes_per_example"]["dense"] == pytest.approx(
+        records[1]["analytical_min_bytes_per_example"]["dense"] / 2)
+    summary = lines[-1]
+    assert summary["compressed_allreduce_over_uncompressed"] == {
+        "hybrid_sync bfloat16 W=8": {"examples_per_sec": 1.5, "worker_bytes_per_step": 0.5}}
+    # The uncompressed figures alone make the targets' ratios.
+    assert summary["hybrid_sync_over_stock_pss_at_max_w"] == 1.0
+    with pytest.raises(SystemExit):  # Several values outside --network.
+        run.parse_args(["--dense_allreduce_dtype", "none,bfloat16"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--network", "--dense_allreduce_dtype", "int8"])
+    assert run.parse_args(["--dense_allreduce_dtype", "float16"]).allreduce_dtype_list == [
+        "float16"]
 
 
 def test_network_arguments():

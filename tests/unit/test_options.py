@@ -34,6 +34,9 @@ _resolver = chief_worker_ps_resolver
     ("dense_bucket_bytes", -1, tf_psplugin.StrategyError),
     ("dense_bucket_bytes", 1.5, tf_psplugin.StrategyError),
     ("dense_bucket_bytes", True, tf_psplugin.StrategyError),
+    ("dense_allreduce_dtype", "int8", tf_psplugin.StrategyError),
+    ("dense_allreduce_dtype", "float32", tf_psplugin.StrategyError),
+    ("dense_allreduce_dtype", "bf16", tf_psplugin.StrategyError),
 ])
 def test_an_unsupported_knob_is_refused_when_the_options_are_made(knob, value, error):
     # HybridOptions(sharding=) is deprecated (PlacementPolicy's): it warns, then refuses.
@@ -204,6 +207,9 @@ def test_sharding_in_options_is_deprecated_for_placement_policy():
     ({"dense_placement": "ps", "experimental_pack_on_read_updates": False},
      r"dense_placement='ps', experimental_pack_on_read_updates=False.*Fix: "
      r"dense_placement='allreduce', or drop experimental_pack_on_read_updates"),
+    ({"dense_placement": "ps", "dense_allreduce_dtype": "bfloat16"},
+     r"dense_placement='ps', dense_allreduce_dtype='bfloat16'.*Fix: "
+     r"dense_placement='allreduce', or drop dense_allreduce_dtype"),
 ])
 def test_a_combination_that_cannot_take_effect_is_refused(knobs, match):
     with pytest.raises(tf_psplugin.StrategyError, match=match):
@@ -219,6 +225,10 @@ def test_a_combination_that_cannot_take_effect_is_refused(knobs, match):
     {"dense_placement": "ps", "embedding_updates": "async", "stack_tables": False},
     {"experimental_sparse_exchange": "allgather", "experimental_pack_on_read_updates": False},
     {"embedding_updates": "async", "experimental_pack_on_read_updates": False},
+    # The dense gradients in 16 bits, with async tables (still all-reduced) and buckets.
+    {"dense_allreduce_dtype": "bfloat16"},
+    {"dense_allreduce_dtype": "float16", "embedding_updates": "async"},
+    {"dense_allreduce_dtype": "bfloat16", "dense_bucket_bytes": 262144},
 ])
 def test_the_combinations_in_use_are_accepted(knobs):
     options = tf_psplugin.HybridOptions(**knobs)
@@ -258,3 +268,12 @@ def test_the_strategy_accepts_the_same_facts_said_once(kwargs):
     options = tf_psplugin.HybridOptions(dense_placement="ps", connect_timeout_seconds=0.5)
     with pytest.raises(tf_psplugin.StrategyError, match="cannot reach"):
         tf_psplugin.HybridParameterServerStrategy(_resolver(), options=options, **kwargs)
+
+
+def test_the_dense_gradients_travel_in_their_own_dtype_by_default():
+    assert tf_psplugin.HybridOptions().dense_allreduce_dtype is None
+    message = (r"dense_allreduce_dtype='half' is not supported\. "
+               r"Fix: use one of None, 'bfloat16', 'float16'")
+    with pytest.raises(tf_psplugin.StrategyError, match=message):
+        tf_psplugin.HybridOptions(dense_allreduce_dtype="half")
+

@@ -118,6 +118,12 @@ def test_defaults_are_the_demo_and_the_issue():
     assert job["embedding_updates"] == "async" and job["num_workers"] == 8
     assert tta.strategy_record("stock_pss") is None
     assert tta.strategy_record("hybrid_sync")["embedding_updates"] == "sync"
+    # --dense_allreduce_dtype: the dense gradients in 16 bits, in the job and the record.
+    assert job["dense_allreduce_dtype"] is None
+    assert tta.strategy_record("hybrid_sync")["dense_allreduce_dtype"] is None
+    args = tta.parse_args(["--dense_allreduce_dtype", "bfloat16"])
+    assert tta.job_for("hybrid_sync", 2, args)["dense_allreduce_dtype"] == "bfloat16"
+    assert tta.strategy_record("hybrid_sync", "bfloat16")["dense_allreduce_dtype"] == "bfloat16"
 
 
 def test_main_writes_complete_lines_and_files(monkeypatch, capsys, tmp_path):

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 from tf_psplugin._internal import deprecation as _deprecation
 from tf_psplugin.cluster.connection import StrategyError
+from tf_psplugin.sync import collectives
 from tf_psplugin.sync import sparse_exchange as sparse_exchange_lib
 from tf_psplugin.tables import half_precision
 from tf_psplugin.tables import placement as placement_lib
@@ -63,7 +64,8 @@ class HybridOptions:
     refused (``StrategyError`` naming the fields and the fix): the sparse
     exchange ``"allgather"`` with asynchronous table updates
     (``embedding_updates="async"``) or with ``dense_placement="ps"`` (no
-    synchronous step, so nothing is exchanged), and
+    synchronous step, so nothing is exchanged), ``dense_allreduce_dtype``
+    with ``dense_placement="ps"`` (no dense all-reduce), and
     ``experimental_pack_on_read_updates=False`` with
     ``dense_placement="ps"`` (no replicated accumulators to update).
 
@@ -133,6 +135,20 @@ class HybridOptions:
             all-reduce for all of them. Off by default: faster on separate
             hosts, slower on one shared box (benchmarks/README.md,
             "Bucketed dense all-reduce").
+        dense_allreduce_dtype: ``"bfloat16"`` or ``"float16"``: a synchronous
+            step's float32 dense gradients are cast to that dtype for their
+            all-reduce among the workers and back to float32 after it (as
+            PyTorch DDP's ``bf16_compress_hook`` and Horovod's
+            ``Compression.fp16`` do): the ring moves half the bytes, and the
+            sums keep 8 (bfloat16) or 11 (float16) significant bits, so the
+            trained weights differ from the uncompressed run's in the last
+            bits (a program can tell). What rides in the all-reduce besides
+            the gradients (metric and batch-norm deltas, the loss-scaling
+            count) stays exact. float16 keeps 11 bits but a narrow range (a
+            sum above 65504 becomes inf); it is refused under
+            ``mixed_float16``'s loss scaling. None (default): the gradients
+            travel in their own dtype. See docs/api.md and
+            benchmarks/README.md, "Compressed dense all-reduce".
         sharding: Deprecated: pass ``placement=PlacementPolicy(sharding=...)``
             to the strategy (its one home). ``"interleaved"`` or
             ``"contiguous"`` overrides the `PlacementPolicy`'s; None (default)
@@ -156,6 +172,7 @@ class HybridOptions:
     stack_tables: bool = True
     table_dtype: Optional[str] = None
     dense_bucket_bytes: Optional[int] = DEFAULT_DENSE_BUCKET_BYTES
+    dense_allreduce_dtype: Optional[str] = None
     sharding: Optional[str] = None  # Deprecated: PlacementPolicy's.
 
     def __init__(self, *, embedding_updates: str = "sync", dense_placement: str = "allreduce",
@@ -166,6 +183,7 @@ class HybridOptions:
                  experimental_fuse_lookups: bool = False, stack_tables: bool = True,
                  table_dtype: Optional[str] = None,
                  dense_bucket_bytes: Optional[int] = DEFAULT_DENSE_BUCKET_BYTES,
+                 dense_allreduce_dtype: Optional[str] = None,
                  sharding: Any = _deprecation.UNSET,
                  sparse_exchange: Any = _deprecation.UNSET,
                  pack_on_read_updates: Any = _deprecation.UNSET,
@@ -194,7 +212,8 @@ class HybridOptions:
             experimental_sparse_exchange=experimental_sparse_exchange,
             experimental_pack_on_read_updates=experimental_pack_on_read_updates,
             experimental_fuse_lookups=experimental_fuse_lookups, stack_tables=stack_tables,
-            table_dtype=table_dtype, dense_bucket_bytes=dense_bucket_bytes)
+            table_dtype=table_dtype, dense_bucket_bytes=dense_bucket_bytes,
+            dense_allreduce_dtype=dense_allreduce_dtype)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._validate()
@@ -218,6 +237,9 @@ class HybridOptions:
                 f"dense_bucket_bytes={self.dense_bucket_bytes!r} must be a whole number of bytes "
                 ">= 0. Fix: pass e.g. 1 << 20, or 0 (or None) for one all-reduce of every dense "
                 "gradient.")
+        if self.dense_allreduce_dtype is not None:
+            _check_one_of("dense_allreduce_dtype", self.dense_allreduce_dtype,
+                          (None,) + collectives.WIRE_DTYPES)
         _check_combinations(self)
 
     def replace(self, **changes) -> "HybridOptions":
@@ -317,6 +339,12 @@ def _check_combinations(options: HybridOptions) -> None:
                 "with dense variables on the PS no step is synchronous, so no gradient is "
                 "exchanged. Fix: dense_placement='allreduce', or drop "
                 "experimental_sparse_exchange.")
+    if options.dense_placement == "ps" and options.dense_allreduce_dtype is not None:
+        raise StrategyError(
+            f"HybridOptions(dense_placement='ps', dense_allreduce_dtype="
+            f"{options.dense_allreduce_dtype!r}): with dense variables on the PS no dense "
+            "gradient is all-reduced. Fix: dense_placement='allreduce', or drop "
+            "dense_allreduce_dtype.")
     if options.dense_placement == "ps" and not options.experimental_pack_on_read_updates:
         raise StrategyError(
             "HybridOptions(dense_placement='ps', experimental_pack_on_read_updates=False): with "

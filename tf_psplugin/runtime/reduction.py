@@ -6,7 +6,8 @@ here: dense values are summed across workers with packed collective
 all-reduces, one per bucket of about `HybridOptions.dense_bucket_bytes`
 (the last layers' gradients first, so their all-reduce overlaps the rest of
 the backward pass; metric and batch-norm deltas riding along in the last
-bucket), embedding gradients
+bucket), in 16 bits with `HybridOptions.dense_allreduce_dtype` (the
+gradients only: what rides along stays exact), embedding gradients
 are handed in to the PS that holds their shard and summed there (or
 all-gathered, `experimental_sparse_exchange="allgather"`). Every reduction is counted
 (`reduced_steps`, for failover) before any update may run.
@@ -142,7 +143,10 @@ class Reduction:
         worker's hand-ins to the PS queues: then that all-reduce doubles as
         the barrier the PS exchange needs (it completes on a worker only once
         every worker has handed in), one collective fewer a step. With no
-        bucket size, everything is one packed all-reduce.
+        bucket size, everything is one packed all-reduce. With
+        `HybridOptions.dense_allreduce_dtype` the float32 (and float64)
+        dense values travel in that dtype (`collectives.wire_dtypes`) and the
+        riders in their own, so the last bucket is two collectives.
 
         Args:
             dense: The dense values, in the variables' order.
@@ -166,13 +170,18 @@ class Reduction:
         buckets = collectives.plan_buckets(sizes, self._extended.dense_bucket_bytes) or [[]]
         # The last bucket: the riders, and the wait for the hand-ins.
         *early, last = buckets
+        compress_to = self._extended.dense_allreduce_dtype
         reduced: List = [None] * (len(dense) + len(riders))
         for bucket, results in zip(early, group.all_reduce_buckets(
-                [[dense[i] for i in b] for b in early], mean=mean)):
+                [[dense[i] for i in b] for b in early], mean=mean, compress_to=compress_to)):
             for i, r in zip(bucket, results):
                 reduced[i] = r
+        # Only the gradients are compressed: the riders travel in their own dtype.
+        wire = (collectives.wire_dtypes([dense[i].dtype for i in last], compress_to)
+                + [None] * len(riders))
         with tf.control_dependencies(hand_in_ops):
-            results = group.all_reduce_packed([dense[i] for i in last] + list(riders), mean=mean)
+            results = group.all_reduce_packed([dense[i] for i in last] + list(riders), mean=mean,
+                                              wire=wire)
         for i, r in zip(list(last) + list(range(len(dense), len(reduced))), results):
             reduced[i] = r
         return reduced, results[0]

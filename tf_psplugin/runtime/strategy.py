@@ -238,6 +238,8 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._extended.table_dtype = options.table_dtype
         # A sync step's dense all-reduces: buckets of about this size (0: one).
         self._extended.dense_bucket_bytes = int(options.dense_bucket_bytes or 0)
+        # ... and the dtype the dense gradients travel in (None: their own).
+        self._extended.dense_allreduce_dtype = options.dense_allreduce_dtype
         if options.experimental_fuse_lookups:
             patches.install("keras_functional_fusion")
         if options.stack_tables:
@@ -354,6 +356,8 @@ class HybridExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Exten
         self.table_dtype = None
         # Read by reduction.py (HybridOptions.dense_bucket_bytes): set likewise.
         self.dense_bucket_bytes = 0
+        # Read by reduction.py (HybridOptions.dense_allreduce_dtype): likewise.
+        self.dense_allreduce_dtype = None
         self.committed_steps = None
 
     # -- read by other modules ----------------------------------------------------

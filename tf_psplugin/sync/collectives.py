@@ -5,7 +5,13 @@ step, or one per bucket of about `HybridOptions.dense_bucket_bytes` when the
 step's gradients are split (`plan_buckets`), so that the last layers'
 gradients, which the backward pass produces first, are summed while it still
 computes the earlier layers' (as Horovod's tensor fusion and PyTorch DDP's
-buckets do). Embedding gradients in
+buckets do). With `HybridOptions.dense_allreduce_dtype` the gradients
+travel in 16 bits (`wire_dtypes`): each is cast to that dtype for its
+collective and back to its own dtype after it, halving the bytes the ring
+moves (PyTorch DDP's ``bf16_compress_hook``, Horovod's
+``Compression.fp16``); the values riding along in the last bucket (metric
+and batch-norm deltas, the loss-scaling count) stay in their own dtype, in
+a collective of their own. Embedding gradients in
 ``"sync"`` mode are summed on their PS (`sparse_exchange.py`) after a
 barrier from here; with ``experimental_sparse_exchange="allgather"`` they are
 all-gathered, also packed, so every worker sees the global sparse gradient
@@ -32,6 +38,15 @@ _MIN_BUCKET_LOG2, _MAX_BUCKET_LOG2 = 8, 40
 
 # Group keys below 100 are left to TF's own strategies.
 DEFAULT_GROUP_KEY = 7001
+
+# HybridOptions.dense_allreduce_dtype's values: the dtypes a dense gradient
+# may travel in. CollectiveReduceV2 sums both on CPU (ring reducer, TF 2.15
+# and 2.21; tests/unit/test_collectives.py checks it on the TF it runs).
+WIRE_DTYPES = ("bfloat16", "float16")
+
+# The gradients that are compressed: wider floats (a gradient already in 16
+# bits, an integer or a complex one travels in its own dtype).
+_COMPRESSIBLE = (tf.float32, tf.float64)
 
 
 class CollectiveGroup:
@@ -115,35 +130,54 @@ class CollectiveGroup:
             tensor, group_size=self.group_size, group_key=self.group_key,
             instance_key=self.next_instance_key())
 
-    def all_reduce_packed(self, tensors: Sequence[tf.Tensor], mean: bool = False) -> List[tf.Tensor]:
-        """Sums (or averages) a list of dense tensors with one collective.
+    def all_reduce_packed(self, tensors: Sequence[tf.Tensor], mean: bool = False,
+                          wire: Optional[Sequence[Optional[tf.DType]]] = None) -> List[tf.Tensor]:
+        """Sums (or averages) a list of dense tensors with one collective per dtype.
 
-        Tensors are flattened, cast to a common float type per dtype group,
-        concatenated, reduced once and split back.
+        Tensors are flattened, grouped by the dtype they travel in,
+        concatenated, reduced once per group and split back.
 
         Args:
             tensors: Dense tensors, any shapes.
             mean: Divide by the group size.
+            wire: Per tensor, the dtype it travels in (`wire_dtypes`), None
+                for its own; None: every tensor in its own. A tensor sent in
+                another dtype is cast to it before the collective and back
+                after it (then divided, with `mean`, in its own dtype). With
+                a group of one nothing is cast: there is no collective.
 
         Returns:
             The reduced tensors, same shapes and dtypes as the inputs.
         """
+        if wire is None or self.group_size == 1:
+            wire = [None] * len(tensors)
+        if len(wire) != len(tensors):
+            raise ValueError(f"all_reduce_packed: {len(wire)} wire dtypes for "
+                             f"{len(tensors)} tensors.")
         results: List[Optional[tf.Tensor]] = [None] * len(tensors)
         by_dtype = {}
         for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
+            by_dtype.setdefault(wire[i] or t.dtype, []).append(i)
         for dtype, idxs in by_dtype.items():
-            flat = [tf.reshape(tensors[i], [-1]) for i in idxs]
+            cast = [tensors[i].dtype != dtype for i in idxs]
+            flat = [tf.reshape(tf.cast(tensors[i], dtype) if c else tensors[i], [-1])
+                    for i, c in zip(idxs, cast)]
             packed = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
-            reduced = self.all_reduce(packed, final_op="Div" if mean else "Id")
+            # A compressed pack is summed, and averaged after the cast back.
+            divide_here = mean and any(cast)
+            reduced = self.all_reduce(packed, final_op="Div" if mean and not divide_here else "Id")
             sizes = [tf.size(f) for f in flat]
             pieces = [reduced] if len(flat) == 1 else tf.split(reduced, tf.stack(sizes), num=len(flat))
-            for i, piece in zip(idxs, pieces):
+            for i, c, piece in zip(idxs, cast, pieces):
+                if c:
+                    piece = tf.cast(piece, tensors[i].dtype)
+                if divide_here:
+                    piece = piece / tf.cast(self.group_size, piece.dtype)
                 results[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return results  # type: ignore[return-value]
 
-    def all_reduce_buckets(self, buckets: Sequence[Sequence[tf.Tensor]],
-                           mean: bool = False) -> List[List[tf.Tensor]]:
+    def all_reduce_buckets(self, buckets: Sequence[Sequence[tf.Tensor]], mean: bool = False,
+                           compress_to: Optional[str] = None) -> List[List[tf.Tensor]]:
         """Sums (or averages) each bucket of dense tensors with its own packed collective.
 
         The buckets' collectives take their instance keys in the order of
@@ -156,11 +190,16 @@ class CollectiveGroup:
         Args:
             buckets: Lists of dense tensors, any shapes and dtypes.
             mean: Divide by the group size.
+            compress_to: `HybridOptions.dense_allreduce_dtype`: the float32
+                and float64 tensors travel in that dtype (`wire_dtypes`);
+                None: every tensor in its own.
 
         Returns:
             Per bucket, the reduced tensors, same shapes and dtypes as the inputs.
         """
-        return [self.all_reduce_packed(bucket, mean=mean) for bucket in buckets]
+        return [self.all_reduce_packed(
+            bucket, mean=mean, wire=wire_dtypes([t.dtype for t in bucket], compress_to))
+            for bucket in buckets]
 
     def all_gather_indexed_slices(self, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
         """All-gathers sparse gradients from every worker, packed.
@@ -288,6 +327,31 @@ def plan_buckets(nbytes: Sequence[Optional[int]], bucket_bytes: Optional[int]) -
     if current:
         buckets.append(sorted(current))
     return buckets
+
+
+def wire_dtypes(dtypes: Sequence[tf.DType],
+                compress_to: Optional[str]) -> List[Optional[tf.DType]]:
+    """The dtype each dense gradient travels in (`HybridOptions.dense_allreduce_dtype`).
+
+    Args:
+        dtypes: The gradients' dtypes.
+        compress_to: One of `WIRE_DTYPES`, or None (no compression).
+
+    Returns:
+        Per gradient, `compress_to` as a `tf.DType` for a float32 or float64
+        gradient, None (its own dtype) for any other and for all of them
+        without `compress_to`.
+
+    Raises:
+        ValueError: `compress_to` is not one of `WIRE_DTYPES`.
+    """
+    if compress_to is None:
+        return [None] * len(dtypes)
+    if compress_to not in WIRE_DTYPES:
+        raise ValueError(f"dense_allreduce_dtype={compress_to!r} is not supported. Fix: use "
+                         f"None or one of {', '.join(map(repr, WIRE_DTYPES))}.")
+    target = tf.as_dtype(compress_to)
+    return [target if tf.as_dtype(d).base_dtype in _COMPRESSIBLE else None for d in dtypes]
 
 
 def row_width(s: tf.IndexedSlices) -> int:

@@ -21,6 +21,14 @@ scale. Table gradients are unscaled where Keras unscales every gradient,
 on each worker before the reduction, so they reach the PS unscaled; a
 skipped step still takes its gradients out of the PS queues (the take runs
 before the `tf.cond`), so nothing is left behind.
+
+The count is made on each worker's own gradients, before the all-reduce.
+A float16 all-reduce of the scaled dense gradients
+(`HybridOptions(dense_allreduce_dtype="float16")`) can overflow in the sum
+itself, after every worker found its gradients finite, and the step would
+apply inf: that combination is refused when Keras makes the
+`LossScaleOptimizer` (`check_dense_allreduce_dtype`). bfloat16 has
+float32's range: a sum that overflows it overflows float32 too.
 """
 
 import contextlib
@@ -102,6 +110,31 @@ def _strategy_agrees() -> bool:
     return bool(getattr(getattr(strategy, "extended", None), "agrees_loss_scaling", False))
 
 
+def _strategy_dense_allreduce_dtype() -> Optional[str]:
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    return getattr(getattr(strategy, "extended", None), "dense_allreduce_dtype", None)
+
+
+def check_dense_allreduce_dtype(dense_allreduce_dtype: Optional[str]) -> None:
+    """Refuses a float16 dense all-reduce under Keras's loss scaling.
+
+    Args:
+        dense_allreduce_dtype: The strategy's `HybridOptions.dense_allreduce_dtype`.
+
+    Raises:
+        StrategyError: it is ``"float16"``: a sum of scaled gradients above
+            65504 is inf on every worker, while each worker counted its own
+            gradients finite, so the step would apply it (see the module
+            docstring).
+    """
+    if dense_allreduce_dtype == "float16":
+        raise StrategyError(
+            "mixed_float16's loss scaling with HybridOptions(dense_allreduce_dtype='float16'): "
+            "the sum of the scaled dense gradients can overflow float16 in the all-reduce "
+            "after every worker found its own gradients finite, and the step would apply inf. "
+            "Fix: dense_allreduce_dtype='bfloat16' (float32's range), or None.")
+
+
 _FLOAT16_CPU_WARNED = []  # Non-empty once the warning below was logged in this process.
 
 FLOAT16_ON_CPU_WARNING = (
@@ -157,7 +190,8 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
     * `strategy_supports_loss_scaling`: also True under a strategy whose
       Extended says `agrees_loss_scaling` (the synchronous modes); Keras's
       `mixed_float16` policy and `LossScaleOptimizer` ask it. There it also
-      warns once if no worker has a GPU (`warn_float16_on_cpu_once`).
+      warns once if no worker has a GPU (`warn_float16_on_cpu_once`), and
+      refuses a float16 dense all-reduce (`check_dense_allreduce_dtype`).
     * `_is_all_finite`: in a step whose reduction recorded the agreed
       answer (`record_agreed`), returns it; otherwise Keras's own.
     * `LossScaleOptimizerV3.apply_gradients` (Keras's new optimizers): runs
@@ -181,6 +215,7 @@ def patch_keras_loss_scaling() -> Callable[[], None]:
 
     def strategy_supports_loss_scaling():
         if _strategy_agrees():
+            check_dense_allreduce_dtype(_strategy_dense_allreduce_dtype())
             warn_float16_on_cpu_once()  # Keras asks when it makes a LossScaleOptimizer.
             return True
         return supports()

@@ -32,6 +32,10 @@ STACKED = "stacked" in VARIANTS
 # (HybridOptions.dense_bucket_bytes): the MLP's four variables in three
 # collectives, the output layer's first; every other case in one pack (0).
 BUCKET_BYTES = 16 if "bucketed" in VARIANTS else 0
+# "bf16wire" / "f16wire": the dense gradients all-reduced in bfloat16 /
+# float16 (HybridOptions.dense_allreduce_dtype); every other case in their own.
+ALLREDUCE_DTYPE = ("bfloat16" if "bf16wire" in VARIANTS
+                   else "float16" if "f16wire" in VARIANTS else None)
 EXCHANGE = sys.argv[7] if len(sys.argv) > 7 else "ps"
 # "mixed_float16" / "mixed_bfloat16": Keras's mixed-precision policy, here and
 # in the single-process reference; the output layer stays float32 (as Keras's
@@ -189,6 +193,24 @@ def takes_before_all_hand_ins(model):
             if op.type.startswith("QueueDequeue") and not gates & ancestors(op):
                 early.append(f"{graph.name}: {op.type} {op.name}")
     return early, collectives_per_graph, before_hand_ins
+
+
+def collective_dtypes(model):
+    """Per traced graph with an all-reduce, the sorted dtypes its all-reduces sum."""
+    out = []
+    for graph in traced_graphs(model):
+        dtypes = sorted(op.inputs[0].dtype.name for op in graph.get_operations()
+                        if op.type == "CollectiveReduceV2")
+        if dtypes:
+            out.append(dtypes)
+    return out
+
+
+def data_loss(weights, ids, y):
+    """The mean squared error of a plain model with `weights` on all of (`ids`, `y`)."""
+    plain = make_model()
+    set_logical_weights(plain, weights)
+    return float(np.mean((plain(ids, training=False).numpy().astype("float64") - y) ** 2))
 
 
 def skip_branch_writes(model):
@@ -396,7 +418,7 @@ def main():
         options=tf_psplugin.HybridOptions(
             embedding_updates=UPDATES, experimental_sparse_exchange=EXCHANGE,
             experimental_fuse_lookups=FUSED, stack_tables=STACKED,
-            dense_bucket_bytes=BUCKET_BYTES),
+            dense_bucket_bytes=BUCKET_BYTES, dense_allreduce_dtype=ALLREDUCE_DTYPE),
         # Off: the other cases keep two tables.
         placement=tf_psplugin.PlacementPolicy(sharding=SHARDING))
     num_workers = strategy.num_replicas_in_sync
@@ -465,6 +487,10 @@ def main():
         "collectives_per_graph": collectives_per_graph,
         "collectives_before_hand_ins": before_hand_ins,
         "dense_bucket_bytes": strategy.options.dense_bucket_bytes,
+        "dense_allreduce_dtype": strategy.options.dense_allreduce_dtype,
+        "collective_dtypes": collective_dtypes(model),
+        # The global data's loss (mse) with the initial and the trained weights.
+        "data_loss": {"initial": data_loss(init, ids, y), "trained": data_loss(got, ids, y)},
         "fused_lookup_gathers": fused_lookup_gathers(model),
         "sparse_applies_per_graph": sparse_applies_per_graph(model),
         "tables_share_shards": all(
