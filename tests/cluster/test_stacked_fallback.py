@@ -80,6 +80,9 @@ REPORTED = {
                         "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
     "step_after_split": "tables c11_item/embeddings, c11_user/embeddings split out, each alone "
                         "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
+    "slots_split_legacy": "tables c14_item/embeddings, c14_user/embeddings split out, each "
+                          "alone (RmsScaledAdagrad (legacy) is not known to update a stack "
+                          "elementwise",
 }
 
 

@@ -948,6 +948,48 @@ def test_a_legacy_unknown_optimizer_gets_its_tables_split_apart_and_the_step_ret
                for text in notes.values()), notes
 
 
+def test_a_live_legacy_optimizer_s_slots_are_split_with_the_stack():
+    """Legacy Adagrad trained the stack and lives on; a user's legacy optimizer splits it.
+
+    Each of Adagrad's slots of an old stack shard becomes a slot per new
+    stack shard with the same rows (`slot_split`); Adagrad then trains on:
+    weights and both optimizers' slots bit-identical to unstacked tables.
+    (The strategy's variable creator records each slot of a stack shard;
+    this harness has none, so the test records them as it would.)
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    firsts = {"stacked": tf.keras.optimizers.legacy.Adagrad(0.2),
+              "plain": tf.keras.optimizers.legacy.Adagrad(0.2)}
+    seconds = {"stacked": _RmsScaledAdagrad(0.3), "plain": _RmsScaledAdagrad(0.3)}
+    first_step = _train(stacked, firsts["stacked"], _batches(2))
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    for shard in narrow[0].stack.shards:
+        stacks.seal(shard, slot=firsts["stacked"].get_slot(shard, "accumulator"))
+    old_slots = [firsts["stacked"].get_slot(s, "accumulator") for s in narrow[0].stack.shards]
+    assert narrow[0].stack.slots_held_by()
+    _train_splitting(stacked, seconds["stacked"], _batches(2, seed=2), stacks)
+    assert len({id(t.stack) for t in narrow}) == 3  # Split, with the slots.
+    weights = firsts["stacked"].weights
+    assert not any(w is old for w in weights for old in old_slots)  # Dropped from Adagrad.
+    _dispatch(first_step, _batches(2, seed=3), stacks)  # Adagrad again, traced anew.
+    _train(plain, firsts["plain"], _batches(2))
+    _train(plain, seconds["plain"], _batches(2, seed=2))
+    _train(plain, firsts["plain"], _batches(2, seed=3))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    for name, table in _tables(stacked).items():
+        plain_table = _tables(plain)[name]
+        for s in range(SHARDS):
+            start, count = table.row_offsets[s], table.shard_counts[s]
+            for opts in (firsts, seconds):
+                mine = opts["stacked"].get_slot(table.variables[s], "accumulator").numpy()
+                theirs = opts["plain"].get_slot(plain_table.variables[s], "accumulator").numpy()
+                np.testing.assert_array_equal(mine[start:start + count], theirs,
+                                              err_msg=f"{name} {s}")
+                assert (theirs > 0.1 + 1e-6).any(), name  # Trained.
+
+
 def test_a_step_traced_before_a_split_is_traced_anew_and_trains_on():
     """A step traced before the split, still alive, read the stack; scheduled after, it trains on.
 

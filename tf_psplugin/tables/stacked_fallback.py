@@ -391,8 +391,9 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
     reset_traces`), and runs on the new stacks; if its new trace no
     longer reads a variable its old one read (the model was compiled with
     another optimizer since), it is refused, naming why, rather than run
-    another program. A stack an optimizer's live slots hold raises the
-    error, which names the fix.
+    another program. A live legacy optimizer's slots of a split stack are
+    split with it (`stacking.split_apart`); a stack a Keras (non-legacy)
+    optimizer's live slots hold raises the error, which names the fix.
     The coordinator traces every step through this (runtime/role_tracing.py
     in synchronous mode, runtime/coordinator.py's asynchronous schedule).
     A dispatch whose call traced nothing (a cached trace) only looks its

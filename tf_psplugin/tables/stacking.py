@@ -395,8 +395,11 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     stack with others while a step was traced: the coordinator dropped that
     trace and calls this before tracing the step again. Their tables'
     current rows are copied into the new stacks' variables, as a split
-    before the first step does. A live optimizer slot of a stack keeps it
-    whole (the slots hold its row layout). A live traced function that read
+    before the first step does. A live legacy optimizer's slots of the
+    stack are split with it (`slot_split`: a slot per new stack shard, the
+    same rows); a live Keras (non-legacy) optimizer's slot keeps it whole
+    (its slots are listed per table and indexed by Keras). A live traced
+    function that read
     it does not (Keras keeps the first fit's train function after a
     `compile`, where no one calls it): the old variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
