@@ -25,11 +25,11 @@ from tests.cluster import _cluster_util as cu
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stacked_fallback.py")
 CASES = ("frozen_after", "frozen_after_legacy", "second_model", "custom_after", "legacy_loop",
-         "legacy_recompile", "step_after_split")
+         "legacy_recompile", "step_after_split", "slots_split_legacy")
 # Asynchronous mode (the stock coordinator's schedule) splits through the same
 # path; with one worker its steps run one after another, so it is exact too.
-ASYNC_CASES = ("legacy_loop", "legacy_recompile", "step_after_split")
-RUNS = {"stacked": CASES, "unstacked": CASES, "stacked-async": ASYNC_CASES,
+ASYNC_CASES = ("legacy_loop", "legacy_recompile", "step_after_split", "slots_split_legacy")
+RUNS = {"stacked": CASES + ("slots_split_keras",), "unstacked": CASES, "stacked-async": ASYNC_CASES,
         "unstacked-async": ASYNC_CASES}
 
 pytestmark = [pytest.mark.cluster]
@@ -80,6 +80,9 @@ REPORTED = {
                         "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
     "step_after_split": "tables c11_item/embeddings, c11_user/embeddings split out, each alone "
                         "(RmsScaledAdagrad (legacy) is not known to update a stack elementwise",
+    "slots_split_legacy": "tables c14_item/embeddings, c14_user/embeddings split out, each "
+                          "alone (RmsScaledAdagrad (legacy) is not known to update a stack "
+                          "elementwise",
 }
 
 
@@ -106,7 +109,7 @@ def _assert_ends_like_unstacked(results, case, mode):
         np.testing.assert_allclose(stacked[name], value, atol=1e-6, rtol=0, err_msg=name)
     dim = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6,
            "custom_after": 7, "legacy_loop": 9, "legacy_recompile": 10,
-           "step_after_split": 11}[case]
+           "step_after_split": 11, "slots_split_legacy": 14}[case]
     # Both tables trained (in the first fit at least): the comparison is not of initial values.
     assert any(k.startswith("opt") for k in stacked) or case == "frozen_after_legacy"
     assert f"c{dim}_item/embeddings" in stacked and f"c{dim}_user/embeddings" in stacked
@@ -117,7 +120,8 @@ def _assert_ends_like_unstacked(results, case, mode):
     fallback = {"custom_after": "updates each table's rows of the stack on its own",
                 "legacy_loop": "the step was traced again with tables",
                 "legacy_recompile": "the step was traced again with tables",
-                "step_after_split": "the step was traced again with tables"}.get(
+                "step_after_split": "the step was traced again with tables",
+                "slots_split_legacy": "the step was traced again with tables"}.get(
         case, "are written back as they were")
     log = results["stacked" + mode + "_log"].replace("\n", " ")
     assert any(fallback in line and f"c{dim}_" in line
@@ -162,3 +166,42 @@ def test_the_first_fit_s_function_after_the_split_is_refused_not_run(results):
                 "c10_user/embeddings were split apart") in refused[0], refused[0]
         assert "traced again, it no longer reads" in refused[0], refused[0]
         assert "Fix: trace it again" in refused[0], refused[0]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", ["", "-async"])
+def test_a_legacy_optimizer_s_slots_are_split_with_the_stack(results, mode):
+    """`slots_split_legacy`: legacy Adagrad, alive, had slots of the stack the split split.
+
+    Each of its slots of an old stack shard became a slot per new stack
+    shard with the same rows: it trained on after the custom loop (its
+    first fit's function traced anew), and both optimizers' slots of both
+    tables end as unstacked (`test_case_ends_like_unstacked`, 1e-6; measured
+    bit-identical). Here: both optimizers' slots moved away from their
+    initial value (the comparison is not of untouched slots).
+    """
+    stacked = results["stacked" + mode].get("slots_split_legacy")
+    assert stacked is not None, results["stacked" + mode].get("error")
+    for opt in ("opt0", "opt1"):
+        for table in ("item", "user"):
+            slot = stacked[f"{opt}/c14_{table}/accumulator"]
+            assert (slot > 0.1 + 1e-6).any(), (opt, table)  # Adagrad's initial value is 0.1.
+    log = results["stacked" + mode + "_log"].split("CASE step_after_split")[-1]
+    assert "'train_function' was traced again" in log, log[-4000:]
+
+
+@pytest.mark.timeout(1500)
+def test_a_split_a_keras_optimizer_s_slots_hold_is_refused_before_the_step(results):
+    """`slots_split_keras`: Keras's (new) SGD, alive, has slots of the stack: refused, naming why.
+
+    Its slots are not split with a stack (listed per table, indexed by
+    Keras): the custom loop's first schedule raises a `StackingError`
+    naming the fix before the legacy optimizer's first step.
+    """
+    refused = [line for line in results["stacked_log"].splitlines() if "SLOTS_REFUSED" in line]
+    assert refused, results["stacked_log"][-4000:]
+    assert "SLOTS_REFUSED 0 " in refused[0], refused[0]  # No step of the legacy optimizer ran.
+    assert "c12_item/embeddings, c12_user/embeddings share a stack" in refused[0], refused[0]
+    assert "a Keras (non-legacy) optimizer that is still alive has slots for it" in refused[0]
+    assert "Fix: HybridParameterServerStrategy(options=HybridOptions(stack_tables=False))" in (
+        refused[0])

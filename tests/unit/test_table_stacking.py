@@ -23,6 +23,7 @@ from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import stack_rows, stack_storage, stacked_fallback, stacked_updates
+from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
@@ -948,6 +949,48 @@ def test_a_legacy_unknown_optimizer_gets_its_tables_split_apart_and_the_step_ret
                for text in notes.values()), notes
 
 
+def test_a_live_legacy_optimizer_s_slots_are_split_with_the_stack():
+    """Legacy Adagrad trained the stack and lives on; a user's legacy optimizer splits it.
+
+    Each of Adagrad's slots of an old stack shard becomes a slot per new
+    stack shard with the same rows (`slot_split`); Adagrad then trains on:
+    weights and both optimizers' slots bit-identical to unstacked tables.
+    (The strategy's variable creator records each slot of a stack shard;
+    this harness has none, so the test records them as it would.)
+    """
+    stacks = TableStacks(lambda s: None)
+    stacked, plain = _model(stacks), _model(None)
+    firsts = {"stacked": tf.keras.optimizers.legacy.Adagrad(0.2),
+              "plain": tf.keras.optimizers.legacy.Adagrad(0.2)}
+    seconds = {"stacked": _RmsScaledAdagrad(0.3), "plain": _RmsScaledAdagrad(0.3)}
+    first_step = _train(stacked, firsts["stacked"], _batches(2))
+    narrow = [_tables(stacked)[f"emb_{f}"] for f in range(3)]
+    for shard in narrow[0].stack.shards:
+        stacks.seal(shard, slot=firsts["stacked"].get_slot(shard, "accumulator"))
+    old_slots = [firsts["stacked"].get_slot(s, "accumulator") for s in narrow[0].stack.shards]
+    assert narrow[0].stack.slots_held_by()
+    _train_splitting(stacked, seconds["stacked"], _batches(2, seed=2), stacks)
+    assert len({id(t.stack) for t in narrow}) == 3  # Split, with the slots.
+    weights = firsts["stacked"].weights
+    assert not any(w is old for w in weights for old in old_slots)  # Dropped from Adagrad.
+    _dispatch(first_step, _batches(2, seed=3), stacks)  # Adagrad again, traced anew.
+    _train(plain, firsts["plain"], _batches(2))
+    _train(plain, seconds["plain"], _batches(2, seed=2))
+    _train(plain, firsts["plain"], _batches(2, seed=3))
+    for a, b in zip(export.logical_weights(stacked), export.logical_weights(plain)):
+        np.testing.assert_array_equal(a, b)
+    for name, table in _tables(stacked).items():
+        plain_table = _tables(plain)[name]
+        for s in range(SHARDS):
+            start, count = table.row_offsets[s], table.shard_counts[s]
+            for opts in (firsts, seconds):
+                mine = opts["stacked"].get_slot(table.variables[s], "accumulator").numpy()
+                theirs = opts["plain"].get_slot(plain_table.variables[s], "accumulator").numpy()
+                np.testing.assert_array_equal(mine[start:start + count], theirs,
+                                              err_msg=f"{name} {s}")
+                assert (theirs > 0.1 + 1e-6).any(), name  # Trained.
+
+
 def test_a_step_traced_before_a_split_is_traced_anew_and_trains_on():
     """A step traced before the split, still alive, read the stack; scheduled after, it trains on.
 
@@ -1067,18 +1110,28 @@ def test_the_traced_checkpoint_write_is_traced_again_after_a_split(tmp_path):
     assert held is not None
 
 
-def test_a_stack_an_optimizer_s_live_slots_hold_is_refused_naming_the_fix():
-    """A live optimizer's slots of the stack hold its row layout: no split, the fix named."""
+def test_a_stack_a_keras_optimizer_s_live_slots_hold_is_refused_naming_the_fix():
+    """A live Keras (non-legacy) optimizer's slots of the stack: no split, the fix named.
+
+    Its slots are listed per table and indexed by Keras: they are not split
+    with the stack (a legacy optimizer's are:
+    `test_a_live_legacy_optimizer_s_slots_are_split_with_the_stack`).
+    """
     stacks = TableStacks(lambda s: None)
     model = _model(stacks)
-    adagrad = tf.keras.optimizers.legacy.Adagrad(0.1)
+    adagrad = tf.keras.optimizers.Adagrad(0.1)
     _train(model, adagrad, _batches(1))
-    for table in _tables(model).values():  # What the strategy's slot creator records.
-        for s in range(SHARDS):
-            stacks.seal(table.variables[s], slot=adagrad.get_slot(table.variables[s],
-                                                                  "accumulator"))
+    recorded = 0
+    for var in adagrad.variables:  # What the strategy's slot creator records.
+        for slot, _, _ in getattr(var, "pieces", ()):
+            shard = stacked_slots.stack_shard_of(slot)
+            if shard is not None:
+                stacks.seal(shard, slot=slot)
+                recorded += 1
+    assert recorded
     with pytest.raises(stacked_updates.StackingError,
-                       match=r"stack_tables=False.*cannot be split: an optimizer has slots"):
+                       match=r"stack_tables=False.*cannot be split: a Keras \(non-legacy\) "
+                             r"optimizer that is still alive has slots for it"):
         _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(1), stacks)
     assert adagrad is not None
 

@@ -280,6 +280,8 @@ PRIVATE_ATTRIBUTES = {
     "_aggregating_container": "ps_values.AggregatingVariable",
     "_get_save_slice_info": "tf_variables.Variable",  # asked by ShardedVariable's init
     "_slots": "keras:optimizers.legacy.optimizer_v2.OptimizerV2",
+    # (`_weights` below, registered with its first owner, is also legacy OptimizerV2's list
+    # of slots: tables/slot_split.py drops a stack's slot moved by a split from it.)
     # -- tables/lazy_adam.py: LazyAdam extends Keras's (new) Adam and reads, as
     # Adam's own update_step does, the moments Adam's build made for a variable
     # (no public accessor from a variable to its optimizer slots).

@@ -312,6 +312,15 @@ def optimizer_slots(optimizer) -> dict:
     return optimizer._slots  # pylint: disable=protected-access
 
 
+def drop_legacy_optimizer_weight(optimizer, weight) -> None:
+    """Removes `weight` from legacy OptimizerV2's `_weights` (the list `add_slot` appends each
+    slot to, which `get_weights`/`variables()` list; tf.keras 2.15, tf-keras 2.21): a stack's
+    slot moved to the new stacks by a split (tables/slot_split.py). No public way to drop one.
+    """
+    optimizer._weights[:] = [w for w in optimizer._weights  # pylint: disable=protected-access
+                             if w is not weight]
+
+
 def sharded_slot_creator(optimizer) -> Optional[Callable]:
     """Legacy OptimizerV2's `_create_slots_for_sharded_variables`, or None (tf.keras 2.15, tf-
     keras 2.21).

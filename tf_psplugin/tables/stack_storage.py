@@ -177,6 +177,7 @@ class Stack:
         self._traces: Dict[int, tuple] = {}  # id(graph) -> (its weak ref or None, mark).
         self._functions: Dict[int, "weakref.ref"] = {}  # id(graph) -> its ConcreteFunction.
         self._slots: List["weakref.ref"] = []
+        self._slot_shards: Dict[int, int] = {}  # id(slot) -> the index of its shard, if known.
         # What the placement report says of this stack's fallbacks (`note_fallback`).
         self.fallbacks: Dict[str, str] = {}
         self.materializations = 0
@@ -224,9 +225,11 @@ class Stack:
         if dropped and not self._traces:
             self.traced = False  # Only the failed trace had read it.
 
-    def record_slot(self, slot) -> None:
-        """Records an optimizer's slot of a shard: it holds the stack's row layout."""
+    def record_slot(self, slot, index: Optional[int] = None) -> None:
+        """Records an optimizer's slot of a shard (number `index`): it holds the row layout."""
         self.sealed = True
+        if index is not None:
+            self._slot_shards[id(slot)] = index
         try:
             self._slots.append(weakref.ref(slot))
         except TypeError:  # Not weakly referable: held for good.
@@ -274,11 +277,21 @@ class Stack:
             return "an optimizer has slots for it"
         return None
 
+    def live_slots(self) -> Optional[List[tuple]]:
+        """(slot, shard index) of every live slot recorded, or None if one's shard is unknown."""
+        live = [slot for slot in (ref() for ref in self._slots) if slot is not None]
+        if self.sealed and not self._slots:
+            return None  # Sealed without a slot's record (`TableStacks.seal`).
+        if any(id(slot) not in self._slot_shards for slot in live):
+            return None
+        return [(slot, self._slot_shards[id(slot)]) for slot in live]
+
     def release(self) -> None:
         """Forgets the traces and slots that held the stack (`held_by` found none alive)."""
         self._traces.clear()
         self._functions.clear()
         self._slots.clear()
+        self._slot_shards.clear()
         self.traced = False
         self.sealed = False
 

@@ -221,8 +221,9 @@ class SplitRequired(StackingError):
     is alone in its stack. Raised while a step is traced (before any slot
     of it is made); the coordinator catches it, splits the tables apart
     and traces the step again (`trace_splitting`). Anywhere else (a
-    `tf.function` called without the coordinator, or a stack another live
-    optimizer has slots for) it is the error the user sees, naming the fix.
+    `tf.function` called without the coordinator, or a stack a live Keras
+    (non-legacy) optimizer has slots for) it is the error the user sees,
+    naming the fix.
 
     Attributes:
         tables: The tables the optimizer applies that share a stack.
@@ -237,8 +238,8 @@ class SplitRequired(StackingError):
         super().__init__(
             f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
             "ClusterCoordinator.schedule (which splits them apart before the first step and "
-            "traces the step again), or while another optimizer that is still alive has "
-            "slots for the stack, they cannot be split. Fix: "
+            "traces the step again), or while a Keras (non-legacy) optimizer that is still "
+            "alive has slots for the stack, they cannot be split. Fix: "
             "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)), "
             "or compile the model with "
             f"this optimizer before its first call (its tables are then stacked apart), or "
@@ -391,8 +392,9 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
     reset_traces`), and runs on the new stacks; if its new trace no
     longer reads a variable its old one read (the model was compiled with
     another optimizer since), it is refused, naming why, rather than run
-    another program. A stack an optimizer's live slots hold raises the
-    error, which names the fix.
+    another program. A live legacy optimizer's slots of a split stack are
+    split with it (`stacking.split_apart`); a stack a Keras (non-legacy)
+    optimizer's live slots hold raises the error, which names the fix.
     The coordinator traces every step through this (runtime/role_tracing.py
     in synchronous mode, runtime/coordinator.py's asynchronous schedule).
     A dispatch whose call traced nothing (a cached trace) only looks its

@@ -80,7 +80,7 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal import keras_members
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
-from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import slot_split, stack_rows
 from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables import stacking
@@ -585,6 +585,8 @@ def _install_legacy(cls):
         return apply_gradients(self, grads_and_vars, *args, **kwargs)
 
     def _create_all_weights(self, var_list):
+        if any(isinstance(v, TableView) or stacking.is_stack_shard(v) for v in var_list):
+            slot_split.record_optimizer(self)  # Its slots of a stack move with a split.
         return create_all_weights(self, substitute(var_list))
 
     def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):

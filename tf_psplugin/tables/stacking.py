@@ -81,7 +81,7 @@ from tf_psplugin._internal import patches
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import resource_variable_ops, sharded_variable
-from tf_psplugin.tables import stack_rows
+from tf_psplugin.tables import slot_split, stack_rows
 from tf_psplugin.tables.layout import shard_rows
 from tf_psplugin.tables.placement import SHARDING_INTERLEAVED
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
@@ -395,8 +395,11 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     stack with others while a step was traced: the coordinator dropped that
     trace and calls this before tracing the step again. Their tables'
     current rows are copied into the new stacks' variables, as a split
-    before the first step does. A live optimizer slot of a stack keeps it
-    whole (the slots hold its row layout). A live traced function that read
+    before the first step does. A live legacy optimizer's slots of the
+    stack are split with it (`slot_split`: a slot per new stack shard, the
+    same rows); a live Keras (non-legacy) optimizer's slot keeps it whole
+    (its slots are listed per table and indexed by Keras). A live traced
+    function that read
     it does not (Keras keeps the first fit's train function after a
     `compile`, where no one calls it): the old variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
@@ -415,10 +418,15 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     apart = {id(t) for t in tables}
     stacks = {id(t.stack): t.stack for t in tables
               if t.stack is not None and len(list(t.stack.tables)) > 1}
+    slots = {}  # id(stack) -> its live slots' legacy optimizer entries (`slot_split`).
     for stack in stacks.values():
-        held = stack.slots_held_by() or (
-            "a graph that is not a tf.function's uses its variables"
-            if stack.traced_for_good() else None)
+        held = ("a graph that is not a tf.function's uses its variables"
+                if stack.traced_for_good() else None)
+        if not held and stack.slots_held_by():
+            slots[id(stack)] = slot_split.movable(stack.live_slots())
+            if slots[id(stack)] is None:
+                held = ("a Keras (non-legacy) optimizer that is still alive has slots for it "
+                        "(only a legacy optimizer's slots are split with a stack)")
         if held:
             return f"stack {stack.name!r} cannot be split: {held}"
         if stack.owner is None or stack.owner() is None:
@@ -426,14 +434,19 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     for stack in stacks.values():
         names = sorted(t.display_name for t in stack.tables if id(t) in apart)
         live = stack.live_traces()
-        old = [shard.inner for shard in stack.shards if shard.inner is not None] if live else []
+        moves = slots.get(id(stack)) or []
+        old = ([shard.inner for shard in stack.shards if shard.inner is not None]
+               if live or moves else [])
         members = list(stack.tables)
+        rows = {id(t): list(zip(t.row_offsets, t.shard_counts)) for t in members}
         with tf.init_scope():
             stack.owner().separate(stack, lambda t: ("alone", id(t)) if id(t) in apart
                                    else "other", why_alone=why, released=True)
             if old:
                 for table in members:  # The rows copied before the old variables go.
                     table.stack.materialize()
+                old += slot_split.move(moves, members, rows)  # Each slot's rows too.
+            if live:
                 retire(old, live, (
                     f"it was traced before tables {', '.join(names)} were split apart "
                     f"({why}), and it reads their old storage, which was freed"))
@@ -637,7 +650,11 @@ class TableStacks:
             if slot is None:
                 stack.sealed = True
             else:
-                stack.record_slot(slot)
+                if isinstance(var, TableView):
+                    var = var.stack_shard
+                index = next((s for s, shard in enumerate(stack.shards)
+                              if var is shard or var is shard.inner), None)
+                stack.record_slot(slot, index)
 
     def fallbacks(self) -> List[tuple]:
         """(stack name, text) of every fallback a stack took, for the placement report.

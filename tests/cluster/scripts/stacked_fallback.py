@@ -45,6 +45,15 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   trains on, as unstacked (``moved_after_split``: which weights its last
   run changed, by name).
 
+* ``slots_split_legacy``: a first `fit` with legacy Adagrad, then a
+  custom loop with the legacy subclass on the same tables while the
+  Adagrad lives (stacked: the stack is split, and each of Adagrad's slots
+  of it with it), then `fit` with the Adagrad again.
+* ``slots_split_keras``: the same with Keras's (new) SGD with momentum
+  first (stacked only): its slots of the stack are not split; the split,
+  and the custom loop, are refused (``SLOTS_REFUSED``, the legacy
+  optimizer's step count and the error) before its first step.
+
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
 variable each optimizer lists (``opt<i>/<j>``), for legacy ones each
@@ -61,7 +70,8 @@ import tf_psplugin
 
 V = 40
 WIDTHS = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6, "custom_after": 7,
-          "legacy_loop": 9, "legacy_recompile": 10, "step_after_split": 11}
+          "legacy_loop": 9, "legacy_recompile": 10, "step_after_split": 11,
+          "slots_split_legacy": 14, "slots_split_keras": 12}
 
 
 class RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
@@ -211,10 +221,30 @@ def step_after_split(model):
     return found
 
 
+def slots_split(model, case):
+    """A split while the first optimizer, still alive, has slots for the stack."""
+    first = (tf.keras.optimizers.legacy.Adagrad(0.1) if case == "slots_split_legacy"
+             else tf.keras.optimizers.SGD(0.05, momentum=0.5))
+    model.compile(first, "mse")
+    fit(model, 1)
+    legacy = RmsScaledAdagrad(0.1)
+    try:
+        custom_loop(model, legacy, 2)  # Stacked: splits the stack `first` has slots for.
+    except tf_psplugin.StackingError as e:
+        if case != "slots_split_keras":
+            raise
+        print("SLOTS_REFUSED", legacy.iterations.numpy(), str(e).replace("\n", " "), flush=True)
+        return {}
+    fit(model, 3)  # The first optimizer again, on the new stacks.
+    return weights([model], [first, legacy])
+
+
 def run_case(case):
     dim = WIDTHS[case]
     tf.keras.utils.set_random_seed(dim)
     model, ids, user = two_tables(f"c{dim}", dim)
+    if case.startswith("slots_split"):
+        return slots_split(model, case)
     if case == "legacy_loop":
         legacy = RmsScaledAdagrad(0.1)
         custom_loop(model, legacy, 1)
