@@ -53,6 +53,9 @@ def test_legacy_optimizers_show_stacked_tables_slots_as_unstacked(shared_cluster
         assert len(table_slots) == 4 * len(want["slot_names"]), (name, want["variables"])
         assert sorted(got_values) == sorted(want_values), name
         for key, value in want_values.items():
+            if value.dtype.kind in "SUO":  # A checkpoint's string (a format marker).
+                assert np.array_equal(got_values[key], value), (name, key)
+                continue
             np.testing.assert_allclose(got_values[key], value, rtol=0, atol=1e-6,
                                        err_msg=f"{name} {key}")
         for key in [k for k in got_values if k.startswith("set_weights/")]:

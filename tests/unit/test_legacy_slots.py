@@ -118,5 +118,8 @@ def test_a_checkpoint_restores_across_stacking_with_slots_per_table(tmp_path):
     target = _model(None, seed=5)
     target_opt = OPTIMIZERS["adam"]()
     _checkpointed(target, target_opt).read(path).assert_existing_objects_matched()
-    assert _listed(target_opt) == _listed(source_opt)
+    # (Names differ in the optimizer's scope: the target's were made outside
+    # apply_gradients, in no name scope, by Keras alike for unstacked tables.)
+    assert [v.shape for v in target_opt.variables()] == [
+        v.shape for v in source_opt.variables()]
     _assert_same_values(target_opt.get_weights(), source_opt.get_weights(), "restored")
