@@ -30,7 +30,7 @@ def _stacked_update_targets():
     builds = tuple(vars(c).get("build") for c in (keras.optimizers.SGD, keras.optimizers.Adam))
     return (vars(new).get("apply_gradients"), vars(new).get("_distributed_apply_gradients_fn"),
             vars(legacy).get("apply_gradients"), vars(legacy).get("_create_all_weights"),
-            vars(legacy).get("_distributed_apply")) + builds
+            vars(legacy).get("_distributed_apply"), vars(legacy).get("add_slot")) + builds
 
 
 # What each patch replaces, read the same way before, during and after.

@@ -123,9 +123,10 @@ PATCHES: Tuple[Patch, ...] = (
                   "build of the known elementwise optimizers",
                   "keras.optimizers.legacy.Optimizer.apply_gradients",
                   "keras.optimizers.legacy.Optimizer._create_all_weights",
-                  "keras.optimizers.legacy.Optimizer._distributed_apply"),
+                  "keras.optimizers.legacy.Optimizer._distributed_apply",
+                  "keras.optimizers.legacy.Optimizer.add_slot"),
         why=("stack_tables: the tables' gradients are merged into one apply per stack "
-             "shard, and slots are made for the stack shards"),
+             "shard, and slots are made for the stack shards, listed per table"),
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.tables.stacked_updates:patch_keras_optimizers"),
 )

@@ -364,6 +364,8 @@ PRIVATE_ATTRIBUTES = {
     "_DynamicLossScaleState": "keras:mixed_precision.loss_scale_optimizer",
     # -- state/checkpoint_write.py: the loss scale lists its variables per graph
     # (`_weights` by `_graph_key`); a traced checkpoint write must see the eager ones.
+    # (Also legacy OptimizerV2's list of its variables, `variables()`: tables/
+    # legacy_slots.py lists a stacked table's slot views there, per table.)
     "_weights": "keras:mixed_precision.loss_scale_optimizer._DynamicLossScaleState",
     "_graph_key": "tf:Graph",
     # -- tables/fusion.py: a functional model's Embedding layers at one depth

@@ -321,6 +321,16 @@ def drop_legacy_optimizer_weight(optimizer, weight) -> None:
                              if w is not weight]
 
 
+def legacy_optimizer_weights(optimizer) -> list:
+    """Legacy OptimizerV2's `_weights`: the list `variables()` and `weights` return (and
+    `get_weights`/`set_weights` use), in the order made, which `add_slot` appends to
+    (tf.keras 2.15, tf-keras 2.21). tables/legacy_slots.py lists a stacked table's slot
+    views there, where Keras lists an unstacked shard's slot, and unlists the stack shard's
+    slot (no public way to list a variable as the optimizer's, or to unlist one).
+    """
+    return optimizer._weights  # pylint: disable=protected-access
+
+
 def sharded_slot_creator(optimizer) -> Optional[Callable]:
     """Legacy OptimizerV2's `_create_slots_for_sharded_variables`, or None (tf.keras 2.15, tf-
     keras 2.21).

@@ -137,6 +137,12 @@ class SlotView(table_view.ValueReads, tf.Variable):
         return False
 
     @property
+    def _distribute_strategy(self):
+        # What Keras's compile asks of a legacy optimizer's variables (`_weights`,
+        # `variable_created_in_scope`): its stack slot's strategy.
+        return tf_objects.variable_distribute_strategy(self._pieces[0][0])
+
+    @property
     def graph(self):
         # (tf.identity asks for it: without one it would raise.)
         return self._pieces[0][0].graph

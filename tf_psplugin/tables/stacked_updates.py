@@ -11,9 +11,13 @@ How: the Keras 2 optimizers (new and legacy) are patched, once, when a
 strategy with ``stack_tables=True`` is built (`install`); the patches do
 nothing for a variable list without views.
 
-* **Slots** are made for the stack shards, never for views: the variable
-  list a legacy optimizer builds from has each view replaced by its stack
-  shard (`substitute`, in `_create_all_weights`). The `build` of each new
+* **Slots** are made for the stack shards, never for views. A legacy
+  optimizer of `_ELEMENTWISE_NAMES` makes them from the views (those given
+  a gradient, before the merge: `legacy_slots.making_slots_for`), and its
+  `add_slot` lists, for a view, that table's rows of the stack shard's
+  slot where an unstacked table's shard slot would be (`legacy_slots`);
+  another's variable list has each view replaced by its stack shard
+  (`substitute`, in `_create_all_weights`). The `build` of each new
   optimizer in `_ELEMENTWISE_NAMES` gets the views followed by their stack
   shards, and lists each table's rows of the stack shard's slot where an
   unstacked table's shard slot would be (`stacked_slots`: its checkpoint
@@ -80,6 +84,7 @@ from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal import keras_members
 from tf_psplugin._internal.compat import keras
 from tf_psplugin.errors import StackingError  # noqa: F401  (see errors.py)
+from tf_psplugin.tables import legacy_slots
 from tf_psplugin.tables import slot_split, stack_rows
 from tf_psplugin.tables import stacked_fallback
 from tf_psplugin.tables import stacked_slots
@@ -571,23 +576,40 @@ def _substituting_build(build):
 
 
 def _install_legacy(cls):
-    restore = _restorer(cls, ("apply_gradients", "_create_all_weights", "_distributed_apply"))
+    restore = _restorer(cls, ("apply_gradients", "_create_all_weights", "_distributed_apply",
+                              "add_slot"))
     apply_gradients = cls.apply_gradients
     create_all_weights = tf_objects.create_all_weights_of(cls)
     distributed_apply = keras_members.distributed_apply(cls)
+    add_slot = cls.add_slot
 
     def _apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
-        if has_views([v for _, v in grads_and_vars]):
-            _needs_split(self, grads_and_vars)
-        if has_views([v for _, v in grads_and_vars]) and not _late(self):
-            grads_and_vars = merge(self, grads_and_vars)
-        return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        if not has_views([v for _, v in grads_and_vars]):
+            return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        _needs_split(self, grads_and_vars)
+        if _late(self):  # Merged in `_distributed_apply`; Keras makes the slots of the views.
+            return apply_gradients(self, grads_and_vars, *args, **kwargs)
+        # Slots per table (`legacy_slots`): made for the views, as Keras's
+        # apply_gradients would, though it is given the merged list.
+        with legacy_slots.making_slots_for(self, [v for g, v in grads_and_vars if g is not None]):
+            return apply_gradients(self, merge(self, grads_and_vars), *args, **kwargs)
 
     def _create_all_weights(self, var_list):
         if any(isinstance(v, TableView) or stacking.is_stack_shard(v) for v in var_list):
             slot_split.record_optimizer(self)  # Its slots of a stack move with a split.
+        var_list = legacy_slots.slot_variables(self, var_list)
+        if _kind(self) is not None:
+            # A view's slot is its rows of the stack shard's (`add_slot`).
+            return create_all_weights(self, var_list)
+        # Another optimizer's tables are each alone in a stack: the stack shard's slots.
         return create_all_weights(self, substitute(var_list))
+
+    def _add_slot(self, var, slot_name, initializer="zeros", shape=None):
+        if isinstance(var, TableView):
+            return legacy_slots.add_view_slot(self, add_slot, var, slot_name,
+                                              initializer=initializer, shape=shape)
+        return add_slot(self, var, slot_name, initializer=initializer, shape=shape)
 
     def _distributed_apply(self, distribution, grads_and_vars, *args, **kwargs):
         grads_and_vars = merge(self, grads_and_vars)
@@ -595,6 +617,7 @@ def _install_legacy(cls):
                                  grads_and_vars, *args, **kwargs)
 
     cls.apply_gradients = _apply_gradients
+    cls.add_slot = _add_slot
     keras_members.set_create_all_weights(cls, _create_all_weights)
     keras_members.set_distributed_apply(cls, _distributed_apply)
     return restore

@@ -53,7 +53,7 @@ How no Keras or TF API can tell (issue 29):
 On by default (the strategy's ``stack_tables=True``; ``stack_tables=False``
 is the way out): docs/api.md lists what a program can still tell (a
 model's optimizer other than Keras's known ones gets its tables unstacked,
-a legacy optimizer's slots of a stack are its variables).
+a legacy optimizer outside the known ones gets its tables split apart).
 
 Which tables stack (`eligible`): 2-D float tables of a strategy with
 ``stack_tables=True``, made eagerly (Keras builds layers eagerly),
