@@ -186,6 +186,11 @@ def test_a_legacy_optimizer_s_slots_are_split_with_the_stack(results, mode):
         for table in ("item", "user"):
             slot = stacked[f"{opt}/c14_{table}/accumulator"]
             assert (slot > 0.1 + 1e-6).any(), (opt, table)  # Adagrad's initial value is 0.1.
+    # What Keras lists of the first optimizer after the split: its iterations
+    # and a slot per table shard and dense variable, named as unstacked (the
+    # keys, with the names, are compared with unstacked above), no stack slot.
+    listed = [k.split("/", 3)[3] for k in stacked if k.startswith("opt0/weights/")]
+    assert len(listed) == 7 and not any("stacked_tables" in n for n in listed), listed
     log = results["stacked" + mode + "_log"].split("CASE step_after_split")[-1]
     assert "'train_function' was traced again" in log, log[-4000:]
 

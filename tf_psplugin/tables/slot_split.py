@@ -84,13 +84,15 @@ def move(found: Sequence[tuple], tables, old_rows: dict) -> list:
     old = []
     for optimizer, key, s, name, slot in found:
         value = tf.convert_to_tensor(slot)
+        new_slots = {}  # id(stack) -> its new slot of shard s
         for stack in stacks:
             members = sorted((t for t in tables if t.stack is stack),
                              key=lambda t, s=s: t.row_offsets[s])
             pieces = [value[old_rows[id(t)][s][0]:old_rows[id(t)][s][0] + old_rows[id(t)][s][1]]
                       for t in members]
             rows = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0)
-            optimizer.add_slot(stack.shards[s], name, initializer=rows)
+            new_slots[id(stack)] = optimizer.add_slot(stack.shards[s], name, initializer=rows)
+        _repoint_views(optimizer, slot, s, tables, old_rows, new_slots)
         named = tf_objects.optimizer_slots(optimizer).get(key, {})
         named.pop(name, None)
         if not named:
@@ -98,3 +100,35 @@ def move(found: Sequence[tuple], tables, old_rows: dict) -> list:
         tf_objects.drop_legacy_optimizer_weight(optimizer, slot)
         old.append(getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot)
     return old
+
+
+def _repoint_views(optimizer, slot, s: int, tables, old_rows: dict, new_slots: dict) -> None:
+    """Points the optimizer's per-table slot views of `slot` at the tables' rows of the new slots.
+
+    A known legacy optimizer lists each stacked table's slot as a view of
+    the stack slot's rows (`legacy_slots`, a `SlotView` in `_weights` and
+    `_slots`): after the split, each view reads its table's rows of the new
+    stack's slot (same name, shape and position), and the new stack slots,
+    which `add_slot` just listed, are unlisted again, as the old one was.
+    An optimizer without such views (its tables were each alone in a
+    stack) keeps the new stack slots listed, as it listed the old.
+    """
+    by_rows = {tuple(old_rows[id(t)][s]): t for t in tables}
+    repointed = False
+    for weight in list(tf_objects.legacy_optimizer_weights(optimizer)):
+        # A `stacked_slots.SlotView` (not imported: stacked_slots imports stacking, which
+        # imports this module).
+        if not hasattr(weight, "set_pieces") or not any(_same(p[0], slot)
+                                                        for p in weight.pieces):
+            continue
+        moved = []
+        for piece_slot, start, count in weight.pieces:
+            table = by_rows.get((start, count)) if _same(piece_slot, slot) else None
+            moved.append((new_slots[id(table.stack)], table.row_offsets[s], count)
+                         if table is not None else (piece_slot, start, count))
+        weight.set_pieces(moved)
+        repointed = True
+    if repointed:
+        listed = {id(v) for v in new_slots.values()}
+        weights = tf_objects.legacy_optimizer_weights(optimizer)
+        weights[:] = [w for w in weights if id(w) not in listed]

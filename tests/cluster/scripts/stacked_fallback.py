@@ -236,7 +236,14 @@ def slots_split(model, case):
         print("SLOTS_REFUSED", legacy.iterations.numpy(), str(e).replace("\n", " "), flush=True)
         return {}
     fit(model, 3)  # The first optimizer again, on the new stacks.
-    return weights([model], [first, legacy])
+    found = weights([model], [first, legacy])
+    if case == "slots_split_legacy":
+        # What Keras shows of the first optimizer after the split (its slots per
+        # table, `legacy_slots`, re-pointed at the new stacks): the same list,
+        # names, shapes and values as unstacked.
+        for j, (variable, value) in enumerate(zip(first.variables(), first.get_weights())):
+            found[f"opt0/weights/{j}/{variable.name}"] = np.asarray(value)
+    return found
 
 
 def run_case(case):
