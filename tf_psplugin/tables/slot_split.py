@@ -10,8 +10,10 @@ optimizer keeps its slots in `_slots` ({variable key: {slot name: slot}}),
 so each is moved with the stack: the slot of an old stack shard gets a
 slot per new stack shard, with the same rows (each table's rows of the
 old slot, in the new stack's row order), and the old slot is dropped from
-the optimizer. The optimizer then trains on as it did, on the new stacks,
-as it would the tables unstacked.
+the optimizer. The slots it lists per table (`legacy_slots`: views of a
+stack slot's rows) are pointed at the new slots' rows, which stay unlisted
+as the old one was. The optimizer then trains on as it did, on the new
+stacks, as it would the tables unstacked.
 
 A Keras (non-legacy) optimizer's slots of a stack are listed per table
 (`stacked_slots`) in lists that Keras indexes by variable: they are not
