@@ -2,10 +2,12 @@
 
 Used by tests/cluster/test_composition.py (issue 40 item 3) and
 tests/cluster/test_half_tables.py (issue 42). Arguments:
-``<stacked|unstacked>[+<table_dtype>] <root> <run|resume> <cell>...``, a cell
+``<stacked|unstacked>[+<table_dtype>][+wire_<dtype>] <root> <run|resume> <cell>...``, a cell
 being ``<optimizer>.<mode>.<situation>[+<policy>]`` (the names in
 `OPTIMIZERS`, `MODES`, `SITUATIONS`; ``+bfloat16`` / ``+float16``: the
 strategy stores the tables in that dtype, ``HybridOptions.table_dtype``;
+``+wire_bfloat16``: the dense gradients are all-reduced in bfloat16,
+``HybridOptions.dense_allreduce_dtype``;
 ``+mixed_float16`` / ``+mixed_bfloat16``: the cell's models are built and
 compiled under that Keras policy). Every cell is the same small job, as a Keras user writes it:
 a model with three `Embedding` tables (40 rows of one width, so they share
@@ -301,19 +303,30 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
                 if model is not None and model.optimizer is not None else 0)
         result = {"status": "refused", "error": f"{type(e).__name__}: {e}", "step": step}
     result["tables"] = cell.tables()
+    # What the cell ran with: the dense all-reduce's dtype, and how many workers sum it.
+    result["dense_allreduce_dtype"] = strategy.extended.dense_allreduce_dtype
+    result["workers"] = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     result["seconds"] = round(time.monotonic() - start, 1)
     with open(os.path.join(out, "result.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
     print("CELL", cell_name, result["status"], result["seconds"], "s", flush=True)
 
 
+# A mode's suffix ``+wire_<dtype>``: `HybridOptions.dense_allreduce_dtype` (its own test,
+# tests/cluster/test_compose_allreduce_dtype.py, on 2 workers).
+WIRE = "wire_"
+
+
 def main():
     mode, root, phase, cells = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     tf_psplugin.start_server()
-    stacking, _, table_dtype = mode.partition("+")
+    stacking, *extras = mode.split("+")
+    table_dtype = next((x for x in extras if not x.startswith(WIRE)), None)
+    wire = next((x[len(WIRE):] for x in extras if x.startswith(WIRE)), None)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(stack_tables=(stacking == "stacked"),
-                                          table_dtype=table_dtype or None))
+                                          table_dtype=table_dtype or None,
+                                          dense_allreduce_dtype=wire))
     root = os.path.join(root, mode)
     # Kill cells last: the last of them kills this process for real.
     order = sorted(range(len(cells)), key=lambda i: ".kill." in cells[i])
