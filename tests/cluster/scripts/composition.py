@@ -305,7 +305,8 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
     result["tables"] = cell.tables()
     # What the cell ran with: the dense all-reduce's dtype, and how many workers sum it.
     result["dense_allreduce_dtype"] = strategy.extended.dense_allreduce_dtype
-    result["workers"] = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+    result["workers"] = (tf.distribute.cluster_resolver.TFConfigClusterResolver()
+                         .cluster_spec().num_tasks("worker"))
     result["seconds"] = round(time.monotonic() - start, 1)
     with open(os.path.join(out, "result.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)
