@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid setups: each epoch is one pass over a finite dataset "
                         "(--steps_per_epoch = --pool_batches), so every epoch makes new "
                         "per-worker iterators (watches iterator and dataset release)")
+    p.add_argument("--dense_allreduce_dtype", choices=("none", "bfloat16", "float16"),
+                   default="none",
+                   help="the hybrid setups' HybridOptions.dense_allreduce_dtype (as "
+                        "benchmarks.run; none: the default, the gradients' own dtype)")
     p.add_argument("--log_dir", default=None, help="cluster logs (default: a temp dir)")
     p.add_argument("--checkpoint_every_secs", type=float, default=120.0,
                    help="hybrid setups: ChiefCheckpoint every this many seconds, keep 3, in "
@@ -136,7 +140,8 @@ def chief_job(setup: str, args: argparse.Namespace) -> dict:
         "--steps_per_execution", str(args.steps_per_execution),
         "--warmup_steps", str(args.steps_per_epoch), "--steps", str(args.steps_per_epoch),
         "--pool_batches", str(args.pool_batches), "--num_workers", str(args.num_workers),
-        "--num_ps", str(args.num_ps), "--variant", args.variant]
+        "--num_ps", str(args.num_ps), "--variant", args.variant,
+        "--dense_allreduce_dtype", args.dense_allreduce_dtype]
         + ([] if args.capacity is None else ["--capacity", str(args.capacity)]))
     job = run.job_for(setup, opts, args.num_workers)
     job.update(role="soak_chief", duration_seconds=args.minutes * 60.0,
@@ -394,7 +399,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{args.warmup_minutes:g} min, sampling every {args.interval:g} s; "
                       f"logs in {log_dir}")
             samples, summary = run_setup(setup, args, log_dir, emit)
-            summary.update(knobs=knobs, machine=machine)
+            job = chief_job(setup, args)
+            # What the strategy ran with (None for stock PSS, which takes no HybridOptions).
+            summary.update(knobs=knobs, machine=machine, strategy_options=(
+                procs.strategy_options(job) if setup in run.HYBRID_SETUPS else None))
             emit(summary)
             sys.stderr.write("\n" + stats.format_summary(summary) + "\n\n")
             all_samples += samples

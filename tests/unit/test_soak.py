@@ -311,3 +311,14 @@ def test_chief_job_passes_the_variant_and_capacity_through():
     args = soak.parse_args(["--minutes", "1", "--variant", "dynamic", "--capacity", "65536"])
     job = soak.chief_job("hybrid_sync", args)
     assert (job["model"]["variant"], job["model"]["capacity"]) == ("dynamic", 65536)
+
+
+def test_chief_job_passes_the_dense_allreduce_dtype_through():
+    from benchmarks import procs
+
+    plain = soak.chief_job("hybrid_sync", soak.parse_args(["--minutes", "1"]))
+    assert procs.strategy_options(plain)["dense_allreduce_dtype"] is None
+    args = soak.parse_args(["--minutes", "1", "--dense_allreduce_dtype", "bfloat16"])
+    job = soak.chief_job("hybrid_sync", args)
+    assert procs.strategy_options(job)["dense_allreduce_dtype"] == "bfloat16"
+    assert procs.strategy_kwargs(job)["dense_allreduce_dtype"] == "bfloat16"
