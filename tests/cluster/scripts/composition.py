@@ -12,8 +12,10 @@ strategy stores the tables in that dtype, ``HybridOptions.table_dtype``;
 compiled under that Keras policy). Every cell is the same small job, as a Keras user writes it:
 a model with three `Embedding` tables (40 rows of one width, so they share
 a stack; each cell has a width of its own, so cells never share one)
-and a `Dense` head, trained 2 epochs x 4 steps on deterministic data with
-one worker, plus what its mode and situation add:
+and a `Dense` head, trained 2 epochs x 4 steps on deterministic data (8
+batches, repeated; with W workers the strategy gives worker i batches i,
+i+W, ..., so a step reads W consecutive batches), plus what its mode and
+situation add:
 
 Modes:
 
@@ -25,7 +27,10 @@ Modes:
   out of `fit` (the fit stops where it is: no final checkpoint). Phase
   ``resume`` (a new chief process) restarts each killed job as the
   docs/checkpoints.md recipe does: restore at train begin, the data from
-  the checkpoint's step, ``initial_epoch`` from it.
+  the checkpoint's input position (``latest_checkpoint_info(...)
+  .input_position``: the batches consumed by then, steps x workers, so the
+  restart reads what the uninterrupted job read next on any number of
+  workers), ``initial_epoch`` from its step.
 * ``full_every``: `ChiefCheckpoint(save_every_steps=2, full_every_saves=3)`
   (ckpt-2, deltas 4 and 6, ckpt-8); the chain is then restored into a new
   model, which must equal the live one bit for bit (``restore_diff``).
@@ -50,7 +55,8 @@ Situations:
 For each cell it writes ``<root>/<stacking>/<cell>/result.json``: ``status``
 ``ok`` or ``refused`` (``error``: the exception's type and message,
 ``step``: the optimizer's iterations when it was raised), the mode's own
-differences, ``tables`` (each table of the cell's models as placed: name,
+differences (a resumed kill cell: ``resumed_from``, the checkpoint's step,
+and ``input_position``, the batches its dataset skipped), ``tables`` (each table of the cell's models as placed: name,
 dtype, stack), and ``weights.npz`` (every weight of the models in the cell,
 tables as ``[V, D]`` in id order, and every tensor of the final checkpoint
 under ``ckpt/<key>``; ``resumed.npz`` / ``ref.npz`` for kill cells).
@@ -220,7 +226,10 @@ class Cell:
             callbacks.append(KillAt(hard=kill))
         info = tf_psplugin.latest_checkpoint_info(model_dir)
         step = info.step if info else 0
-        model.fit(dataset(step), epochs=EPOCHS, initial_epoch=step // STEPS,
+        # The batches the checkpointed job consumed: one per worker per step
+        # (the step alone is one worker's count).
+        offset = info.input_position if info else 0
+        model.fit(dataset(offset), epochs=EPOCHS, initial_epoch=step // STEPS,
                   steps_per_epoch=STEPS, verbose=0, callbacks=callbacks)
         weights = layer_weights(model)
         for other in others:
@@ -285,6 +294,7 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
         elif cell.mode == "kill":
             info = tf_psplugin.latest_checkpoint_info(os.path.join(out, "model"))
             result["resumed_from"] = info.step if info else None
+            result["input_position"] = info.input_position if info else None
             _, weights = cell.train(os.path.join(out, "model"))
             np.savez(os.path.join(out, "resumed.npz"), **weights)
         else:
