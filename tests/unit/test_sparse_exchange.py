@@ -66,13 +66,13 @@ def test_a_new_instance_never_reuses_an_abandoned_queue():
     tf.keras.utils.set_random_seed(7)
     new = sparse_exchange.PsGradientQueues(2, device_fn=lambda p: "/device:CPU:0")
     assert new._name != old._name  # pylint: disable=protected-access
-    fresh = new._queue(0, tf.float32)  # pylint: disable=protected-access
+    fresh = new._queue(0, tf.float32, 0)  # pylint: disable=protected-access
     assert int(tf.raw_ops.QueueSizeV2(handle=fresh)) == 0
     new.hand_in(0, tf.constant(1), [b])
     new.hand_in(0, tf.constant(0), [a])
     np.testing.assert_array_equal(new.take(0, [a])[0].values.numpy(),
                                   np.concatenate([a.values.numpy(), b.values.numpy()]))
-    old_queue = old._queue(0, tf.float32)  # pylint: disable=protected-access
+    old_queue = old._queue(0, tf.float32, 0)  # pylint: disable=protected-access
     assert int(tf.raw_ops.QueueSizeV2(handle=old_queue)) == 1
 
 
@@ -89,7 +89,61 @@ def test_take_in_a_traced_function_uses_the_eager_queue():
     for _ in range(2):
         np.testing.assert_array_equal(step().numpy(),
                                       np.concatenate([a.values.numpy(), b.values.numpy()]))
-    assert len(queues._queues) == 1  # pylint: disable=protected-access
+    assert len(queues._queues) == 2  # one per worker  # pylint: disable=protected-access
+
+
+def _worker_traced_queues(num_workers):
+    """Queues and a hand-in traced once for every worker (its index a run-time input)."""
+    queues = sparse_exchange.PsGradientQueues(num_workers, device_fn=lambda p: "/device:CPU:0")
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.int64), tf.TensorSpec([None, 4]),
+                                  tf.TensorSpec([None], tf.int64),
+                                  tf.TensorSpec([None, 2]), tf.TensorSpec([None], tf.int64)])
+    def hand_in(worker, values0, indices0, values1, indices1):
+        # As in a step traced once per update role: the index is not known
+        # when the hand-in is traced.
+        queues.hand_in(0, worker, [tf.IndexedSlices(values0, indices0, [50, 4]),
+                                   tf.IndexedSlices(values1, indices1, [30, 2])])
+
+    return queues, hand_in
+
+
+@pytest.mark.parametrize("arrival", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_a_hand_in_traced_for_every_worker_picks_its_workers_queue(arrival):
+    queues, hand_in = _worker_traced_queues(3)
+    per_worker = {w: [_slices(3 + w, 4, 50, 10 * w), _slices(2 * (w != 1), 2, 30, 10 * w + 1)]
+                  for w in range(3)}
+    for step in range(2):  # the queues are empty again after each take
+        for w in arrival:
+            s0, s1 = per_worker[w]
+            hand_in(tf.constant(w, tf.int64), s0.values, s0.indices, s1.values, s1.indices)
+        taken = queues.take(0, per_worker[0])
+        for shard, got in enumerate(taken):
+            np.testing.assert_array_equal(
+                got.indices.numpy(),
+                np.concatenate([per_worker[w][shard].indices.numpy() for w in range(3)]))
+            np.testing.assert_array_equal(
+                got.values.numpy(),
+                np.concatenate([per_worker[w][shard].values.numpy() for w in range(3)]))
+    assert hand_in.experimental_get_tracing_count() == 1
+    for w in range(3):
+        handle = queues._queue(0, tf.float32, w)  # pylint: disable=protected-access
+        assert int(tf.raw_ops.QueueSizeV2(handle=handle)) == 0
+
+
+def test_the_take_neither_sorts_nor_partitions():
+    # The take concatenates each shard's pieces in worker order; it used to
+    # sort the elements by worker, ragged-stack and dynamic_partition them.
+    queues = sparse_exchange.PsGradientQueues(2, device_fn=lambda p: "/device:CPU:0")
+    shards = [_slices(3, 4, 50, 0), _slices(2, 2, 30, 1)]
+
+    @tf.function
+    def take():
+        return [s.values for s in queues.take(0, shards)]
+
+    op_types = {op.type for op in take.get_concrete_function().graph.get_operations()}
+    assert "QueueDequeueV2" in op_types
+    assert not op_types & {"DynamicPartition", "TopKV2", "GatherV2"}
 
 
 def test_unknown_row_width_is_a_clear_error():

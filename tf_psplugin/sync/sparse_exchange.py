@@ -2,9 +2,9 @@
 
 In ``"sync"`` embedding mode each table shard must be updated once per step
 with the global sparse gradient. Every worker hands its own sparse gradients
-for the shards on ps:p to ps:p, where they wait in a queue; once every worker
-has handed them in, the one worker that updates ps:p's shards
-(`HybridExtended.update_role`) takes all of them out of the queue *on ps:p*
+for the shards on ps:p to ps:p, where they wait in a queue (one per worker);
+once every worker has handed them in, the one worker that updates ps:p's
+shards (`HybridExtended.update_role`) takes all of them out *on ps:p*
 and applies the update there. A collective says when every worker has handed
 in: the step's dense all-reduce, which runs after the hand-ins and so
 doubles as the barrier (a separate barrier only when there is no dense
@@ -19,12 +19,18 @@ workers, makes each worker receive W-1 workers' gradients per step: its
 bytes grow linearly with the number of workers. `benchmarks.run --network`
 measures both; ``experimental_sparse_exchange="allgather"`` keeps it for comparison.)
 
-Exactness: every worker's element carries its worker index and the updating
-worker sorts the W elements by it before concatenating, so the global
-gradient is the same concatenation, in the same order, as the all-gather's:
-the update does not depend on which worker was fastest.
+Exactness: each (PS, value dtype) has one queue per worker, and the updating
+worker takes one element from each, in worker order, so the global gradient
+is the same concatenation, in the same order, as the all-gather's: the
+update does not depend on which worker was fastest. A trace may serve
+several workers (workers with the same update role share it), so a hand-in
+picks its worker's queue handle at run time, on the PS (a gather from the W
+handles). The take
+splits each worker's element per shard (`tf.split` by the row counts the
+element carries) and concatenates the pieces: one copy of the gradient, no
+sort, no ragged or partition ops.
 
-The queue never waits: the collective that precedes the take completes only
+The queues never wait: the collective that precedes the take completes only
 after every worker's hand-in has completed, so each take finds its W
 elements, and the end-of-step barrier keeps the next step's hand-ins out
 until the update is done. A worker that dies before that collective leaves
@@ -53,10 +59,8 @@ from tf_psplugin.sync import collectives
 
 SPARSE_EXCHANGES = ("ps", "allgather")
 
-# A queue element: worker index, rows per shard, flat indices, flat values.
-_COMPONENT_TYPES = [tf.int64, tf.int64, tf.int64]
-
-
+# A queue element: rows per shard, flat indices, flat values (value dtype last).
+_COMPONENT_TYPES = [tf.int64, tf.int64]
 
 
 def ps_device_of(tensor) -> str:
@@ -118,11 +122,21 @@ def patch_keras_dedup():
 
 
 class PsGradientQueues:
-    """One queue of sparse gradients per (PS task, value dtype).
+    """One queue of sparse gradients per (PS task, value dtype, worker).
+
+    Example (what `Reduction` does in a synchronous step; every worker
+    hands in, the worker that updates ps:0's shards takes after a barrier):
+
+    ```python
+    queues = PsGradientQueues(num_workers=2)
+    hand_in_op = queues.hand_in(0, worker_index, slices)
+    # ... a collective that waits for every worker's hand_in_op ...
+    global_slices = queues.take(0, slices)
+    ```
 
     Args:
         num_workers: Workers that hand in gradients every step.
-        device_fn: PS index -> device of its queue and of the take's ops
+        device_fn: PS index -> device of its queues and of the take's ops
             (default: that PS task's CPU; tests use a local device).
     """
 
@@ -136,20 +150,23 @@ class PsGradientQueues:
         # hand-ins then block on the full queue). uuid4, not `random`: a
         # user's `set_random_seed` must not repeat it either.
         self._name = f"tf_psplugin_sparse_grads_{uuid.uuid4().hex}"
-        self._queues: Dict[Tuple[int, tf.DType], tf.Tensor] = {}
+        self._queues: Dict[Tuple[int, tf.DType, int], tf.Tensor] = {}
+        self._stacked: Dict[Tuple[int, tf.DType], tf.Tensor] = {}  # See `_handles`.
 
-    def _queue(self, ps_index: int, dtype: tf.DType) -> tf.Tensor:
-        """The handle of ps:`ps_index`'s queue for `dtype` values."""
-        key = (int(ps_index), dtype)
+    def _queue(self, ps_index: int, dtype: tf.DType, worker: int) -> tf.Tensor:
+        """The handle of ps:`ps_index`'s queue for `worker`'s `dtype` values."""
+        key = (int(ps_index), dtype, int(worker))
         if key not in self._queues:
             # Created once, eagerly, on the PS (also when first needed while a
             # step is traced): the step functions capture its handle. The raw
             # op, because only it takes our shared_name in eager mode.
+            # Capacity 1: a worker's next hand-in waits until its last one
+            # was taken (the end-of-step barrier already keeps it out).
             with tf.init_scope(), tf.device(self._device_fn(ps_index)):
                 self._queues[key] = tf.raw_ops.FIFOQueueV2(
-                    component_types=_COMPONENT_TYPES + [dtype], shapes=[],
-                    capacity=self.num_workers, container="",
-                    shared_name=f"{self._name}_ps{int(ps_index)}_{dtype.name}")
+                    component_types=_COMPONENT_TYPES + [dtype], shapes=[], capacity=1,
+                    container="",
+                    shared_name=f"{self._name}_ps{int(ps_index)}_{dtype.name}_w{int(worker)}")
         return self._queues[key]
 
     def hand_in(self, ps_index: int, worker_index: tf.Tensor,
@@ -159,7 +176,9 @@ class PsGradientQueues:
         Args:
             ps_index: The PS task that holds the shards.
             worker_index: This worker's index (a scalar tensor: one trace may
-                serve several workers).
+                serve several workers; its queue is then picked at run time,
+                on the PS). A tensor with a static value, or an int, picks it
+                while tracing.
             slices: One IndexedSlices per shard, indices local to the shard.
 
         Returns:
@@ -169,9 +188,27 @@ class PsGradientQueues:
         counts = tf.stack([tf.shape(s.indices, out_type=tf.int64)[0] for s in slices])
         flat_idx = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
         flat_val = tf.concat([tf.reshape(s.values, [-1]) for s in slices], axis=0)
-        return tf.raw_ops.QueueEnqueueV2(
-            handle=self._queue(ps_index, dtype),
-            components=[tf.cast(worker_index, tf.int64), counts, flat_idx, flat_val])
+        components = [counts, flat_idx, flat_val]
+        static_index = tf.get_static_value(worker_index)
+        if static_index is not None:
+            handle = self._queue(ps_index, dtype, int(static_index))
+        else:
+            # One trace may serve several workers: pick this worker's queue
+            # at run time, on the PS (only the index is sent there for it).
+            # The enqueue stays a plain op of the step's graph, no control
+            # flow: the checks that every take waits for every hand-in see it.
+            with tf.device(self._device_fn(ps_index)):
+                handle = tf.gather(self._handles(ps_index, dtype), worker_index)
+        return tf.raw_ops.QueueEnqueueV2(handle=handle, components=components)
+
+    def _handles(self, ps_index: int, dtype: tf.DType) -> tf.Tensor:
+        """ps:`ps_index`'s queue handles for `dtype`, one per worker, stacked (on the PS)."""
+        key = (int(ps_index), dtype)
+        if key not in self._stacked:
+            with tf.init_scope(), tf.device(self._device_fn(ps_index)):
+                self._stacked[key] = tf.stack(
+                    [self._queue(ps_index, dtype, w) for w in range(self.num_workers)])
+        return self._stacked[key]
 
     def take(self, ps_index: int, slices: Sequence[tf.IndexedSlices]) -> List[tf.IndexedSlices]:
         """Dequeues every worker's gradients for ps:`ps_index`; sums nothing.
@@ -191,28 +228,27 @@ class PsGradientQueues:
         k = len(slices)
         dtype = slices[0].values.dtype
         widths = [collectives.row_width(s) for s in slices]
-        queue = self._queue(ps_index, dtype)
         with tf.device(self._device_fn(ps_index)):
-            elements = [tf.raw_ops.QueueDequeueV2(handle=queue,
-                                                  component_types=_COMPONENT_TYPES + [dtype])
-                        for _ in range(self.num_workers)]
-            for e in elements:  # The queue has no static shapes.
-                for t, shape in zip(e, ([], [k], [None], [None])):
-                    t.set_shape(shape)
-            order = tf.argsort(tf.stack([e[0] for e in elements]), stable=True)
-            counts = tf.gather(tf.stack([e[1] for e in elements]), order)  # [W, k]
-            flat_idx = tf.gather(tf.ragged.stack([e[2] for e in elements]), order).flat_values
-            flat_val = tf.gather(tf.ragged.stack([e[3] for e in elements]), order).flat_values
-            # Which shard each index / value element belongs to, in the
-            # concatenated order; dynamic_partition keeps that order.
-            shard_of_block = tf.tile(tf.range(k, dtype=tf.int32), [self.num_workers])
-            idx_shard = tf.repeat(shard_of_block, tf.reshape(counts, [-1]))
-            val_shard = tf.repeat(shard_of_block, tf.reshape(
-                counts * tf.constant(widths, tf.int64)[tf.newaxis, :], [-1]))
-            idx_parts = tf.dynamic_partition(flat_idx, idx_shard, k)
-            val_parts = tf.dynamic_partition(flat_val, val_shard, k)
+            idx_pieces, val_pieces = [], []  # [worker][shard]
+            for w in range(self.num_workers):
+                counts, flat_idx, flat_val = tf.raw_ops.QueueDequeueV2(
+                    handle=self._queue(ps_index, dtype, w),
+                    component_types=_COMPONENT_TYPES + [dtype])
+                # The queue has no static shapes.
+                counts.set_shape([k])
+                flat_idx.set_shape([None])
+                flat_val.set_shape([None])
+                if k == 1:
+                    idx_pieces.append([flat_idx])
+                    val_pieces.append([flat_val])
+                else:
+                    idx_pieces.append(tf.split(flat_idx, counts, num=k))
+                    val_pieces.append(tf.split(
+                        flat_val, counts * tf.constant(widths, tf.int64), num=k))
             out = []
-            for s, idx, val in zip(slices, idx_parts, val_parts):
+            for j, s in enumerate(slices):
+                idx = tf.concat([pieces[j] for pieces in idx_pieces], axis=0)
+                val = tf.concat([pieces[j] for pieces in val_pieces], axis=0)
                 # The static row shape (`row_width` checked it is known): a
                 # `tf.shape` of this worker's values under this PS device
                 # would send its whole gradient to the PS a second time
@@ -221,4 +257,3 @@ class PsGradientQueues:
                 out.append(tf.IndexedSlices(values, tf.cast(idx, s.indices.dtype),
                                             s.dense_shape))
         return out
-
