@@ -219,14 +219,17 @@ def test_a_keras_optimizer_s_slots_are_split_with_the_stack(results, mode):
     unstacked = results["unstacked" + mode].get("slots_split_keras")
     assert stacked is not None, results["stacked" + mode].get("error")
     assert unstacked is not None, results["unstacked" + mode].get("error")
-    listed = {k.split("/", 3)[3]: v for k, v in stacked.items()
-              if k.startswith("opt0/variables/")}
-    assert not any("stacked_tables" in n for n in listed), sorted(listed)
+    # (name, value) of each variable listed: tf-keras 2.16+ names each table's
+    # slot "ShardedVariable", as unstacked, so names are not unique.
+    listed = [(k.split("/", 3)[3], v) for k, v in stacked.items()
+              if k.startswith("opt0/variables/")]
+    names = [n for n, _ in listed]
+    assert not any("stacked_tables" in n for n in names), names
     # The tables' momentum ([rows, 12] per table shard, or [40, 12] per table with
     # tf-keras 2.16+, named "ShardedVariable" there as unstacked).
-    momenta = [v for v in listed.values() if v.ndim == 2 and v.shape[1] == 12]
-    assert len(momenta) in (2, 4), sorted(listed)
-    assert all(np.abs(v).max() > 1e-4 for v in momenta), sorted(listed)
+    momenta = [v for _, v in listed if v.ndim == 2 and v.shape[1] == 12]
+    assert len(momenta) in (2, 4), names
+    assert all(np.abs(v).max() > 1e-4 for v in momenta), names
     checkpoint = [k for k in stacked if k.startswith("ckpt/")]
     # The tables' momentum, under the optimizer (Keras 2.15: per table shard in
     # `_variables`; tf-keras 2.16+: per table, also under its list's name).
