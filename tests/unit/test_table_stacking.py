@@ -23,7 +23,6 @@ from tf_psplugin.tables import shard_init
 from tf_psplugin.tables import sharded as sharding
 from tf_psplugin.tables import sharded_slots
 from tf_psplugin.tables import stack_rows, stack_storage, stacked_fallback, stacked_updates
-from tf_psplugin.tables import stacked_slots
 from tf_psplugin.tables.placement import base_name
 from tf_psplugin.tables.sharded import InterleavedShardedVariable
 from tf_psplugin.tables.stacking import StackedTable, TableStacks, TableView
@@ -1108,32 +1107,6 @@ def test_the_traced_checkpoint_write_is_traced_again_after_a_split(tmp_path):
     for a, b in zip(export.logical_weights(other), export.logical_weights(model)):
         np.testing.assert_array_equal(a, b)
     assert held is not None
-
-
-def test_a_stack_a_keras_optimizer_s_live_slots_hold_is_refused_naming_the_fix():
-    """A live Keras (non-legacy) optimizer's slots of the stack: no split, the fix named.
-
-    Its slots are listed per table and indexed by Keras: they are not split
-    with the stack (a legacy optimizer's are:
-    `test_a_live_legacy_optimizer_s_slots_are_split_with_the_stack`).
-    """
-    stacks = TableStacks(lambda s: None)
-    model = _model(stacks)
-    adagrad = tf.keras.optimizers.Adagrad(0.1)
-    _train(model, adagrad, _batches(1))
-    recorded = 0
-    for var in adagrad.variables:  # What the strategy's slot creator records.
-        for slot, _, _ in getattr(var, "pieces", ()):
-            shard = stacked_slots.stack_shard_of(slot)
-            if shard is not None:
-                stacks.seal(shard, slot=slot)
-                recorded += 1
-    assert recorded
-    with pytest.raises(stacked_updates.StackingError,
-                       match=r"stack_tables=False.*cannot be split: a Keras \(non-legacy\) "
-                             r"optimizer that is still alive has slots for it"):
-        _train_splitting(model, _RmsScaledAdagrad(0.3), _batches(1), stacks)
-    assert adagrad is not None
 
 
 def test_a_legacy_unknown_optimizer_without_the_coordinator_is_refused_naming_the_fix():

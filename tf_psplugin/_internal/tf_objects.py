@@ -305,6 +305,32 @@ def no_dependency(value) -> Any:
     return tf_internal.data_structures.NoDependency(value)
 
 
+def optimizer_variable_index(optimizer) -> Any:
+    """A Keras (new) Optimizer's `_index_dict`: {`_var_key(variable)`: position} of each
+    variable its `build` was given, which every per-variable list of slots (`_momentums`,
+    `_velocities`, ...) is indexed by in `update_step` (tf.keras 2.15, tf-keras 2.21).
+    tables/slot_split.py maps a split stack's new shards to their moved slots there, as
+    `build` maps a variable (no public way to give a built optimizer a variable's slots).
+    """
+    return optimizer._index_dict  # pylint: disable=protected-access
+
+
+def optimizer_variable_key(optimizer, variable) -> Any:
+    """A Keras (new) Optimizer's `_var_key(variable)`: the key of `variable` in its
+    `_index_dict` (tf.keras 2.15, tf-keras 2.21).
+    """
+    return optimizer._var_key(variable)  # pylint: disable=protected-access
+
+
+def optimizer_lists(optimizer) -> list:
+    """The lists a Keras (new) Optimizer holds as attributes (its per-variable slot lists,
+    such as Adam's `_momentums` and `_velocities` or SGD's `momentums`, whose names each
+    optimizer class chooses; tf.keras 2.15, tf-keras 2.21), read from its instance
+    dictionary: tables/slot_split.py finds which of them hold a slot of a stack shard.
+    """
+    return [value for value in vars(optimizer).values() if isinstance(value, list)]
+
+
 def optimizer_slots(optimizer) -> dict:
     """Legacy OptimizerV2's `_slots`: {variable key: {slot name: slot}} (tf.keras 2.15, tf-keras
     2.21).

@@ -147,9 +147,12 @@ class _State:
 
     def logical_wrapper(self, table, name: str) -> Optional[InterleavedShardedVariable]:
         storages: List[Optional[tf.Variable]] = [None] * len(table.variables)
-        for _, t, index, slot_name, storage in self.records.values():
+        for slot, t, index, slot_name, storage in self.records.values():
             if t is table and slot_name == name:
-                storages[index] = storage
+                # A stacked table's slot view reads its stack shard's slot, which
+                # a split of the stack replaces (`slot_split`): the one it reads now.
+                pieces = getattr(slot, "pieces", None)
+                storages[index] = pieces[0][0] if pieces else storage
         if any(s is None for s in storages):
             return None  # Not every shard's slot made (yet).
         key = (id(table), name)

@@ -34,7 +34,6 @@ the optimizer's own update of the stack shard:
 """
 
 import threading
-import weakref
 from typing import Callable, Optional, Sequence, Tuple
 
 from absl import logging
@@ -46,6 +45,7 @@ from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.scopes import ThreadScope
 from tf_psplugin._internal.tf_internal import ps_values
 from tf_psplugin.errors import StackingError
+from tf_psplugin.tables import slot_split
 from tf_psplugin.tables import stack_storage
 from tf_psplugin.tables import stacking
 
@@ -73,11 +73,6 @@ def kept_rows(shard) -> list:
     return list(_KEEP_ROWS.get(shard) or [])
 
 
-def _slot_variable(slot):
-    """The variable of a slot (a `NoDependency` wrapper's value)."""
-    return getattr(slot, "value", slot) if not isinstance(slot, tf.Variable) else slot
-
-
 def _storage(variable):
     """The plain variable under TF's PS wrappers (`AggregatingVariable`s)."""
     while isinstance(variable, ps_values.AggregatingVariable):
@@ -85,16 +80,15 @@ def _storage(variable):
     return variable
 
 
-# New optimizer -> {id(stack shard): its slots}: recorded as Keras makes them
-# (`add_variable_from_reference`), since a stack shard's slots are not listed.
-_NEW_SLOTS = weakref.WeakKeyDictionary()
-
-
 def record_slot(optimizer, model_variable, slot) -> None:
-    """Records `slot`, made by a new optimizer for `model_variable`, if that is a stack shard."""
+    """Records `slot`, made by a new optimizer for `model_variable`, if that is a stack shard.
+
+    Recorded as Keras makes it (`add_variable_from_reference`), since a
+    stack shard's slots are listed nowhere (`slot_split.record_keras_slot`:
+    a split moves them too).
+    """
     if stacking.is_stack_shard(model_variable):
-        _NEW_SLOTS.setdefault(optimizer, {}).setdefault(id(model_variable), []).append(
-            _slot_variable(slot))
+        slot_split.record_keras_slot(optimizer, model_variable, slot)
 
 
 def _slots_of(optimizer, shard) -> list:
@@ -108,7 +102,7 @@ def _slots_of(optimizer, shard) -> list:
             except KeyError:
                 continue
     else:
-        slots = _NEW_SLOTS.get(optimizer, {}).get(id(shard), [])
+        slots = slot_split.keras_slots_of(optimizer, shard)
     rows = shard.shape[:1]
     return [s for s in slots if s.shape.rank and s.shape[:1] == rows]
 
@@ -221,9 +215,9 @@ class SplitRequired(StackingError):
     is alone in its stack. Raised while a step is traced (before any slot
     of it is made); the coordinator catches it, splits the tables apart
     and traces the step again (`trace_splitting`). Anywhere else (a
-    `tf.function` called without the coordinator, or a stack a live Keras
-    (non-legacy) optimizer has slots for) it is the error the user sees,
-    naming the fix.
+    `tf.function` called without the coordinator, or a stack a live
+    optimizer has slots for that a split cannot move: `slot_split`) it is
+    the error the user sees, naming the fix.
 
     Attributes:
         tables: The tables the optimizer applies that share a stack.
@@ -238,8 +232,9 @@ class SplitRequired(StackingError):
         super().__init__(
             f"stack_tables=True: tables {shown} share a stack, and {self.why}. Outside "
             "ClusterCoordinator.schedule (which splits them apart before the first step and "
-            "traces the step again), or while a Keras (non-legacy) optimizer that is still "
-            "alive has slots for the stack, they cannot be split. Fix: "
+            "traces the step again), or while an optimizer that is still alive has slots "
+            "for the stack that a split cannot move (a Keras optimizer outside the known "
+            "ones), they cannot be split. Fix: "
             "HybridParameterServerStrategy(options=HybridOptions(stack_tables=False)), "
             "or compile the model with "
             f"this optimizer before its first call (its tables are then stacked apart), or "
@@ -392,9 +387,10 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
     reset_traces`), and runs on the new stacks; if its new trace no
     longer reads a variable its old one read (the model was compiled with
     another optimizer since), it is refused, naming why, rather than run
-    another program. A live legacy optimizer's slots of a split stack are
-    split with it (`stacking.split_apart`); a stack a Keras (non-legacy)
-    optimizer's live slots hold raises the error, which names the fix.
+    another program. A live optimizer's slots of a split stack (a legacy
+    one's, or a known Keras one's) are split with it (`stacking.split_apart`,
+    `slot_split`); a stack whose live slots a split cannot move raises the
+    error, which names the fix.
     The coordinator traces every step through this (runtime/role_tracing.py
     in synchronous mode, runtime/coordinator.py's asynchronous schedule).
     A dispatch whose call traced nothing (a cached trace) only looks its

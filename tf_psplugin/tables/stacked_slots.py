@@ -28,6 +28,10 @@ one `SlotView` over all of the table's rows (`SlotView.pieces`).
 
 So the checkpoint holds, under the unstacked run's keys, each table's own
 slot rows, and restores into the other stacking; the apply is unchanged.
+A stack split apart later (`stacking.split_apart`) takes these slots with
+it (`slot_split`): the stack shards' slots get successors on the new stack
+shards, appended to the same lists and indexed for them, and each
+`SlotView` is pointed at its table's rows there (`set_pieces`).
 With a `ChiefCheckpointManager` or `build_optimizer_slots`, `slot_order`
 lists them one step further: one logical ``[V, D]`` tensor per table slot,
 as a single-process model does (any PS count).
@@ -46,9 +50,8 @@ import tensorflow as tf
 
 from tf_psplugin._internal import compat
 from tf_psplugin._internal import tf_objects
-from tf_psplugin._internal.identity import IdentityMap
 from tf_psplugin._internal.tf_internal import ps_values, trackable_base
-from tf_psplugin.tables import table_view
+from tf_psplugin.tables import slot_split, table_view
 from tf_psplugin.tables.stacking import TableView
 
 __all__ = ["SlotView", "build_per_table", "add_slot", "stack_shard_of"]
@@ -59,17 +62,16 @@ _IDS = itertools.count()
 _LISTS_SHARDED_SLOTS_PER_TABLE = compat.KERAS_PACKAGE == "tf_keras"
 # id(optimizer) -> _Building, while its `build` runs with views (`build_per_table`).
 _BUILDING: Dict[int, "_Building"] = {}
-# A stack shard's slot variable -> that stack shard (`stack_shard_of`).
-_STACK_SHARD_OF: "IdentityMap[tf.Variable]" = IdentityMap()
 
 
 def stack_shard_of(slot) -> Optional[tf.Variable]:
     """The stack shard whose slot `slot` (a `SlotView` piece's variable) is; None if none.
 
     What incremental checkpoints (`state.incremental`) follow to stamp and
-    save a view's rows with its stack shard's.
+    save a view's rows with its stack shard's. Recorded as the slot is made
+    (here, or by a split that moved it: `slot_split`).
     """
-    return _STACK_SHARD_OF.get(slot)
+    return slot_split.stack_shard_of(slot)
 
 
 class SlotView(table_view.ValueReads, tf.Variable):
@@ -261,7 +263,7 @@ class _Building:
                     initial_value=tf.zeros(shard.shape, dtype=dtype),
                     name=f"{variable_name}/{shard.name.split(':')[0]}",
                     dtype=dtype, trainable=False)
-            _STACK_SHARD_OF[self.slots[key]] = shard
+            slot_split.record_stack_slot(self.slots[key], shard, variable_name)
         return self.slots[key]
 
 

@@ -395,13 +395,14 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     stack with others while a step was traced: the coordinator dropped that
     trace and calls this before tracing the step again. Their tables'
     current rows are copied into the new stacks' variables, as a split
-    before the first step does. A live legacy optimizer's slots of the
-    stack are split with it (`slot_split`: a slot per new stack shard, the
-    same rows); a live Keras (non-legacy) optimizer's slot keeps it whole
-    (its slots are listed per table and indexed by Keras). A live traced
-    function that read
-    it does not (Keras keeps the first fit's train function after a
-    `compile`, where no one calls it): the old variables are emptied
+    before the first step does. A live optimizer's slots of the stack are
+    split with it (`slot_split`: a slot per new stack shard, the same rows;
+    a legacy optimizer's, and a Keras optimizer's whose `build` lists them
+    per table), and the old slots emptied; a live slot `slot_split` cannot
+    move (a Keras optimizer outside the known ones) keeps it whole. A live
+    traced function that read it does not (Keras keeps the first fit's
+    train function after a `compile`, where no one calls it): the old
+    variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
     table reads any more: any call of it outside the coordinator fails, and
     the coordinator traces it anew before it runs, or refuses it, naming
@@ -418,15 +419,16 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     apart = {id(t) for t in tables}
     stacks = {id(t.stack): t.stack for t in tables
               if t.stack is not None and len(list(t.stack.tables)) > 1}
-    slots = {}  # id(stack) -> its live slots' legacy optimizer entries (`slot_split`).
+    slots = {}  # id(stack) -> how its live slots move (`slot_split.movable`).
     for stack in stacks.values():
         held = ("a graph that is not a tf.function's uses its variables"
                 if stack.traced_for_good() else None)
         if not held and stack.slots_held_by():
             slots[id(stack)] = slot_split.movable(stack.live_slots())
             if slots[id(stack)] is None:
-                held = ("a Keras (non-legacy) optimizer that is still alive has slots for it "
-                        "(only a legacy optimizer's slots are split with a stack)")
+                held = ("an optimizer that is still alive has slots for it that a split "
+                        "cannot move (only a legacy optimizer's and a known Keras "
+                        "optimizer's slots are split with a stack)")
         if held:
             return f"stack {stack.name!r} cannot be split: {held}"
         if stack.owner is None or stack.owner() is None:
@@ -446,7 +448,8 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
                 for table in members:  # The rows copied before the old variables go.
                     table.stack.materialize()
                 old += slot_split.move(moves, members, rows)  # Each slot's rows too.
-            if live:
+            if live or any(m.lists is not None for m in moves):
+                # (A Keras optimizer's old slots stay in its lists: emptied.)
                 retire(old, live, (
                     f"it was traced before tables {', '.join(names)} were split apart "
                     f"({why}), and it reads their old storage, which was freed"))

@@ -50,9 +50,11 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   Adagrad lives (stacked: the stack is split, and each of Adagrad's slots
   of it with it), then `fit` with the Adagrad again.
 * ``slots_split_keras``: the same with Keras's (new) SGD with momentum
-  first (stacked only): its slots of the stack are not split; the split,
-  and the custom loop, are refused (``SLOTS_REFUSED``, the legacy
-  optimizer's step count and the error) before its first step.
+  first: its slots of the stack (listed per table, one per stack shard
+  for the apply) are split with the stack, and it trains on. The case
+  also records what Keras lists of the SGD (``opt0/variables/<j>/<name>``)
+  and every tensor of a checkpoint of the model and the SGD written at the
+  end (``ckpt/<key>``).
 
 It writes ``<out_dir>/<case>.npz``: every weight of the case's models
 (tables as ``[V, D]`` in id order) and, for Keras's new optimizers, every
@@ -228,15 +230,22 @@ def slots_split(model, case):
     model.compile(first, "mse")
     fit(model, 1)
     legacy = RmsScaledAdagrad(0.1)
-    try:
-        custom_loop(model, legacy, 2)  # Stacked: splits the stack `first` has slots for.
-    except tf_psplugin.StackingError as e:
-        if case != "slots_split_keras":
-            raise
-        print("SLOTS_REFUSED", legacy.iterations.numpy(), str(e).replace("\n", " "), flush=True)
-        return {}
+    custom_loop(model, legacy, 2)  # Stacked: splits the stack `first` has slots for.
     fit(model, 3)  # The first optimizer again, on the new stacks.
     found = weights([model], [first, legacy])
+    if case == "slots_split_keras":
+        # What Keras shows of the SGD after the split (its slots per table,
+        # `stacked_slots`, re-pointed at the new stacks): names, shapes and
+        # values as unstacked; and a checkpoint of the model and the SGD.
+        for j, variable in enumerate(first.variables):
+            found[f"opt0/variables/{j}/{variable.name}"] = np.asarray(
+                tf.convert_to_tensor(variable))
+        path = tf.train.Checkpoint(model=model, optimizer=first).write(
+            os.path.join(sys.argv[2], "slots_split_keras_ckpt", "ckpt"))
+        reader = tf.train.load_checkpoint(path)
+        for key in reader.get_variable_to_shape_map():
+            if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+                found[f"ckpt/{key}"] = reader.get_tensor(key)
     if case == "slots_split_legacy":
         # What Keras shows of the first optimizer after the split (its slots per
         # table, `legacy_slots`, re-pointed at the new stacks): the same list,
