@@ -304,6 +304,27 @@ def test_budget_counts_own_failures_not_coordinated_restarts(monkeypatch):
     assert "not restarting it: worker:0 will not come back" in c.log()
 
 
+def test_a_failure_and_the_abort_it_causes_seen_in_one_pass_are_handled_failure_first(
+        monkeypatch):
+    """The launcher's pass sees worker:0's abort and worker:1's kill at once (a loaded box).
+
+    worker:0 comes first in task order; its abort is still free, because the
+    kill that caused it is handled first and opens the recovery.
+    """
+    c = _BudgetCluster(monkeypatch, max_restarts=2)
+    for _ in range(2):  # Kills of worker:1; worker:0 is aborted each time.
+        for role, code in (("worker:0", -signal.SIGABRT), ("worker:1", -signal.SIGKILL)):
+            task = c.task(role)
+            task.proc, task.handled, task.restart_at = _ExitedProc(code), False, None
+        c.now += 1.0
+        with c.cluster._lock:
+            c.cluster._poll_tasks(c.now)
+        assert not c.task("worker:0").finished.is_set(), c.log()
+        assert c.chief_exit(RESTART_EXIT_CODE)
+    assert c.failures() == {"ps:0": 0, "worker:0": 0, "worker:1": 2, "chief": 0}, c.log()
+    assert c.log().count("aborted by the chief's failover after worker:1 failed") == 2
+
+
 def test_a_crash_loop_spends_the_budget_within_one_recovery(monkeypatch):
     c = _BudgetCluster(monkeypatch, max_restarts=3)
     assert c.exit("worker:1", -signal.SIGKILL)

@@ -484,16 +484,31 @@ class LocalCluster:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                now = self._clock()
-                for task in self._tasks.values():
-                    if task.task_type == "chief" or task.proc is None:
-                        continue
-                    if task.restart_at is not None and now >= task.restart_at:
-                        self._spawn(task)
-                        continue
-                    if task.handled or task.proc.poll() is None:
-                        continue
-                    self._on_exit(task, now)
+                self._poll_tasks(self._clock())
+
+    def _poll_tasks(self, now: float) -> None:
+        """One pass of `_watch`: restarts due tasks, handles the exits seen. Lock held.
+
+        The exits one pass sees are handled SIGABRT last: a failover's abort
+        of a surviving worker follows the failure that caused it, but on a
+        loaded box both can be seen in one pass, and the abort is free only
+        once that failure has opened the recovery (`RestartBudget`).
+        Handled in task order, a survivor listed first was charged for its
+        abort (seen: worker:0's abort counted, its budget spent, the job
+        ended).
+        """
+        exited = []
+        for task in self._tasks.values():
+            if task.task_type == "chief" or task.proc is None:
+                continue
+            if task.restart_at is not None and now >= task.restart_at:
+                self._spawn(task)
+                continue
+            if task.handled or task.proc.poll() is None:
+                continue
+            exited.append(task)
+        for task in sorted(exited, key=lambda t: t.proc.returncode == -signal.SIGABRT):
+            self._on_exit(task, now)
 
     def _on_exit(self, task: _Task, now: float) -> None:
         """Restarts a ps/worker/evaluator that exited, if wanted and in budget. Lock held.
