@@ -266,6 +266,9 @@ def run_setup(setup: str, args: argparse.Namespace, log_dir: str, emit,
     summary = stats.summarize(samples, setup, args.warmup_minutes * 60.0,
                               minutes_requested=args.minutes, task_deaths=deaths,
                               failure=failure)
+    # What the strategy ran with (None for stock PSS, which takes no HybridOptions).
+    summary["strategy_options"] = (procs.strategy_options(chief_job(setup, args))
+                                   if setup in run.HYBRID_SETUPS else None)
     return samples, summary
 
 
@@ -399,10 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{args.warmup_minutes:g} min, sampling every {args.interval:g} s; "
                       f"logs in {log_dir}")
             samples, summary = run_setup(setup, args, log_dir, emit)
-            job = chief_job(setup, args)
-            # What the strategy ran with (None for stock PSS, which takes no HybridOptions).
-            summary.update(knobs=knobs, machine=machine, strategy_options=(
-                procs.strategy_options(job) if setup in run.HYBRID_SETUPS else None))
+            summary.update(knobs=knobs, machine=machine)
             emit(summary)
             sys.stderr.write("\n" + stats.format_summary(summary) + "\n\n")
             all_samples += samples

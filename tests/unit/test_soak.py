@@ -322,3 +322,13 @@ def test_chief_job_passes_the_dense_allreduce_dtype_through():
     job = soak.chief_job("hybrid_sync", args)
     assert procs.strategy_options(job)["dense_allreduce_dtype"] == "bfloat16"
     assert procs.strategy_kwargs(job)["dense_allreduce_dtype"] == "bfloat16"
+
+
+def test_the_summary_records_the_strategy_options(monkeypatch):
+    monkeypatch.setattr(soak, "_run_setup_once", lambda *a: ([], [], "no servers"))
+    args = soak.parse_args(["--minutes", "1", "--dense_allreduce_dtype", "bfloat16"])
+    _, summary = soak.run_setup("hybrid_sync", args, "/nonexistent", print)
+    assert summary["strategy_options"]["dense_allreduce_dtype"] == "bfloat16"
+    assert summary["strategy_options"]["stack_tables"] is True
+    _, summary = soak.run_setup("stock_pss", args, "/nonexistent", print)
+    assert summary["strategy_options"] is None  # Stock PSS takes no HybridOptions.
