@@ -1,10 +1,15 @@
-"""`HybridOptions(dense_allreduce_dtype="bfloat16")` with what a user turns on beside it.
+"""The compressed, bucketed all-reduce with what a user turns on beside it.
+
+`HybridOptions(dense_allreduce_dtype="bfloat16")`, with the dense gradients
+in buckets (`dense_bucket_bytes`, what the default chooses when the workers
+span hosts; here 16 bytes, so the cells' small heads are summed in several).
 
 The composition suite (tests/cluster/test_composition.py) runs on one
 worker, where nothing is all-reduced, so the compressed all-reduce gets its
 own cells here, on 2 workers: the same chief script and checks
 (tests/cluster/scripts/composition.py, `cell_problems`), every cell stacked
-and unstacked with the dense gradients summed in bfloat16. Together the
+and unstacked with the dense gradients summed in bfloat16, bucket by
+bucket. Together the
 cells meet Keras's default optimizers (Adam, Adagrad, SGD) and a legacy
 one, kill and resume (a chief killed after its step-4 checkpoint and
 restarted ends bit for bit like the uninterrupted run of its stacking),
@@ -24,7 +29,8 @@ from tests.cluster.test_composition import assert_cells_hold, run_cells
 
 CELLS = ("adam.kill.second_model+mixed_bfloat16", "adagrad.full_every.frozen",
          "sgd.export.subclassed+mixed_bfloat16", "legacy_adagrad.fit.early_stop")
-WIRE = "wire_bfloat16"  # The script's mode suffix: HybridOptions(dense_allreduce_dtype=...).
+# The script's mode suffixes: HybridOptions(dense_allreduce_dtype=..., dense_bucket_bytes=...).
+WIRE = "wire_bfloat16+buckets_16"
 WORKERS = 2
 # Not here: a kill cell with the default float32 all-reduce on 2 workers.
 # Tried on this cluster after the cells above (2026-11-28, TF 2.15, box load
@@ -50,6 +56,7 @@ def test_bfloat16_all_reduce_cell_ends_like_unstacked(results, cell):
         run = results[stacking][cell]
         # The cell ran with the option, on 2 workers (one worker all-reduces nothing).
         assert run["dense_allreduce_dtype"] == "bfloat16" and run["workers"] == WORKERS, run
+        assert run["dense_bucket_bytes"] == 16, run
         if ".kill." in cell:
             # Restarted from the step-4 checkpoint, its data 4 steps x 2 workers on.
             assert (run["resumed_from"], run["input_position"]) == (4, 4 * WORKERS), run

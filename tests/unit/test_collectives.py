@@ -77,6 +77,27 @@ def test_buckets_are_filled_from_the_last_tensor(nbytes, bucket_bytes, expected)
     assert collectives.plan_buckets(nbytes, bucket_bytes) == expected
 
 
+@pytest.mark.parametrize("bucket_bytes,workers,expected", [
+    # Asked for: used as asked, wherever the workers are.
+    (0, ["10.0.0.1:2222", "10.0.0.2:2222"], 0),
+    (4096, ["127.0.0.1:1", "127.0.0.1:2"], 4096),
+    # The default (None) on one host: one packed all-reduce (loopback in any spelling).
+    (None, ["127.0.0.1:20001", "127.0.0.1:20002"], 0),
+    (None, ["localhost:1", "127.0.0.2:2", "[::1]:3"], 0),
+    (None, ["trainer-0.svc:2222", "TRAINER-0.svc:2223"], 0),
+    (None, ["10.0.0.1:2222"], 0),
+    (None, [], 0),
+    # ... on workers of several hosts: buckets (a sparse spec's {index: address} too).
+    (None, ["10.0.0.1:2222", "10.0.0.2:2222"], collectives.MULTI_HOST_BUCKET_BYTES),
+    (None, ["worker-0.job:2222", "worker-1.job:2222"], collectives.MULTI_HOST_BUCKET_BYTES),
+    (None, ["[fd00::1]:2222", "[fd00::2]:2222"], collectives.MULTI_HOST_BUCKET_BYTES),
+    (None, {0: "10.0.0.1:2222", 3: "10.0.0.4:2222"}, collectives.MULTI_HOST_BUCKET_BYTES),
+])
+def test_default_bucket_size_follows_the_workers_hosts(bucket_bytes, workers, expected):
+    """HybridOptions(dense_bucket_bytes=None): buckets only when the workers span hosts."""
+    assert collectives.bucket_bytes_for(bucket_bytes, workers) == expected
+
+
 def test_every_bucket_is_its_own_collective_and_waits_for_no_later_bucket():
     """Keys in bucket order (the same on every worker); a bucket never waits for a later one.
 

@@ -33,9 +33,11 @@ from tf_psplugin.tables import placement as placement_lib
 
 EMBEDDING_UPDATES = ("sync", "async")
 
-# HybridOptions.dense_bucket_bytes's default (0: one packed all-reduce; measured
-# slower on one 2-core box, benchmarks/README.md "Bucketed dense all-reduce").
-DEFAULT_DENSE_BUCKET_BYTES = 0
+# HybridOptions.dense_bucket_bytes's default (None: buckets when the workers
+# span hosts, one packed all-reduce when they share one, where buckets were
+# measured slower; benchmarks/README.md "Bucketed dense all-reduce";
+# `collectives.bucket_bytes_for`).
+DEFAULT_DENSE_BUCKET_BYTES = None
 DENSE_PLACEMENTS = ("allreduce", "ps")
 
 # The developer toggles' former names -> their names now.
@@ -131,10 +133,13 @@ class HybridOptions:
             the last layers' first, so that their all-reduce runs while the
             backward pass still computes the earlier layers' gradients (as
             Horovod and PyTorch DDP bucket them); the sums are the same
-            (see `runtime/reduction.py`). 0 or None (default): one packed
-            all-reduce for all of them. Off by default: faster on separate
-            hosts, slower on one shared box (benchmarks/README.md,
-            "Bucketed dense all-reduce").
+            (see `runtime/reduction.py`). 0: one packed all-reduce for all
+            of them. None (default): buckets of 256 KiB when the workers'
+            addresses name more than one host, one all-reduce when they
+            all name one (loopback included): buckets are faster on
+            separate hosts and slower on one shared box (benchmarks/README.md,
+            "Bucketed dense all-reduce"); the trained weights are the same
+            bit for bit either way.
         dense_allreduce_dtype: ``"bfloat16"`` or ``"float16"``: a synchronous
             step's float32 dense gradients are cast to that dtype for their
             all-reduce among the workers and back to float32 after it (as
@@ -235,8 +240,8 @@ class HybridOptions:
                 or not isinstance(self.dense_bucket_bytes, int) or self.dense_bucket_bytes < 0):
             raise StrategyError(
                 f"dense_bucket_bytes={self.dense_bucket_bytes!r} must be a whole number of bytes "
-                ">= 0. Fix: pass e.g. 1 << 20, or 0 (or None) for one all-reduce of every dense "
-                "gradient.")
+                ">= 0. Fix: pass e.g. 1 << 20, 0 for one all-reduce of every dense gradient, or None "
+                "(the default: buckets only when the workers span hosts).")
         if self.dense_allreduce_dtype is not None:
             _check_one_of("dense_allreduce_dtype", self.dense_allreduce_dtype,
                           (None,) + collectives.WIRE_DTYPES)

@@ -236,8 +236,10 @@ class HybridParameterServerStrategy(parameter_server_strategy_v2.ParameterServer
         self._extended.fuse_lookups = bool(options.experimental_fuse_lookups)
         # Float32 tables stored in half precision (None: as asked for).
         self._extended.table_dtype = options.table_dtype
-        # A sync step's dense all-reduces: buckets of about this size (0: one).
-        self._extended.dense_bucket_bytes = int(options.dense_bucket_bytes or 0)
+        # A sync step's dense all-reduces: buckets of about this size (0: one;
+        # None: buckets only when the workers span hosts).
+        self._extended.dense_bucket_bytes = collectives.bucket_bytes_for(
+            options.dense_bucket_bytes, spec.as_dict().get("worker", ()))
         # ... and the dtype the dense gradients travel in (None: their own).
         self._extended.dense_allreduce_dtype = options.dense_allreduce_dtype
         if options.experimental_fuse_lookups:

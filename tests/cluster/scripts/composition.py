@@ -7,7 +7,9 @@ being ``<optimizer>.<mode>.<situation>[+<policy>]`` (the names in
 `OPTIMIZERS`, `MODES`, `SITUATIONS`; ``+bfloat16`` / ``+float16``: the
 strategy stores the tables in that dtype, ``HybridOptions.table_dtype``;
 ``+wire_bfloat16``: the dense gradients are all-reduced in bfloat16,
-``HybridOptions.dense_allreduce_dtype``;
+``HybridOptions.dense_allreduce_dtype``; ``+buckets_<bytes>``: in buckets of
+about that many bytes, ``HybridOptions.dense_bucket_bytes``, what the
+default chooses on workers of several hosts;
 ``+mixed_float16`` / ``+mixed_bfloat16``: the cell's models are built and
 compiled under that Keras policy). Every cell is the same small job, as a Keras user writes it:
 a model with three `Embedding` tables (40 rows of one width, so they share
@@ -315,6 +317,7 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
     result["tables"] = cell.tables()
     # What the cell ran with: the dense all-reduce's dtype, and how many workers sum it.
     result["dense_allreduce_dtype"] = strategy.extended.dense_allreduce_dtype
+    result["dense_bucket_bytes"] = strategy.extended.dense_bucket_bytes
     result["workers"] = (tf.distribute.cluster_resolver.TFConfigClusterResolver()
                          .cluster_spec().num_tasks("worker"))
     result["seconds"] = round(time.monotonic() - start, 1)
@@ -324,20 +327,24 @@ def run_cell(strategy, root, phase, cell_name, index, hard_kill):
 
 
 # A mode's suffix ``+wire_<dtype>``: `HybridOptions.dense_allreduce_dtype` (its own test,
-# tests/cluster/test_compose_allreduce_dtype.py, on 2 workers).
+# tests/cluster/test_compose_allreduce_dtype.py, on 2 workers); ``+buckets_<bytes>``:
+# `HybridOptions.dense_bucket_bytes` (the same test).
 WIRE = "wire_"
+BUCKETS = "buckets_"
 
 
 def main():
     mode, root, phase, cells = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     tf_psplugin.start_server()
     stacking, *extras = mode.split("+")
-    table_dtype = next((x for x in extras if not x.startswith(WIRE)), None)
+    table_dtype = next((x for x in extras if not x.startswith((WIRE, BUCKETS))), None)
     wire = next((x[len(WIRE):] for x in extras if x.startswith(WIRE)), None)
+    buckets = next((int(x[len(BUCKETS):]) for x in extras if x.startswith(BUCKETS)), None)
     strategy = tf_psplugin.HybridParameterServerStrategy(
         options=tf_psplugin.HybridOptions(stack_tables=(stacking == "stacked"),
                                           table_dtype=table_dtype or None,
-                                          dense_allreduce_dtype=wire))
+                                          dense_allreduce_dtype=wire,
+                                          dense_bucket_bytes=buckets))
     root = os.path.join(root, mode)
     # Kill cells last: the last of them kills this process for real.
     order = sorted(range(len(cells)), key=lambda i: ".kill." in cells[i])
