@@ -205,6 +205,10 @@ def run_ps_chief(job):
     result = _fit_and_time(model, ds, job, examples_per_step)
     result["startup_seconds"] = built
     result["per_worker_batch"] = per_step_batch
+    # The dense all-reduce's bucket size the strategy chose (HybridOptions.
+    # dense_bucket_bytes=None: by where the workers are); None for stock PSS.
+    result["dense_bucket_bytes_used"] = getattr(model.distribute_strategy.extended,
+                                                "dense_bucket_bytes", None)
     if job.get("heldout_batches"):
         result.update(_heldout(model, job, per_step_batch))
     return result

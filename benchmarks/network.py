@@ -239,6 +239,10 @@ def network_record(setup: str, num_workers: int, result: dict, args, spec,
             dense_allreduce_dtype=allreduce_dtype))
                              if setup != "stock_pss" else None),
     }
+    if setup != "stock_pss":
+        # What the strategy chose for dense_bucket_bytes None (the default):
+        # every task here is a host of its own. None if the chief did not say.
+        record["dense_bucket_bytes_used"] = result.get("dense_bucket_bytes_used")
     if "chief_exit" in result:
         record["chief_exit"] = result["chief_exit"]
     if setup != "stock_pss":

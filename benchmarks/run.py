@@ -385,6 +385,8 @@ def throughput_records(runs: Dict[tuple, List[dict]], args, num_workers: int) ->
             "num_workers": 1 if setup == "single" else num_workers,
             "num_ps": args.num_ps if setup in ("stock_pss",) + HYBRID_SETUPS else 0,
             "per_worker_batch": last.get("per_worker_batch", args.global_batch),
+            # The bucket size the strategy chose (dense_bucket_bytes None: by the hosts).
+            "dense_bucket_bytes_used": last.get("dense_bucket_bytes_used"),
             "runs_examples_per_sec": [round(r["examples_per_sec"], 1) for r in ok],
             # Contention-robust companion figure: examples per CPU-second of
             # all the setup's processes during the timed steps.
