@@ -536,6 +536,43 @@ def reset_traces(function) -> bool:
     return True
 
 
+def wrap_tf_function_calls(before: Callable[[Any, tuple, dict], None]) -> Callable[[], None]:
+    """Makes every call of a `tf.function` call ``before(function, args, kwargs)`` first.
+
+    After a table stack was split apart, a `tf.function` traced before the
+    split reads the old, emptied storage; one called outside the
+    coordinator (a user's serving or eval function, Keras's
+    `predict_function`) is traced anew before its call by `before`
+    (tables/stacked_fallback.py). No public hook runs before a traced
+    function's call (its cached trace runs without its Python code), so
+    `polymorphic_function.Function.__call__`, the public entry of every
+    call (TF 2.15 and 2.21: defined on `Function` itself), is wrapped.
+    Applied through `_internal/patches.py` ("retrace_after_split") only once
+    a split emptied storage.
+
+    Args:
+        before: Called with the `tf.function`, its positional arguments
+            (a tuple) and its keyword arguments (a dict); may raise.
+
+    Returns:
+        The undo: puts the original `__call__` back.
+    """
+    cls = tf_internal.polymorphic_function.Function
+    original = vars(cls)["__call__"]
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwds):
+        before(self, args, kwds)
+        return original(self, *args, **kwds)
+
+    cls.__call__ = __call__
+
+    def undo():
+        cls.__call__ = original
+
+    return undo
+
+
 def traces_of_function(function) -> list:
     """Every trace a `tf.function` keeps (its cache and its first trace); a concrete function.
 

@@ -89,7 +89,7 @@ from tf_psplugin.tables.stack_storage import Stack, StackShard, current_rows, re
 from tf_psplugin.tables.table_view import TableView  # noqa: F401  (re-exported)
 
 __all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
-           "unstacked"]
+           "models_seen", "unstacked"]
 
 # A table larger than this is not stacked: its own ops are a small share of a
 # step next to its rows, and its initial rows would be held twice on its PS
@@ -337,6 +337,27 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
                             name=self._table_name)
 
 
+# id(model) -> weak ref of a Keras model with stacked tables seen by
+# `separate_by_model` (its traced calls): `models_seen`.
+_MODELS: Dict[int, "weakref.ref"] = {}
+
+
+def models_seen() -> list:
+    """The live Keras models with stacked tables that a traced call (or a restore) has run.
+
+    A split (`stacked_fallback.trace_splitting`) drops the traced functions
+    Keras keeps on them that read the split stacks' old storage.
+    """
+    models = []
+    for key, ref in list(_MODELS.items()):
+        model = ref()
+        if model is None:
+            _MODELS.pop(key, None)
+        else:
+            models.append(model)
+    return models
+
+
 def separate_by_model(model, apart: Optional[str] = None) -> None:
     """Gives a model's stacked tables stacks of their own before its first traced call.
 
@@ -363,6 +384,9 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
             mine[id(view.table)] = view.table
     if not mine:
         return
+    ref = _MODELS.get(id(model))
+    if ref is None or ref() is not model:
+        _MODELS[id(model)] = weakref.ref(model)
     for view in model.trainable_variables:
         if isinstance(view, TableView):
             trainable.add(id(view.table))
