@@ -369,6 +369,7 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
     when it runs).
     Then an optimizer's one apply per stack updates exactly the tables it
     is given (`stacked_updates`), whatever kind of optimizer it is.
+    `model` is recorded (`models_seen`).
 
     Args:
         model: The Keras model about to run (or to get its optimizer's slots).
@@ -428,9 +429,9 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     train function after a `compile`, where no one calls it): the old
     variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
-    table reads any more: any call of it outside the coordinator fails, and
-    the coordinator traces it anew before it runs, or refuses it, naming
-    why (`stacked_fallback.trace_splitting`).
+    table reads any more: it is traced anew before it runs, scheduled or
+    called, or refused, naming why (`stacked_fallback.trace_splitting`,
+    `before_call`); Keras's functions that read them are dropped.
 
     Args:
         tables: The tables the optimizer applies; each ends alone in a stack.
