@@ -10,7 +10,10 @@ first trace), and the placement report says which fallback each stack
 took. A recompile with such a legacy optimizer after a traced `fit` splits
 the stack all the same (the first fit's function, which Keras keeps, still
 reads it: its storage is emptied, and scheduling it again is refused,
-naming why, rather than training stale rows). Each case of
+naming why, rather than training stale rows). Functions traced before a
+split and called on the chief after it, outside the coordinator
+(`model.predict`, a user's tf.function forward and lookup), are traced anew
+and return what unstacked tables return (`predict_after_split`). Each case of
 tests/cluster/scripts/stacked_fallback.py runs stacked and unstacked on one
 cluster; every weight, and every slot Keras's new optimizers list, must be
 the same (1e-6), the frozen table's rows exactly as before.
