@@ -96,6 +96,21 @@ def test_a_function_whose_new_trace_would_run_another_program_is_refused_when_ca
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_concrete_function_traced_before_the_split_is_refused_naming_why():
+    """A `ConcreteFunction` cannot be traced again: called by hand, a `StackingError` says why
+    and how to fix it, instead of TF's error about a row out of ``[0, 0)``."""
+    stacks = TableStacks(lambda s: None)
+    stacked = _model(stacks)
+    x, _ = _batches(1, seed=6)[0]
+    concrete = _forward(stacked).get_concrete_function(x)
+    concrete(x)
+    _train_splitting(stacked, _RmsScaledAdagrad(0.3), _batches(1), stacks)
+    with pytest.raises(StackingError, match=r"cannot run: it was traced before tables .* were "
+                                            r"split apart.*Fix: trace it again"):
+        concrete(x)
+    np.testing.assert_array_equal(_forward(stacked)(x).numpy(), stacked(x).numpy())
+
+
 def test_keras_functions_reading_old_storage_are_dropped_unless_being_traced():
     """`drop_stale_keras_functions`: a stale function (or Keras's lambda scheduling one) is set
     back to None, one being traced now (`keep`) is left, one that reads live storage is left.

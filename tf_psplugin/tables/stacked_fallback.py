@@ -56,7 +56,7 @@ from tf_psplugin.tables import stack_storage
 from tf_psplugin.tables import stacking
 
 __all__ = ["SplitRequired", "applying_per_table", "applying_per_table_scope", "before_call",
-           "drop_stale_keras_functions", "keep_rows", "keeping", "kept_rows",
+           "before_concrete_call", "drop_stale_keras_functions", "keep_rows", "keeping", "kept_rows",
            "patch_retrace_after_split", "record_slot", "set_kept_rows", "take_split_request",
            "trace_splitting"]
 
@@ -473,13 +473,25 @@ def before_call(function, args: tuple, kwargs: dict) -> None:
                     "stacks split since.", _name_of(function))
 
 
+def before_concrete_call(concrete) -> None:
+    """Refuses a user's call of `concrete` if it reads emptied storage, naming the fix.
+
+    A `ConcreteFunction` cannot be traced again: called by hand after a
+    split of a stack it read, it raises this `StackingError` instead of
+    TF's error about a row out of ``[0, 0)``.
+    """
+    if stack_storage.retirements():
+        _refuse_retired([concrete], concrete)
+
+
 def patch_retrace_after_split():
     """Makes every `tf.function` call run `before_call` first; returns the undo.
 
+    Every call of a `ConcreteFunction` by hand runs `before_concrete_call`.
     Applied through `tf_psplugin._internal.patches` ("retrace_after_split"),
     by `trace_splitting` once a split emptied storage a live trace reads.
     """
-    return tf_objects.wrap_tf_function_calls(before_call)
+    return tf_objects.wrap_tf_function_calls(before_call, before_concrete_call)
 
 
 def trace_splitting(trace: Callable[[], object], function, stacks,
