@@ -103,8 +103,8 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
     anything. Nothing runs those traces: the coordinator traces a
     scheduled function that kept one anew (`stacked_fallback`), and so
     does a call of a `tf.function` outside it (`stacked_fallback.
-    before_call`), or refuses it, naming why (`retired_because`); only a
-    `ConcreteFunction` called by hand still fails so.
+    before_call`), or refuses it, naming why (`retired_because`), as it
+    refuses a `ConcreteFunction` called by hand.
 
     Args:
         variables: The old shard variables (the caller copied their rows).
