@@ -10,7 +10,10 @@ first trace), and the placement report says which fallback each stack
 took. A recompile with such a legacy optimizer after a traced `fit` splits
 the stack all the same (the first fit's function, which Keras keeps, still
 reads it: its storage is emptied, and scheduling it again is refused,
-naming why, rather than training stale rows). Each case of
+naming why, rather than training stale rows). Functions traced before a
+split and called on the chief after it, outside the coordinator
+(`model.predict`, a user's tf.function forward and lookup), are traced anew
+and return what unstacked tables return (`predict_after_split`). Each case of
 tests/cluster/scripts/stacked_fallback.py runs stacked and unstacked on one
 cluster; every weight, and every slot Keras's new optimizers list, must be
 the same (1e-6), the frozen table's rows exactly as before.
@@ -25,11 +28,12 @@ from tests.cluster import _cluster_util as cu
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "stacked_fallback.py")
 CASES = ("frozen_after", "frozen_after_legacy", "second_model", "custom_after", "legacy_loop",
-         "legacy_recompile", "step_after_split", "slots_split_legacy", "slots_split_keras")
+         "legacy_recompile", "step_after_split", "slots_split_legacy", "slots_split_keras",
+         "predict_after_split")
 # Asynchronous mode (the stock coordinator's schedule) splits through the same
 # path; with one worker its steps run one after another, so it is exact too.
 ASYNC_CASES = ("legacy_loop", "legacy_recompile", "step_after_split", "slots_split_legacy",
-               "slots_split_keras")
+               "slots_split_keras", "predict_after_split")
 RUNS = {"stacked": CASES, "unstacked": CASES, "stacked-async": ASYNC_CASES,
         "unstacked-async": ASYNC_CASES}
 
@@ -87,6 +91,9 @@ REPORTED = {
     "slots_split_keras": "tables c12_item/embeddings, c12_user/embeddings split out, each "
                          "alone (RmsScaledAdagrad (legacy) is not known to update a stack "
                          "elementwise",
+    "predict_after_split": "tables c15_item/embeddings, c15_user/embeddings split out, each "
+                           "alone (RmsScaledAdagrad (legacy) is not known to update a stack "
+                           "elementwise",
 }
 
 
@@ -113,7 +120,8 @@ def _assert_ends_like_unstacked(results, case, mode):
         np.testing.assert_allclose(stacked[name], value, atol=1e-6, rtol=0, err_msg=name)
     dim = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6,
            "custom_after": 7, "legacy_loop": 9, "legacy_recompile": 10,
-           "step_after_split": 11, "slots_split_legacy": 14, "slots_split_keras": 12}[case]
+           "step_after_split": 11, "slots_split_legacy": 14, "slots_split_keras": 12,
+           "predict_after_split": 15}[case]
     # Both tables trained (in the first fit at least): the comparison is not of initial values.
     assert any(k.startswith("opt") for k in stacked) or case == "frozen_after_legacy"
     assert f"c{dim}_item/embeddings" in stacked and f"c{dim}_user/embeddings" in stacked
@@ -126,7 +134,8 @@ def _assert_ends_like_unstacked(results, case, mode):
                 "legacy_recompile": "the step was traced again with tables",
                 "step_after_split": "the step was traced again with tables",
                 "slots_split_legacy": "the step was traced again with tables",
-                "slots_split_keras": "the step was traced again with tables"}.get(
+                "slots_split_keras": "the step was traced again with tables",
+                "predict_after_split": "the step was traced again with tables"}.get(
         case, "are written back as they were")
     log = results["stacked" + mode + "_log"].replace("\n", " ")
     assert any(fallback in line and f"c{dim}_" in line
@@ -180,8 +189,8 @@ def test_a_legacy_optimizer_s_slots_are_split_with_the_stack(results, mode):
 
     Each of its slots of an old stack shard became a slot per new stack
     shard with the same rows: it trained on after the custom loop (its
-    first fit's function traced anew), and both optimizers' slots of both
-    tables end as unstacked (`test_case_ends_like_unstacked`, 1e-6; measured
+    first fit's functions dropped at the split, Keras made new ones), and
+    both optimizers' slots of both tables end as unstacked (`test_case_ends_like_unstacked`, 1e-6; measured
     bit-identical). Here: both optimizers' slots moved away from their
     initial value (the comparison is not of untouched slots).
     """
@@ -197,7 +206,9 @@ def test_a_legacy_optimizer_s_slots_are_split_with_the_stack(results, mode):
     listed = [k.split("/", 3)[3] for k in stacked if k.startswith("opt0/weights/")]
     assert len(listed) == 7 and not any("stacked_tables" in n for n in listed), listed
     log = results["stacked" + mode + "_log"].split("CASE step_after_split")[-1]
-    assert "'train_function' was traced again" in log, log[-4000:]
+    # The first fit's functions, which read the old stack, were dropped at the
+    # split, as `compile` drops them: the next `fit` made and traced its own.
+    assert "train_function, train_tf_function dropped" in log, log[-4000:]
 
 
 @pytest.mark.timeout(1500)
@@ -208,8 +219,8 @@ def test_a_keras_optimizer_s_slots_are_split_with_the_stack(results, mode):
     Each of its slots of an old stack shard (one per stack shard, untracked,
     for the apply) became a slot per new stack shard with the same rows, and
     its per-table slots (what Keras lists and checkpoints) were re-pointed:
-    it trained on after the custom loop (its first fit's function traced
-    anew), and its slots, what it lists (names, shapes, values) and a final
+    it trained on after the custom loop (its first fit's functions dropped
+    at the split, Keras made new ones), and its slots, what it lists (names, shapes, values) and a final
     checkpoint of the model and the SGD end as unstacked
     (`test_case_ends_like_unstacked`, 1e-6). Here: its momentum moved
     away from zero, the listed names hold no stack, the checkpoint holds
@@ -238,5 +249,32 @@ def test_a_keras_optimizer_s_slots_are_split_with_the_stack(results, mode):
     assert not any("stacked_tables" in k for k in checkpoint), checkpoint
     assert sorted(checkpoint) == sorted(k for k in unstacked if k.startswith("ckpt/"))
     log = results["stacked" + mode + "_log"].split("CASE slots_split_legacy")[-1]
-    assert "'train_function' was traced again" in log, log[-4000:]
+    # The first fit's functions, which read the old stack, were dropped at the
+    # split, as `compile` drops them: the next `fit` made and traced its own.
+    assert "train_function, train_tf_function dropped" in log, log[-4000:]
     assert "cannot be split" not in log, log[-4000:]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", ["", "-async"])
+def test_calls_outside_the_coordinator_traced_before_the_split_work_after_it(results, mode):
+    """`predict_after_split`: `model.predict`, a user's tf.function forward and lookup, traced
+    on the chief before the split and called there after it, return what unstacked tables
+    return (`test_case_ends_like_unstacked` compares every output, 1e-6), not TF's error.
+
+    Here: the step between the calls changed what each returns (the comparison is not of
+    untrained rows), and each was traced anew after the split.
+    """
+    stacked = results["stacked" + mode].get("predict_after_split")
+    assert stacked is not None, results["stacked" + mode].get("error")
+    for name in ("predict", "forward", "lookup"):
+        before, after = stacked[f"{name}_before"], stacked[f"{name}_after"]
+        assert before.shape == after.shape and before.shape[0] == 24, name
+        assert np.abs(after - before).max() > 1e-4, name
+    np.testing.assert_allclose(stacked["predict_after"], stacked["forward_after"], atol=1e-6,
+                               rtol=0)
+    log = results["stacked" + mode + "_log"].split("CASE slots_split_keras")[-1]
+    assert "cannot run" not in log, log[-4000:]
+    assert "'forward' was traced again" in log and "'lookup' was traced again" in log, (
+        log[-4000:])
+    assert "predict_function" in log and "dropped" in log, log[-4000:]

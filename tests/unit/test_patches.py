@@ -48,6 +48,9 @@ TARGETS = {
         vars(_keras("engine.training").Model).get("__call__")),
     "keras_stacked_updates": _stacked_update_targets,
     "keras_loss_scaling": lambda: _loss_scaling_targets(),
+    "retrace_after_split": lambda: (
+        vars(tf_internal.polymorphic_function.Function)["__call__"],
+        vars(type(tf.function(lambda: 0).get_concrete_function()))["__call__"]),
 }
 
 

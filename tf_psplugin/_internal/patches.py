@@ -129,6 +129,19 @@ PATCHES: Tuple[Patch, ...] = (
              "shard, and slots are made for the stack shards, listed per table"),
         tf_versions="Keras 2.15, tf-keras 2.16-2.21",
         apply="tf_psplugin.tables.stacked_updates:patch_keras_optimizers"),
+    Patch(
+        name="retrace_after_split",
+        replaces=("tensorflow.python.eager.polymorphic_function.polymorphic_function.Function"
+                  ".__call__",
+                  "tensorflow.python.eager.polymorphic_function.concrete_function"
+                  ".ConcreteFunction.__call__"),
+        why=("stack_tables: a tf.function traced before its tables' stack was split apart "
+             "and called outside the coordinator (a serving function, Keras's "
+             "predict_function) is traced anew on the new stacks before it runs, instead of "
+             "failing on the old, emptied storage (a ConcreteFunction called by hand, which "
+             "cannot be, fails naming why); installed only at the first such split"),
+        tf_versions="2.15-2.21",
+        apply="tf_psplugin.tables.stacked_fallback:patch_retrace_after_split"),
 )
 
 _BY_NAME: Dict[str, Patch] = {p.name: p for p in PATCHES}

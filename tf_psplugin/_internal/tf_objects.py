@@ -536,6 +536,60 @@ def reset_traces(function) -> bool:
     return True
 
 
+def wrap_tf_function_calls(before: Callable[[Any, tuple, dict], None],
+                           before_concrete: Callable[[Any], None]) -> Callable[[], None]:
+    """Makes every call of a `tf.function` call ``before(function, args, kwargs)`` first.
+
+    After a table stack was split apart, a `tf.function` traced before the
+    split reads the old, emptied storage; one called outside the
+    coordinator (a user's serving or eval function, Keras's
+    `predict_function`) is traced anew before its call by `before`
+    (tables/stacked_fallback.py). No public hook runs before a traced
+    function's call (its cached trace runs without its Python code), so
+    `polymorphic_function.Function.__call__`, the public entry of every
+    call (TF 2.15 and 2.21: defined on `Function` itself), is wrapped. So
+    is `ConcreteFunction.__call__` (a user's call of a concrete function;
+    a `tf.function`'s own calls and the coordinator's closures run its
+    trace without it), with ``before_concrete(concrete)``: a trace cannot
+    be traced again, but its error can name why. Its class is that of a
+    concrete function (TF 2.15: `concrete_function.ConcreteFunction`, as
+    in 2.21), found without a private import. Applied through
+    `_internal/patches.py` ("retrace_after_split") only once a split
+    emptied storage.
+
+    Args:
+        before: Called with the `tf.function`, its positional arguments
+            (a tuple) and its keyword arguments (a dict); may raise.
+        before_concrete: Called with the `ConcreteFunction`; may raise.
+
+    Returns:
+        The undo: puts the original `__call__`s back.
+    """
+    cls = tf_internal.polymorphic_function.Function
+    concrete_cls = type(cls(lambda: 0, "probe").get_concrete_function())
+    originals = [(cls, vars(cls)["__call__"]),
+                 (concrete_cls, vars(concrete_cls)["__call__"])]
+
+    @functools.wraps(originals[0][1])
+    def __call__(self, *args, **kwds):
+        before(self, args, kwds)
+        return originals[0][1](self, *args, **kwds)
+
+    @functools.wraps(originals[1][1])
+    def concrete_call(self, *args, **kwargs):
+        before_concrete(self)
+        return originals[1][1](self, *args, **kwargs)
+
+    cls.__call__ = __call__
+    concrete_cls.__call__ = concrete_call
+
+    def undo():
+        for owner, original in originals:
+            owner.__call__ = original
+
+    return undo
+
+
 def traces_of_function(function) -> list:
     """Every trace a `tf.function` keeps (its cache and its first trace); a concrete function.
 

@@ -62,7 +62,8 @@ class RoleTracing:
         on_read = self._strategy.extended.on_read_updates
         traced = on_read.step_function(fn)
         while True:
-            closures, left_pending = self._trace_splitting(traced, args, kwargs, manager)
+            closures, left_pending = self._trace_splitting(traced, args, kwargs, manager,
+                                                           scheduled=fn)
             if not left_pending:
                 return closures
             # A trace ended with ON_READ updates pending (a metric updated
@@ -104,18 +105,20 @@ class RoleTracing:
         return stacked_fallback.trace_splitting(schedule, fn, extended.table_stacks,
                                                 probe=probe)
 
-    def _trace_splitting(self, fn, args, kwargs, manager):
+    def _trace_splitting(self, fn, args, kwargs, manager, scheduled=None):
         """`_trace_each_role`, traced again after splitting stacks a legacy optimizer needs apart.
 
         See `stacked_fallback.trace_splitting`: a legacy optimizer not known
         to update a stack elementwise, applying tables that share a stack (a
         custom loop), stops the trace before it makes any slot; the tables
         are split apart and the step is traced again, as its first call.
+        `scheduled`: the function the user scheduled, if `fn` replaces it.
         """
         return stacked_fallback.trace_splitting(
             lambda: self._trace_each_role(fn, args, kwargs, manager), fn,
             self._strategy.extended.table_stacks,
-            lambda result: [tf_objects.closure_concrete_function(c) for c in result[0] or ()])
+            lambda result: [tf_objects.closure_concrete_function(c) for c in result[0] or ()],
+            scheduled=scheduled)
 
     def _trace_each_role(self, fn, args, kwargs, manager):
         """`closures` for one function.

@@ -100,9 +100,11 @@ def retire(variables: Sequence[tf.Variable], graphs: Sequence[object], why: str)
     assignment that does not validate the shape): its memory on the PS is
     freed, and any op of an old trace fails (a gather or scatter of a row
     out of ``[0, 0)``, an apply of mismatched shapes) before it writes
-    anything. The coordinator never runs those traces: it traces a
-    scheduled function that kept one anew (`stacked_fallback`), or refuses
-    it, naming why (`retired_because`).
+    anything. Nothing runs those traces: the coordinator traces a
+    scheduled function that kept one anew (`stacked_fallback`), and so
+    does a call of a `tf.function` outside it (`stacked_fallback.
+    before_call`), or refuses it, naming why (`retired_because`), as it
+    refuses a `ConcreteFunction` called by hand.
 
     Args:
         variables: The old shard variables (the caller copied their rows).

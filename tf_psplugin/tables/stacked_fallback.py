@@ -24,7 +24,12 @@ the optimizer's own update of the stack shard:
   before (a step of the user's, the first fit's) reads the old storage,
   which is emptied (`stack_storage.retire`): scheduled again, it is traced
   anew on the new stacks, or refused if that would change what it runs
-  (the model was compiled with another optimizer since).
+  (the model was compiled with another optimizer since). Called outside
+  the coordinator (a user's serving function, Keras's `predict_function`),
+  it is traced anew before the call (`before_call`, from the
+  "retrace_after_split" patch installed at the first such split), or
+  refused the same way; the functions Keras keeps on a model that read
+  the old storage are dropped at the split (`drop_stale_keras_functions`).
 * **Views applied on their own** (`applying_per_table`): a Keras
   (non-legacy) optimizer not known to update a stack as it updates each
   table gets each view with its own gradient; the strategy's update of a
@@ -39,6 +44,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from absl import logging
 import tensorflow as tf
 
+from tf_psplugin._internal import patches
 from tf_psplugin._internal import tf_objects
 from tf_psplugin._internal.compat import keras
 from tf_psplugin._internal.identity import IdentityMap
@@ -49,8 +55,9 @@ from tf_psplugin.tables import slot_split
 from tf_psplugin.tables import stack_storage
 from tf_psplugin.tables import stacking
 
-__all__ = ["SplitRequired", "applying_per_table", "applying_per_table_scope", "keep_rows",
-           "keeping", "kept_rows", "record_slot", "set_kept_rows", "take_split_request",
+__all__ = ["SplitRequired", "applying_per_table", "applying_per_table_scope", "before_call",
+           "before_concrete_call", "drop_stale_keras_functions", "keep_rows", "keeping", "kept_rows",
+           "patch_retrace_after_split", "record_slot", "set_kept_rows", "take_split_request",
            "trace_splitting"]
 
 
@@ -368,9 +375,129 @@ def _check_retrace(function, old: list, traced: list) -> None:
     raise StackingError(message)
 
 
+def _reads_retired(function) -> bool:
+    """Whether a trace `function` keeps reads a split stack's emptied storage."""
+    return any(stack_storage.retired_because(c) is not None
+               for c in tf_objects.traces_of_function(function))
+
+
+# What `compile` sets back to None (Keras 2.15, tf-keras 2.16-2.21: public attributes).
+_KERAS_FUNCTIONS = ("train_function", "train_tf_function", "test_function", "predict_function")
+
+
+def _tf_functions_in(value) -> list:
+    """`value` if it is a tf.function, else the tf.functions its closure holds.
+
+    Under a parameter-server strategy Keras keeps, as `train_function` and
+    `test_function`, a lambda that schedules its tf.function.
+    """
+    if isinstance(value, tf.types.experimental.GenericFunction):
+        return [value]
+    found = []
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # An empty cell.
+            continue
+        if isinstance(contents, tf.types.experimental.GenericFunction):
+            found.append(contents)
+    return found
+
+
+def drop_stale_keras_functions(keep: Sequence[object] = ()) -> list:
+    """Drops the traced functions Keras keeps on a model that read a split stack's old storage.
+
+    Each of `train_function`, `train_tf_function`, `test_function` and
+    `predict_function` of every live model with stacked tables
+    (`stacking.models_seen`) whose trace reads emptied storage is set back
+    to None, as `compile` does: Keras makes and traces it anew on its next
+    `fit`, `evaluate` or `predict`, on the new stacks.
+
+    Args:
+        keep: The functions being traced now (the step that split the
+            stacks): a model's attribute holding one is left as it is (a
+            `fit` running reads it again at its next step), and traced
+            anew by the coordinator.
+
+    Returns:
+        (model name, attribute) of each function dropped.
+    """
+    dropped = []
+    for model in stacking.models_seen():
+        names = []
+        for name in _KERAS_FUNCTIONS:
+            functions = _tf_functions_in(getattr(model, name, None))
+            if any(f is k for f in functions for k in keep):
+                continue
+            if any(_reads_retired(f) for f in functions):
+                setattr(model, name, None)
+                names.append(name)
+        if names:
+            logging.warning("stack_tables=True: model %r: %s dropped (traced before its tables "
+                            "were split apart, they read the old storage); Keras traces them "
+                            "anew, as after compile.", model.name, ", ".join(names))
+            dropped += [(model.name, n) for n in names]
+    return dropped
+
+
+def before_call(function, args: tuple, kwargs: dict) -> None:
+    """Traces `function` anew before a call if a trace it keeps reads emptied storage.
+
+    Run before every call of a `tf.function` once a split emptied storage
+    (the "retrace_after_split" patch, `tf_objects.wrap_tf_function_calls`):
+    a function traced before a split and called outside the coordinator (a
+    user's serving or eval function, a Keras function not dropped) has its
+    traces dropped (`tf_objects.reset_traces`) and is traced now, on the new
+    stacks, before it runs; as a scheduled one, it is refused, naming why,
+    if its new trace would run another program (`_check_retrace`). A
+    function checked since the last split costs one lookup.
+
+    Args:
+        function: The `tf.function` about to be called.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+
+    Raises:
+        StackingError: `function` cannot run (see above).
+    """
+    count = stack_storage.retirements()
+    if not count or _CHECKED.get(function) == count:
+        return
+    stale = _retrace_if_stale(function)
+    if not stale:
+        return
+    concrete = function.get_concrete_function(*args, **kwargs)  # Traced, not run.
+    _check_retrace(function, stale, [concrete])
+    _CHECKED[function] = count
+    logging.warning("stack_tables=True: %r was traced again: its traces read the storage of "
+                    "stacks split since.", _name_of(function))
+
+
+def before_concrete_call(concrete) -> None:
+    """Refuses a user's call of `concrete` if it reads emptied storage, naming the fix.
+
+    A `ConcreteFunction` cannot be traced again: called by hand after a
+    split of a stack it read, it raises this `StackingError` instead of
+    TF's error about a row out of ``[0, 0)``.
+    """
+    if stack_storage.retirements():
+        _refuse_retired([concrete], concrete)
+
+
+def patch_retrace_after_split():
+    """Makes every `tf.function` call run `before_call` first; returns the undo.
+
+    Every call of a `ConcreteFunction` by hand runs `before_concrete_call`.
+    Applied through `tf_psplugin._internal.patches` ("retrace_after_split"),
+    by `trace_splitting` once a split emptied storage a live trace reads.
+    """
+    return tf_objects.wrap_tf_function_calls(before_call, before_concrete_call)
+
+
 def trace_splitting(trace: Callable[[], object], function, stacks,
                     traces_of: Callable[[object], list] = lambda result: [],
-                    probe: Optional[Callable[[], object]] = None):
+                    probe: Optional[Callable[[], object]] = None,
+                    scheduled: Optional[object] = None):
     """`trace()`, done again after splitting the stacks a legacy optimizer needs apart.
 
     A legacy optimizer not known to update a stack elementwise, applying
@@ -391,6 +518,9 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
     one's, or a known Keras one's) are split with it (`stacking.split_apart`,
     `slot_split`); a stack whose live slots a split cannot move raises the
     error, which names the fix.
+    After such a split, the functions Keras keeps on a model that read the
+    old storage are dropped (`drop_stale_keras_functions`), and every call
+    of a `tf.function` outside the coordinator checks it first (`before_call`).
     The coordinator traces every step through this (runtime/role_tracing.py
     in synchronous mode, runtime/coordinator.py's asynchronous schedule).
     A dispatch whose call traced nothing (a cached trace) only looks its
@@ -406,6 +536,9 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
         probe: Traces the step without running it, where `trace()` also
             queues it (the stock asynchronous schedule): a function traced
             anew is checked before it is queued. None: `trace()` runs nothing.
+        scheduled: The function the user scheduled, if `function` replaces
+            it (runtime/role_tracing.py): a model's attribute holding it is
+            not dropped either.
 
     Returns:
         What `trace()` returned.
@@ -460,6 +593,9 @@ def trace_splitting(trace: Callable[[], object], function, stacks,
         if held:
             raise StackingError(f"{message} ({held}.)")
         done.add(key)
+        if stack_storage.retirements():
+            drop_stale_keras_functions(keep=[function, scheduled])
+            patches.install("retrace_after_split")
         stale += _retrace_if_stale(function)  # Its earlier traces (other arguments, roles).
         logging.warning("stack_tables=True: the step was traced again with tables %s each in a "
                         "stack of its own (%s).", sorted(t.display_name for t in tables), why)

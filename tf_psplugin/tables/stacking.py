@@ -89,7 +89,7 @@ from tf_psplugin.tables.stack_storage import Stack, StackShard, current_rows, re
 from tf_psplugin.tables.table_view import TableView  # noqa: F401  (re-exported)
 
 __all__ = ["StackedTable", "TableStacks", "TableView", "MAX_TABLE_BYTES", "MAX_STACK_BYTES",
-           "unstacked"]
+           "models_seen", "unstacked"]
 
 # A table larger than this is not stacked: its own ops are a small share of a
 # step next to its rows, and its initial rows would be held twice on its PS
@@ -337,6 +337,27 @@ class StackedTableSpec(sharded_variable.ShardedVariableSpec):
                             name=self._table_name)
 
 
+# id(model) -> weak ref of a Keras model with stacked tables seen by
+# `separate_by_model` (its traced calls): `models_seen`.
+_MODELS: Dict[int, "weakref.ref"] = {}
+
+
+def models_seen() -> list:
+    """The live Keras models with stacked tables that a traced call (or a restore) has run.
+
+    A split (`stacked_fallback.trace_splitting`) drops the traced functions
+    Keras keeps on them that read the split stacks' old storage.
+    """
+    models = []
+    for key, ref in list(_MODELS.items()):
+        model = ref()
+        if model is None:
+            _MODELS.pop(key, None)
+        else:
+            models.append(model)
+    return models
+
+
 def separate_by_model(model, apart: Optional[str] = None) -> None:
     """Gives a model's stacked tables stacks of their own before its first traced call.
 
@@ -348,6 +369,7 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
     when it runs).
     Then an optimizer's one apply per stack updates exactly the tables it
     is given (`stacked_updates`), whatever kind of optimizer it is.
+    `model` is recorded (`models_seen`).
 
     Args:
         model: The Keras model about to run (or to get its optimizer's slots).
@@ -363,6 +385,9 @@ def separate_by_model(model, apart: Optional[str] = None) -> None:
             mine[id(view.table)] = view.table
     if not mine:
         return
+    ref = _MODELS.get(id(model))
+    if ref is None or ref() is not model:
+        _MODELS[id(model)] = weakref.ref(model)
     for view in model.trainable_variables:
         if isinstance(view, TableView):
             trainable.add(id(view.table))
@@ -404,9 +429,9 @@ def split_apart(tables: Sequence["StackedTable"], why: str) -> Optional[str]:
     train function after a `compile`, where no one calls it): the old
     variables are emptied
     (`stack_storage.retire`), so such a function never trains rows that no
-    table reads any more: any call of it outside the coordinator fails, and
-    the coordinator traces it anew before it runs, or refuses it, naming
-    why (`stacked_fallback.trace_splitting`).
+    table reads any more: it is traced anew before it runs, scheduled or
+    called, or refused, naming why (`stacked_fallback.trace_splitting`,
+    `before_call`); Keras's functions that read them are dropped.
 
     Args:
         tables: The tables the optimizer applies; each ends alone in a stack.

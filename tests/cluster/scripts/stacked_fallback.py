@@ -45,6 +45,16 @@ width (40 rows; they share a stack) and a `Dense` head, trained with
   trains on, as unstacked (``moved_after_split``: which weights its last
   run changed, by name).
 
+* ``predict_after_split``: a custom loop with the legacy subclass, no
+  `compile` of an optimizer (the model is compiled with a loss only, for
+  `predict`). Before the first scheduled step, on the chief: `model.predict`
+  (Keras keeps its traced ``predict_function``), a user's `tf.function`
+  forward (``model(ids)``) and a user's `tf.function` lookup of the ``user``
+  table (`tf.nn.embedding_lookup`). Then the scheduled step (stacked: the
+  stack those three read is split apart), and the same three calls again,
+  outside the coordinator. Their outputs, before (``*_before``) and after
+  (``*_after``), are compared with unstacked.
+
 * ``slots_split_legacy``: a first `fit` with legacy Adagrad, then a
   custom loop with the legacy subclass on the same tables while the
   Adagrad lives (stacked: the stack is split, and each of Adagrad's slots
@@ -73,7 +83,7 @@ import tf_psplugin
 V = 40
 WIDTHS = {"frozen_after": 3, "frozen_after_legacy": 5, "second_model": 6, "custom_after": 7,
           "legacy_loop": 9, "legacy_recompile": 10, "step_after_split": 11,
-          "slots_split_legacy": 14, "slots_split_keras": 12}
+          "slots_split_legacy": 14, "slots_split_keras": 12, "predict_after_split": 15}
 
 
 class RmsScaledAdagrad(tf.keras.optimizers.legacy.Adagrad):
@@ -223,6 +233,44 @@ def step_after_split(model):
     return found
 
 
+def predict_after_split(strategy):
+    """Calls outside the coordinator, traced before a split and called after it.
+
+    The model is built and trained in the strategy's scope; `predict` and
+    the user's functions are called outside it, on the chief (Keras's
+    `predict` runs there under a parameter-server strategy).
+    """
+    dim = WIDTHS["predict_after_split"]
+    with strategy.scope():
+        tf.keras.utils.set_random_seed(dim)
+        model, _, user = two_tables(f"c{dim}", dim)
+        model.compile(loss="mse")  # For `predict` (no optimizer: the loop applies its own).
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, V, (24, 2)).astype("int64")
+
+    @tf.function
+    def forward(x):
+        return model(x, training=False)
+
+    @tf.function
+    def lookup(x):
+        return tf.nn.embedding_lookup(user.embeddings, x[:, 1])
+
+    def outputs(when):
+        return {f"predict_{when}": model.predict(ids, batch_size=8, verbose=0),
+                f"forward_{when}": forward(tf.constant(ids)).numpy(),
+                f"lookup_{when}": lookup(tf.constant(ids)).numpy()}
+
+    found = outputs("before")
+    with strategy.scope():
+        legacy = RmsScaledAdagrad(0.1)
+        custom_loop(model, legacy, 1)  # Stacked: splits the stack the three calls read.
+    found.update(outputs("after"))
+    with strategy.scope():
+        found.update(weights([model], [legacy]))
+    return found
+
+
 def slots_split(model, case):
     """A split while the first optimizer, still alive, has slots for the stack."""
     first = (tf.keras.optimizers.legacy.Adagrad(0.1) if case == "slots_split_legacy"
@@ -330,8 +378,11 @@ def main():
             stack_tables=is_stacked(),
             dense_placement="ps" if stacking.endswith("-async") else "allreduce"))
     for case in sys.argv[3:]:
-        with strategy.scope():
-            found = run_case(case)
+        if case == "predict_after_split":  # Enters the scope itself: predict runs outside.
+            found = predict_after_split(strategy)
+        else:
+            with strategy.scope():
+                found = run_case(case)
         np.savez(os.path.join(out_dir, f"{case}.npz"), **found)
         print("CASE", case, flush=True)
     with open(os.path.join(out_dir, "placement.txt"), "w", encoding="utf-8") as f:
