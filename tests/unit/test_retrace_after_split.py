@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 from tests.unit.test_table_stacking import (  # noqa: F401
-    _batches, _model, _RmsScaledAdagrad, _stacked_updates, _train, _train_splitting)
+    _batches, _model, _RmsScaledAdagrad, _stacked_updates, _step_of_replaceable_optimizer, _train,
+    _train_splitting)
 from tf_psplugin._internal import patches
 from tf_psplugin._internal import tf_objects
 from tf_psplugin.errors import StackingError
@@ -73,14 +74,7 @@ def test_a_function_whose_new_trace_would_run_another_program_is_refused_when_ca
     """
     stacks = TableStacks(lambda s: None)
     stacked = _model(stacks)
-    holder = {"optimizer": tf.keras.optimizers.legacy.SGD(0.1)}
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(stacked(x) - y))
-        holder["optimizer"].apply_gradients(zip(
-            tape.gradient(loss, stacked.trainable_variables), stacked.trainable_variables))
+    step, holder = _step_of_replaceable_optimizer(stacked)
 
     x, y = _batches(1, seed=3)[0]
     step(x, y)

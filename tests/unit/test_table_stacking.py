@@ -1030,6 +1030,24 @@ def test_a_step_traced_before_a_split_is_traced_anew_and_trains_on():
     assert traces and not any(stack_storage.retired_because(c) for c in traces)  # All anew.
 
 
+def _step_of_replaceable_optimizer(model):
+    """A `tf.function` step of `model` applying ``holder["optimizer"]`` (legacy SGD first).
+
+    Replacing the holder's optimizer after a trace is what a `compile` with
+    another does to a function Keras keeps: traced anew, it would run the new one.
+    """
+    holder = {"optimizer": tf.keras.optimizers.legacy.SGD(0.1)}
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        holder["optimizer"].apply_gradients(zip(
+            tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    return step, holder
+
+
 def test_a_step_that_traced_anew_would_run_another_program_is_refused():
     """A step whose optimizer was replaced since its trace read a split stack: refused, for good.
 
@@ -1039,14 +1057,7 @@ def test_a_step_that_traced_anew_would_run_another_program_is_refused():
     """
     stacks = TableStacks(lambda s: None)
     stacked = _model(stacks)
-    holder = {"optimizer": tf.keras.optimizers.legacy.SGD(0.1)}
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(stacked(x) - y))
-        holder["optimizer"].apply_gradients(zip(
-            tape.gradient(loss, stacked.trainable_variables), stacked.trainable_variables))
+    step, holder = _step_of_replaceable_optimizer(stacked)
 
     _dispatch(step, _batches(2, seed=3), stacks)
     holder["optimizer"] = tf.keras.optimizers.legacy.SGD(0.2)  # As a compile with another.
