@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from tf_psplugin._internal.tf_internal import collective_ops
+from tf_psplugin.cluster import ports
 from tf_psplugin.sync import replicated
 
 # Padded all-gathers use buffers of 2**b elements, b in this range.
@@ -341,10 +342,10 @@ _LOOPBACK_HOSTS = ("localhost", "::1", "0.0.0.0")
 def _host_of(address: str) -> str:
     """The host part of a ``host:port`` task address (``[v6]:port`` too), lower case."""
     address = address.strip().lower()
-    if address.startswith("["):
-        host = address[1:address.index("]")] if "]" in address else address[1:]
-    else:
-        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    # "host:port" and "[v6]:port" end in their port; a bare v6 literal has none.
+    if address.count(":") == 1 or "]:" in address:
+        address = address.rsplit(":", 1)[0]
+    host = ports.strip_brackets(address)
     if host.startswith("127.") or host in _LOOPBACK_HOSTS:
         return "localhost"
     return host
